@@ -1,0 +1,147 @@
+"""`specdecode bench latency`: batch-1 plain decoding, specdecode vs transformers `generate`.
+
+Both engines decode the same prompts greedily in the same dtype. Decode speed is measured as
+(N - 1) / (t(N tokens) - t(1 token)), which removes the prefill from both sides the same way. The
+floor is the time to stream every weight the step reads once, at the memory bandwidth measured
+here in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash map works, with an example in Python.",
+    "List five tips for staying focused while studying.",
+]
+
+
+def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: best of `repeats` sums over a buffer larger than the caches."""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def streamed_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every matrix a decode step multiplies by (each linear, the LM head once)."""
+    seen, total = set(), 0
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear) and id(mod.weight) not in seen:
+            seen.add(id(mod.weight))
+            total += mod.weight.numel() * mod.weight.element_size()
+    return total
+
+
+def _decode_rate(generate, prompt_ids: list[int], n: int, repeats: int) -> float:
+    """tok/s of decoding alone: best over repeats of (n - 1) / (t(n) - t(1))."""
+    generate(prompt_ids, 2)  # warm-up
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        generate(prompt_ids, 1)
+        t1 = time.perf_counter() - t
+        t = time.perf_counter()
+        generate(prompt_ids, n)
+        tn = time.perf_counter() - t
+        best = max(best, (n - 1) / max(tn - t1, 1e-9))
+    return best
+
+
+def run_latency(args: argparse.Namespace) -> dict:
+    from specdecode import LLM, SamplingParams
+    from specdecode.cli import engine_kwargs
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    tok = llm.get_tokenizer()
+    prompts = [llm._chat_ids([{"role": "user", "content": p}]) for p in PROMPTS]
+
+    def ours(ids: list[int], n: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        llm.generate({"prompt_token_ids": ids}, params)
+
+    rates = {"specdecode": [_decode_rate(ours, p, args.max_tokens, args.repeats) for p in prompts]}
+    if not args.skip_transformers:
+        hf_generate = _hf_generator(llm, tok)
+        rates["transformers"] = [
+            _decode_rate(hf_generate, p, args.max_tokens, args.repeats) for p in prompts
+        ]
+    bandwidth = measure_bandwidth()
+    weight_bytes = streamed_weight_bytes(llm.engine.model)
+    floor_s = weight_bytes / bandwidth
+    result = {
+        "model": str(llm.engine.model_path.name),
+        "dtype": args.dtype,
+        "machine": f"{platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+        "max_tokens": args.max_tokens,
+        "tok_s": {k: sum(v) / len(v) for k, v in rates.items()},
+        "per_prompt_tok_s": rates,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "weight_mb": weight_bytes / 1e6,
+        "floor_ms_per_token": floor_s * 1e3,
+        "floor_tok_s": 1 / floor_s,
+    }
+    ours_rate = result["tok_s"]["specdecode"]
+    result["fraction_of_floor"] = ours_rate * floor_s
+    if "transformers" in result["tok_s"]:
+        result["speedup_vs_transformers"] = ours_rate / result["tok_s"]["transformers"]
+    _print(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _hf_generator(llm, tok):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from specdecode.engine.engine import resolve_dtype
+
+    dtype = resolve_dtype(llm.engine.config.dtype)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.model_path), dtype=dtype).eval()
+
+    @torch.inference_mode()
+    def generate(ids: list[int], n: int) -> None:
+        x = torch.tensor([ids])
+        hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=tok.eos_token_id,
+        )
+
+    return generate
+
+
+def _print(r: dict) -> None:
+    print(f"model {r['model']}  dtype {r['dtype']}  {r['machine']}")
+    print(f"decode tok/s at batch 1, greedy, {r['max_tokens']} tokens, mean of prompts:")
+    for name, rate in r["tok_s"].items():
+        print(f"  {name:<14} {rate:7.1f} tok/s  ({1e3 / rate:6.1f} ms/token)")
+    if "speedup_vs_transformers" in r:
+        print(f"  speedup vs transformers: {r['speedup_vs_transformers']:.2f}x")
+    print(
+        f"floor: {r['weight_mb']:.0f} MB of weights at {r['bandwidth_gb_s']:.1f} GB/s measured "
+        f"= {r['floor_ms_per_token']:.1f} ms/token ({r['floor_tok_s']:.0f} tok/s); "
+        f"specdecode reaches {100 * r['fraction_of_floor']:.0f}% of it"
+    )

@@ -1,0 +1,154 @@
+"""Paged KV cache owned by the engine.
+
+Glossary
+- slot: one token's keys and values in every layer. Slots are grouped into fixed-size blocks.
+- block table: the blocks a sequence owns, in order; logical index i of a sequence lives in slot
+  `block_table[i // block_size] * block_size + i % block_size`.
+- committed length: how many of the sequence's logical indices hold accepted tokens. A forward may
+  write more (a draft tree) past it; `keep_path` then compacts the accepted ones in place.
+
+`BlockManager` is pure bookkeeping (no torch) and is what the scheduler talks to. `KVCache` owns
+the tensors and the few copies they need. Memory is bounded by real tokens: a sequence holds
+ceil(tokens / block_size) blocks, not max_len.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.config import ModelConfig
+
+
+@dataclass
+class SeqBlocks:
+    """One sequence's share of the cache."""
+
+    block_table: list[int] = field(default_factory=list)
+    length: int = 0  # committed tokens whose k/v are valid
+
+
+class BlockManager:
+    """Allocates blocks to sequences. Prefers the block after a sequence's last one, so a lone
+    sequence stays contiguous and attention can read it as a view instead of a gather.
+
+    Block 0 is never handed out: it is the zeroed block that padding in a batched attention
+    gather points at (so padded keys are finite and masked, never uninitialised memory)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 2 or block_size < 1:
+            raise ValueError("need at least 2 blocks and a positive block size")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: set[int] = set(range(1, num_blocks))
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, seq: SeqBlocks, total_len: int) -> int:
+        have = len(seq.block_table)
+        return max(0, -(-total_len // self.block_size) - have)
+
+    def can_allocate(self, seq: SeqBlocks, total_len: int) -> bool:
+        return self.blocks_needed(seq, total_len) <= len(self._free)
+
+    def allocate(self, seq: SeqBlocks, total_len: int) -> bool:
+        """Grow `seq` to hold `total_len` logical indices; False, unchanged, if out of blocks."""
+        need = self.blocks_needed(seq, total_len)
+        if need > len(self._free):
+            return False
+        for _ in range(need):
+            want = seq.block_table[-1] + 1 if seq.block_table else None
+            block = want if want in self._free else min(self._free)
+            self._free.remove(block)
+            seq.block_table.append(block)
+        return True
+
+    def truncate(self, seq: SeqBlocks, length: int) -> None:
+        """Drop tokens past `length` and return blocks no longer needed."""
+        seq.length = min(seq.length, length)
+        keep = -(-length // self.block_size)
+        self._free.update(seq.block_table[keep:])
+        del seq.block_table[keep:]
+
+    def free(self, seq: SeqBlocks) -> None:
+        self._free.update(seq.block_table)
+        seq.block_table.clear()
+        seq.length = 0
+
+    def slots(self, seq: SeqBlocks, start: int, end: int) -> list[int]:
+        """Cache slots of logical indices [start, end)."""
+        bs, table = self.block_size, seq.block_table
+        return [table[i // bs] * bs + i % bs for i in range(start, end)]
+
+    def contiguous_range(self, seq: SeqBlocks, end: int) -> tuple[int, int] | None:
+        """(first_slot, first_slot + end) if indices [0, end) sit in consecutive slots."""
+        n = -(-end // self.block_size)
+        table = seq.block_table
+        if n == 0 or any(table[i + 1] != table[i] + 1 for i in range(n - 1)):
+            return None
+        start = table[0] * self.block_size
+        return start, start + end
+
+
+class KVCache:
+    """Preallocated keys and values: `kv[layer, 0 | 1, kv_head, slot, head_dim]`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.block_size = block_size
+        self.num_slots = num_blocks * block_size
+        # `empty`: pages are committed by the OS only when tokens are written, so resident memory
+        # follows real tokens. Block 0 (the padding target) is zeroed.
+        self.kv = torch.empty(
+            config.num_layers,
+            2,
+            config.num_kv_heads,
+            self.num_slots,
+            config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.kv[:, :, :, :block_size].zero_()
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return config.num_layers * 2 * config.num_kv_heads * config.head_dim * itemsize
+
+    def move(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copy every layer's k/v from `src_slots` to `dst_slots` (used to compact a tree path)."""
+        pairs = [(s, d) for s, d in zip(src_slots, dst_slots, strict=True) if s != d]
+        if not pairs:
+            return
+        dev = self.kv.device
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=dev)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dev)
+        # Gather first, then scatter: a path only moves entries to lower indices, but a gather makes
+        # overlapping source/destination sets safe regardless.
+        self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
+
+
+def keep_path(manager: BlockManager, cache: KVCache, seq: SeqBlocks, path: list[int]) -> None:
+    """After a forward that wrote n draft nodes at logical indices [L, L + n) of `seq`, keep the
+    nodes `path` (node indices in the flattened tree, root first) as indices L, L+1, ... and discard
+    the rest. `seq.length` must still be L; it becomes L + len(path)."""
+    base = seq.length
+    written = manager.slots(seq, base, base + max(path, default=-1) + 1)
+    src = [written[i] for i in path]
+    dst = written[: len(path)]
+    cache.move(src, dst)
+    seq.length = base + len(path)
+    manager.truncate(seq, seq.length)

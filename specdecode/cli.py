@@ -1,0 +1,109 @@
+"""Command line: `specdecode generate | bench latency`. User errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from specdecode.errors import SpecDecodeError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model directory, .gguf file, or omit for the embedded SmolLM2-135M-Instruct",
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="allow loading pickle checkpoints (*.bin); they can run code",
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        allow_pickle=args.allow_pickle,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    lat = bsub.add_parser("latency", help="plain decoding tok/s vs transformers, and the floor")
+    add_engine_args(lat)
+    lat.add_argument("--max-tokens", type=int, default=64)
+    lat.add_argument("--repeats", type=int, default=3)
+    lat.add_argument("--skip-transformers", action="store_true")
+    lat.add_argument("--json", default=None, help="also write the results to this JSON file")
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from specdecode import LLM, SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, **engine_kwargs(args))
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    for piece in llm.stream(prompt, params, chat=args.chat):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "generate":
+            cmd_generate(args)
+        elif args.command == "bench" and args.bench == "latency":
+            from specdecode.bench.latency import run_latency
+
+            run_latency(args)
+    except SpecDecodeError as e:
+        print(f"specdecode: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Frozen configuration dataclasses.
+
+`ModelConfig` is the engine's view of a Llama-family checkpoint; it is read from a Hugging Face
+`config.json` (or built from GGUF metadata) and never mutated afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdecode.errors import UnsupportedModelError
+
+# Hugging Face `architectures[0]` -> our family name. The family decides the small differences:
+# qkv bias (Qwen2), q/k RMSNorm (Qwen3); everything else is the Llama block.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    # None, ("linear", factor) or ("llama3", factor, low_freq, high_freq, original_max_len)
+    scaling: tuple[Any, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool  # RMSNorm on q and k per head (Qwen3)
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            supported = ", ".join(SUPPORTED_ARCHITECTURES)
+            raise UnsupportedModelError(
+                f"unsupported architecture {arch!r}; supported: {supported}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                family=family,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+                qk_norm=family == "qwen3",
+                rope=_rope_from_hf(cfg),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise UnsupportedModelError(f"config.json is missing the field {e.args[0]!r}") from e
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    theta = float(cfg.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0)
+    if not rs:
+        return RopeConfig(theta=theta)
+    kind = rs.get("rope_type") or rs.get("type") or "default"
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if kind == "linear":
+        return RopeConfig(theta=theta, scaling=("linear", float(rs["factor"])))
+    if kind == "llama3":
+        return RopeConfig(
+            theta=theta,
+            scaling=(
+                "llama3",
+                float(rs["factor"]),
+                float(rs["low_freq_factor"]),
+                float(rs["high_freq_factor"]),
+                int(rs["original_max_position_embeddings"]),
+            ),
+        )
+    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings; flag names follow vLLM (`--max-model-len`, `--max-num-seqs`, ...)."""
+
+    model: str | None = None  # directory, .gguf file, or None for the embedded default
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    device: str = "auto"  # "auto" picks CUDA when present
+    max_model_len: int | None = None  # default: the model's context length
+    kv_cache_memory_gb: float = 2.0  # KV cache budget; pages are committed only as tokens arrive
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    allow_pickle: bool = False
+    seed: int = 0  # global seed for requests without their own

@@ -1,0 +1,81 @@
+"""Shared request-side types. No tensors here: the scheduler works on these alone.
+
+Glossary
+- prompt tokens / output tokens: what the user sent / what the engine generated.
+- committed (`blocks.length`): tokens whose keys and values are in the KV cache. The newest
+  sampled token is not committed until the next step feeds it to the model.
+- finish reasons (OpenAI's words): "stop" (EOS, a stop token or a stop string), "length"
+  (max_tokens or the context is full).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from specdecode.cache import SeqBlocks
+from specdecode.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str = ""
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_token_ids: list[int] = field(default_factory=list)
+    blocks: SeqBlocks = field(default_factory=SeqBlocks)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    text: str = ""  # detokenized output, stop strings already cut
+    # incremental detokenizer offsets into output_token_ids
+    prefix_offset: int = 0
+    read_offset: int = 0
+    streamed: int = 0  # characters of `text` already handed to a stream consumer
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncommitted(self) -> int:
+        """Tokens the next forward must feed (the whole prompt at first, then 1 per step)."""
+        return self.num_tokens - self.blocks.length
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool

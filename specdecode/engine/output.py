@@ -1,0 +1,66 @@
+"""Appends sampled tokens to a sequence: incremental detokenization and every stop condition.
+
+Several tokens may arrive in one step (speculative decoding); each is checked in order, so tokens
+past a stop are dropped exactly as if they had been generated one at a time.
+"""
+
+from __future__ import annotations
+
+from specdecode.core import Sequence
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def append(self, seq: Sequence, tokens: list[int]) -> None:
+        """Add `tokens` to `seq` until one of them finishes it; sets `seq.finish_reason`."""
+        params = seq.params
+        for tok in tokens:
+            seq.output_token_ids.append(tok)
+            self._detokenize(seq)
+            if not params.ignore_eos and tok in self.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif tok in params.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif params.stop and self._cut_stop_string(seq):
+                seq.finish_reason = "stop"
+            elif params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
+                seq.finish_reason = "length"
+            elif seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                return
+
+    def _detokenize(self, seq: Sequence) -> None:
+        """Decode only a short window: text of tokens [prefix, read) vs [prefix, end)."""
+        ids = seq.output_token_ids
+        decode = self.tokenizer.decode
+        prefix = decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
+        full = decode(ids[seq.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            seq.text += full[len(prefix) :]
+            seq.prefix_offset = seq.read_offset
+            seq.read_offset = len(ids)
+
+    def _cut_stop_string(self, seq: Sequence) -> bool:
+        params = seq.params
+        longest = max(len(s) for s in params.stop)
+        window_start = max(0, len(seq.text) - longest - 16)
+        hits = [(i, s) for s in params.stop if (i := seq.text.find(s, window_start)) >= 0]
+        if not hits:
+            return False
+        i, s = min(hits)
+        seq.text = seq.text[: i + len(s)] if params.include_stop_str_in_output else seq.text[:i]
+        return True
+
+    @staticmethod
+    def stream_delta(seq: Sequence) -> str:
+        """New text safe to show: while running, hold back what could begin a stop string."""
+        hold = 0 if seq.finish_reason else max((len(s) - 1 for s in seq.params.stop), default=0)
+        end = max(seq.streamed, len(seq.text) - hold)
+        delta = seq.text[seq.streamed : end]
+        seq.streamed = end
+        return delta

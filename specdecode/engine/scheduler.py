@@ -1,0 +1,92 @@
+"""Decides which sequences run in the next step and how many tokens each feeds. No tensors.
+
+Running sequences decode first (one token each); if the cache cannot hold them, the most recently
+admitted one is preempted (its blocks freed, it goes back to the front of the queue and is
+recomputed later: no request is ever lost). Then waiting sequences are admitted, prefilled in
+chunks of at most `max_num_batched_tokens` tokens per step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specdecode.cache import BlockManager
+from specdecode.core import Sequence, SequenceStatus
+from specdecode.errors import OutOfMemoryError
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new: list[int]  # tokens each sequence feeds this step (prefill chunk, or 1)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self, manager: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048
+    ) -> None:
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_tokens + 1 > self.manager.capacity_tokens:
+            raise OutOfMemoryError(
+                f"a sequence of {seq.num_tokens} tokens does not fit the KV cache "
+                f"({self.manager.capacity_tokens} tokens); raise the KV cache memory"
+            )
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        seqs, num_new = [], []
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted below to make room for an earlier one
+                continue
+            n = min(seq.num_uncommitted, budget)
+            if n == 0:
+                continue
+            while not self.manager.allocate(seq.blocks, seq.blocks.length + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                seqs.append(seq)
+                num_new.append(n)
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncommitted, budget)
+            if not self.manager.allocate(seq.blocks, seq.blocks.length + n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            num_new.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, num_new)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.manager.free(seq.blocks)
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.manager.free(seq.blocks)
+        seq.status = SequenceStatus.FINISHED

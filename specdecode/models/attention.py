@@ -1,0 +1,126 @@
+"""Attention over the paged KV cache, for flattened batches of new tokens.
+
+A step's new tokens from every sequence are flattened into one list of T tokens. Each new token
+attends to its sequence's cached prefix plus, among the new tokens of the same sequence, those its
+mask allows: the causal triangle for ordinary prefill/decoding, or ancestor-or-self for a token
+tree. `AttentionMetadata` carries everything a layer needs; the runner builds it once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.cache import BlockManager, SeqBlocks
+
+
+@dataclass
+class AttentionMetadata:
+    kv_cache: torch.Tensor  # [layers, 2, kv_heads, slots, head_dim]
+    slot_mapping: torch.Tensor  # [T] slot each new token's k/v is written to
+    # Fast path, one sequence whose context sits in consecutive slots: (first, end) slot.
+    kv_range: tuple[int, int] | None = None
+    # General path (several sequences or a scattered one), padded to the longest:
+    kv_slots: torch.Tensor | None = None  # [B, L] slots of each sequence's context
+    query_index: torch.Tensor | None = None  # [B, N] index into the T new tokens
+    query_valid: torch.Tensor | None = None  # [B, N] bool, False on padding
+    mask: torch.Tensor | None = None  # [B, 1, N, L] bool, True = may attend; None = all
+
+
+def causal_tree_mask(num_new: int) -> torch.Tensor:
+    """[n, n] ancestor-or-self mask of a chain: the causal lower triangle."""
+    return torch.ones(num_new, num_new, dtype=torch.bool).tril_()
+
+
+def build_metadata(
+    kv_cache: torch.Tensor,
+    manager: BlockManager,
+    seqs: list[SeqBlocks],
+    num_new: list[int],
+    tree_masks: list[torch.Tensor | None] | None = None,
+) -> AttentionMetadata:
+    """Metadata for a step that writes `num_new[i]` tokens after `seqs[i].length` committed ones.
+
+    `tree_masks[i]` ([n_i, n_i] bool, node j may attend node k) replaces the causal triangle for
+    sequence i. Blocks for the new tokens must already be allocated.
+    """
+    device = kv_cache.device
+    masks = tree_masks or [None] * len(seqs)
+    slots = []
+    for seq, n in zip(seqs, num_new, strict=True):
+        slots += manager.slots(seq, seq.length, seq.length + n)
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    if len(seqs) == 1:
+        seq, n, tree = seqs[0], num_new[0], masks[0]
+        rng = manager.contiguous_range(seq, seq.length + n)
+        if rng is not None:
+            mask = None
+            if n > 1 or tree is not None:
+                mask = _one_mask(seq.length, n, tree, seq.length + n).to(device)[None, None]
+            return AttentionMetadata(kv_cache, slot_mapping, kv_range=rng, mask=mask)
+    return _padded_metadata(kv_cache, manager, seqs, num_new, masks, slot_mapping)
+
+
+def _one_mask(cached: int, n: int, tree: torch.Tensor | None, width: int) -> torch.Tensor:
+    mask = torch.zeros(n, width, dtype=torch.bool)
+    mask[:, :cached] = True
+    mask[:, cached : cached + n] = causal_tree_mask(n) if tree is None else tree
+    return mask
+
+
+def _padded_metadata(kv_cache, manager, seqs, num_new, masks, slot_mapping) -> AttentionMetadata:
+    device = kv_cache.device
+    b = len(seqs)
+    lmax = max(s.length + n for s, n in zip(seqs, num_new, strict=True))
+    nmax = max(num_new)
+    kv_slots = torch.zeros(b, lmax, dtype=torch.long)
+    query_index = torch.zeros(b, nmax, dtype=torch.long)
+    query_valid = torch.zeros(b, nmax, dtype=torch.bool)
+    mask = torch.zeros(b, 1, nmax, lmax, dtype=torch.bool)
+    mask[:, :, :, 0] = True  # padded query rows see one key, so softmax stays finite
+    offset = 0
+    for i, (seq, n, tree) in enumerate(zip(seqs, num_new, masks, strict=True)):
+        ctx = seq.length + n
+        kv_slots[i, :ctx] = torch.tensor(manager.slots(seq, 0, ctx), dtype=torch.long)
+        query_index[i, :n] = torch.arange(offset, offset + n)
+        query_valid[i, :n] = True
+        mask[i, 0, :n, :] = _one_mask(seq.length, n, tree, lmax)
+        offset += n
+    return AttentionMetadata(
+        kv_cache,
+        slot_mapping,
+        kv_slots=kv_slots.to(device),
+        query_index=query_index.to(device),
+        query_valid=query_valid.to(device),
+        mask=mask.to(device),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D] (rotary applied)
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    layer: int,
+    meta: AttentionMetadata,
+) -> torch.Tensor:  # [T, H * D]
+    """Write this step's k/v into the cache, then attend over each sequence's context."""
+    cache_k, cache_v = meta.kv_cache[layer, 0], meta.kv_cache[layer, 1]  # [Hkv, S, D]
+    cache_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    cache_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    t, h, d = q.shape
+    if meta.kv_range is not None:
+        start, end = meta.kv_range
+        keys = cache_k[:, start:end].unsqueeze(0)  # [1, Hkv, L, D]
+        values = cache_v[:, start:end].unsqueeze(0)
+        query = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+        out = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=meta.mask, enable_gqa=True
+        )
+        return out[0].transpose(0, 1).reshape(t, h * d)
+    keys = cache_k[:, meta.kv_slots].transpose(0, 1)  # [B, Hkv, L, D]
+    values = cache_v[:, meta.kv_slots].transpose(0, 1)
+    query = q[meta.query_index].transpose(1, 2)  # [B, H, N, D]
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.mask, enable_gqa=True)
+    return out.transpose(1, 2)[meta.query_valid].reshape(t, h * d)

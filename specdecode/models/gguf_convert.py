@@ -1,0 +1,143 @@
+"""GGUF -> Hugging Face-style safetensors directory (weights dequantized to fp32).
+
+Tensor names and metadata keys follow the GGUF spec (ggml-org/ggml docs/gguf.md). llama.cpp's
+converter interleaves the rows of q/k projections for the `llama` architecture (its rotary
+implementation pairs adjacent dimensions); we undo that so the weights match the half-split
+rotation of the original checkpoint. `qwen2`/`qwen3` use the half-split form already.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdecode.errors import CorruptModelError, UnsupportedModelError
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    base, _, kind = gguf_name.rpartition(".")
+    if base == "token_embd":
+        return f"model.embed_tokens.{kind}"
+    if base == "output_norm":
+        return f"model.norm.{kind}"
+    if base == "output":
+        return f"lm_head.{kind}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    return None
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k row interleave: [n_head, d/2, 2] -> [n_head, 2, d/2]."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_config(reader) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}"
+        )
+    names = {t.name for t in reader.tensors}
+
+    def get(key: str, default=None):
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise CorruptModelError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    cfg = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    if arch == "qwen2":
+        cfg["attention_bias"] = True
+    return cfg
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write config.json, model.safetensors and the tokenizer files of `gguf_path` to `out_dir`."""
+    import gguf
+    from safetensors.torch import save_file
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as e:  # noqa: BLE001 - the reader raises assorted errors on bad files
+        raise CorruptModelError(f"{gguf_path} is not a readable GGUF file: {e}") from e
+    cfg = gguf_config(reader)
+    permute = cfg["model_type"] == "llama"
+    tensors = {}
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            continue
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape([int(d) for d in reversed(t.shape)])
+        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_rows(w, cfg["num_attention_heads"])
+        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_rows(w, cfg["num_key_value_heads"])
+        tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    _save_tokenizer(gguf_path, out_dir)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as e:  # noqa: BLE001
+        raise CorruptModelError(f"{gguf_path}: cannot build its tokenizer ({e})") from e
+    tok.save_pretrained(str(out_dir))

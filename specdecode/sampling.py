@@ -1,0 +1,107 @@
+"""Sampling parameters and the one function that turns logits into the distribution we sample from.
+
+`warp` is shared by plain decoding and (later) verification, so the target distribution p and the
+draft distribution q always see the same temperature, top-k and top-p.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, named as in vLLM. temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: until the context is full
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid sampling parameter: {msg}")
+
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+            raise bad(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if any(not s for s in self.stop):
+            raise bad("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """A seeded generator for this request (None: use the global RNG)."""
+        if self.seed is None:
+            return None
+        gen = torch.Generator(device=device)
+        gen.manual_seed(self.seed)
+        return gen
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[N, V] logits -> [N, V] fp32 probabilities after temperature, top-k and top-p.
+
+    Greedy requests get a one-hot distribution on the argmax, so "sample from warp(...)" is the
+    same operation for every request and verification can treat greedy as a special case of it.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already reach top_p (keeps at least one).
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """[N, V] probabilities -> [N] token ids, drawn with the request's own generator."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_logits(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
+    """[N, V] logits of one request -> [N] next tokens."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample(warp(logits, params), generator)

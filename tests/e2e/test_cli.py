@@ -1,0 +1,62 @@
+"""The command line: streaming output, and one-line errors with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "specdecode.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_generate_streams_text(tiny_llama_dir):
+    r = run("generate", "--model", str(tiny_llama_dir), "--prompt", "Hello", "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.strip()) > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/definitely/not/here"], "model not found"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "2"], "top_p"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--prompt-repeat"], None),  # argparse usage error: exit 2 too
+    ],
+)
+def test_user_errors_are_one_line(tiny_llama_dir, args, message):
+    base = ["generate", "--prompt", "hi"]
+    if "--model" not in args:
+        base += ["--model", str(tiny_llama_dir)]
+    r = run(*base, *args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    if message:
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0]
+
+
+def test_prompt_longer_than_context(tiny_llama_dir):
+    r = run("generate", "--model", str(tiny_llama_dir), "--prompt", "x" * 300)
+    assert r.returncode == 2 and "context" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unsupported_architecture(tiny_llama_dir, tmp_path):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["FalconForCausalLM"]}))
+    r = run("generate", "--model", str(d), "--prompt", "hi")
+    assert r.returncode == 2 and "unsupported architecture" in r.stderr

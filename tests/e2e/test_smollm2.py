@@ -1,0 +1,90 @@
+"""The real default model, SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import PARENTS, Runner, ancestor_mask, depth, path_to
+from transformers import AutoModelForCausalLM
+
+from specdecode.cache import keep_path
+from specdecode.models.loader import default_gguf_path
+
+pytestmark = pytest.mark.slow
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf(smol):
+    loaded, _ = smol
+    return AutoModelForCausalLM.from_pretrained(str(loaded.path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def chat_ids(smol):
+    _, tok = smol
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert text.endswith("<|im_start|>assistant\n")
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def test_logits_match_transformers(smol, hf, chat_ids):
+    loaded, _ = smol
+    r = Runner(loaded.model, num_blocks=32, block_size=16)
+    (ours,) = r.feed([r.new_seq()], [chat_ids])
+    with torch.no_grad():
+        ref = hf(torch.tensor([chat_ids])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+
+
+def test_gguf_conversion_matches_transformers_gguf_loader(smol, chat_ids):
+    """transformers dequantizes the same GGUF its own way (slow: ~15 s); logits must agree."""
+    loaded, _ = smol
+    path = default_gguf_path()
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    r = Runner(loaded.model, num_blocks=32, block_size=16)
+    (ours,) = r.feed([r.new_seq()], [chat_ids])
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([chat_ids])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+
+
+def test_greedy_chat_equals_transformers(smol, hf, chat_ids):
+    from specdecode import LLM, SamplingParams
+
+    llm = LLM()
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+    )[0].outputs[0]
+    x = torch.tensor([chat_ids])
+    ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False)
+    ref_ids = ref[0, len(chat_ids) :].tolist()
+    assert out.token_ids == ref_ids[: len(out.token_ids)]
+    assert "Paris" in out.text
+
+
+def test_tree_forward_and_compaction_on_the_real_model(smol, chat_ids):
+    loaded, _ = smol
+    model = loaded.model
+    tokens = [422, 3575, 314, 5445, 28, 30]
+    r = Runner(model, num_blocks=32, block_size=16)
+    s = r.new_seq()
+    r.feed([s], [chat_ids])
+    base = s.length
+    pos = [base + depth(PARENTS, i) for i in range(len(PARENTS))]
+    (tree,) = r.feed([s], [tokens], positions=[pos], trees=[ancestor_mask(PARENTS)], commit=False)
+    path = path_to(PARENTS, 4)
+    ref = Runner(model, num_blocks=32, block_size=16)
+    t = ref.new_seq()
+    (seq_logits,) = ref.feed([t], [chat_ids + [tokens[i] for i in path] + [11]])
+    torch.testing.assert_close(tree[path], seq_logits[base:-1], atol=ATOL, rtol=0)
+    keep_path(r.manager, r.cache, s, path)
+    (after,) = r.feed([s], [[11]])
+    torch.testing.assert_close(after, seq_logits[-1:], atol=ATOL, rtol=0)

@@ -1,0 +1,76 @@
+"""Run the model directly on a paged cache: what the runner does, minus sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.cache import BlockManager, KVCache, SeqBlocks
+from specdecode.models.attention import build_metadata
+
+
+class Runner:
+    """Drives a LlamaModel over several sequences; `feed` appends tokens and returns logits."""
+
+    def __init__(self, model, num_blocks: int = 64, block_size: int = 4):
+        self.model = model
+        dtype = model.norm.weight.dtype
+        self.manager = BlockManager(num_blocks, block_size)
+        self.cache = KVCache(model.config, num_blocks, block_size, dtype)
+
+    def new_seq(self) -> SeqBlocks:
+        return SeqBlocks()
+
+    @torch.inference_mode()
+    def feed(self, seqs, tokens, positions=None, trees=None, commit=True, capture=()):
+        """tokens[i]: list of new token ids of seqs[i]. Returns per-sequence logits [n_i, V]."""
+        nums = [len(t) for t in tokens]
+        for s, n in zip(seqs, nums, strict=True):
+            assert self.manager.allocate(s, s.length + n)
+        if positions is None:
+            positions = [
+                list(range(s.length, s.length + n)) for s, n in zip(seqs, nums, strict=True)
+            ]
+        meta = build_metadata(self.cache.kv, self.manager, seqs, nums, trees)
+        ids = torch.tensor([t for ts in tokens for t in ts])
+        pos = torch.tensor([p for ps in positions for p in ps])
+        out = self.model(ids, pos, meta, capture_layers=capture)
+        logits = self.model.compute_logits(out.hidden).split(nums)
+        if commit:
+            for s, n in zip(seqs, nums, strict=True):
+                s.length += n
+        return (list(logits), out) if capture else list(logits)
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def depth(parents: list[int], i: int) -> int:
+    d = 0
+    while parents[i] >= 0:
+        i, d = parents[i], d + 1
+    return d
+
+
+def path_to(parents: list[int], i: int) -> list[int]:
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+# A tree of 6 nodes (flattened, parents before children):
+#        root(0)
+#       /       \
+#     1           2
+#    / \          |
+#   3   4         5
+PARENTS = [-1, 0, 0, 1, 1, 2]

@@ -1,0 +1,116 @@
+"""The offline API end to end on a tiny model with a character tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdecode import LLM, SamplingParams
+from specdecode.errors import InvalidRequestError
+
+PROMPTS = ["Hello there", "A", "The quick brown fox jumps", "12345"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir))
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def test_greedy_equals_transformers_generate(llm, tiny_llama_dir):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    for prompt in PROMPTS[:2]:
+        ids = llm.encode(prompt)
+        out = llm.generate(prompt, greedy(24))[0].outputs[0]
+        x = torch.tensor([ids])
+        ref = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        assert out.token_ids == ref[0, len(ids) :].tolist()
+        assert out.finish_reason == "length"
+
+
+def test_batched_equals_one_at_a_time(llm):
+    together = llm.generate(PROMPTS, greedy(20))
+    for prompt, out in zip(PROMPTS, together, strict=True):
+        alone = llm.generate(prompt, greedy(20))[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert out.prompt == prompt
+
+
+def test_preemption_loses_nothing(tiny_llama_dir, llm):
+    """A KV cache of 6 blocks of 16 tokens cannot hold four 40-token sequences at once: the
+    scheduler must preempt and recompute, and every output must equal the unconstrained one."""
+    small = LLM(str(tiny_llama_dir), kv_cache_memory_gb=7 * 16 * 512 / 2**30)
+    assert small.engine.manager.capacity_tokens == 6 * 16
+    want = llm.generate(PROMPTS, greedy(30))
+    got = small.generate(PROMPTS, greedy(30))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert small.engine.scheduler.num_preemptions > 0
+
+
+def test_seeds_reproduce_and_differ(llm):
+    a = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=3, max_tokens=30))
+    b = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=3, max_tokens=30))
+    c = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=4, max_tokens=30))
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+    assert a[0].outputs[0].token_ids != c[0].outputs[0].token_ids
+
+
+def test_seeded_request_is_independent_of_its_batch(llm):
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=20)
+    alone = llm.generate(PROMPTS[2], params)[0].outputs[0].token_ids
+    mixed = llm.generate(
+        PROMPTS, [SamplingParams(temperature=0.9, max_tokens=25)] * 2 + [params, greedy(5)]
+    )
+    assert mixed[2].outputs[0].token_ids == alone
+
+
+def test_stop_string_cuts_text_and_stops(llm):
+    full = llm.generate(PROMPTS[0], greedy(40))[0].outputs[0].text
+    stop = full[10:13]
+    out = llm.generate(PROMPTS[0], greedy(40, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full[: full.index(stop)]
+    kept = llm.generate(PROMPTS[0], greedy(40, stop=[stop], include_stop_str_in_output=True))
+    assert kept[0].outputs[0].text == full[: full.index(stop) + len(stop)]
+
+
+def test_stop_token_and_eos(llm):
+    full = llm.generate(PROMPTS[0], greedy(40))[0].outputs[0].token_ids
+    tok = full[7]
+    out = llm.generate(PROMPTS[0], greedy(40, stop_token_ids=[tok]))[0].outputs[0]
+    assert out.token_ids == full[: full.index(tok) + 1] and out.finish_reason == "stop"
+    eos = llm.tokenizer.eos_token_id
+    if eos in full:
+        out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40))[0]
+        assert out.outputs[0].token_ids[-1] == eos
+
+
+def test_stream_concatenates_to_the_text(llm):
+    params = greedy(30, stop=["zz"])
+    pieces = list(llm.stream(PROMPTS[0], params))
+    assert "".join(pieces) == llm.generate(PROMPTS[0], params)[0].outputs[0].text
+
+
+def test_chat_template_is_applied(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], greedy(5))[0]
+    assert out.prompt_token_ids == llm.encode("<user>hi<assistant>")
+
+
+def test_context_limit(llm, tiny_llama_dir):
+    with pytest.raises(InvalidRequestError, match="context"):
+        llm.generate("x" * 256, greedy(5))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, greedy(5))
+    out = llm.generate("x" * 250, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6 and out[0].outputs[0].finish_reason == "length"

@@ -1,0 +1,140 @@
+"""Model loading: sharded safetensors, GGUF conversion, and every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_hf
+from helpers import Runner
+
+from specdecode.errors import (
+    CorruptModelError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
+from specdecode.models.gguf_convert import convert_gguf, unpermute_rows
+from specdecode.models.loader import load_model
+
+
+def logits_of(model, ids):
+    r = Runner(model)
+    return r.feed([r.new_seq()], [ids])[0]
+
+
+def test_sharded_checkpoint_loads_identically(tmp_path):
+    hf = make_tiny_hf("qwen2", tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    ids = list(range(1, 12))
+    a = logits_of(load_model(tmp_path / "one").model, ids)
+    b = logits_of(load_model(tmp_path / "sharded").model, ids)
+    assert torch.equal(a, b)
+
+
+def test_pickle_refused_unless_allowed(tmp_path):
+    hf = make_tiny_hf("llama", tmp_path / "m")
+    for f in (tmp_path / "m").glob("*.safetensors"):
+        f.unlink()
+    torch.save(hf.state_dict(), tmp_path / "m" / "pytorch_model.bin")
+    with pytest.raises(UnsupportedModelError, match="pickle"):
+        load_model(tmp_path / "m")
+    ids = list(range(1, 9))
+    want = hf(torch.tensor([ids])).logits[0].detach()
+    got = logits_of(load_model(tmp_path / "m", allow_pickle=True).model, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_bad_inputs_raise_clear_errors(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="not found"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        load_model(tmp_path / "empty")
+    make_tiny_hf("llama", tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    shutil.copytree(tmp_path / "m", tmp_path / "gpt2")
+    (tmp_path / "gpt2" / "config.json").write_text(
+        json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]})
+    )
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        load_model(tmp_path / "gpt2")
+    shutil.copytree(tmp_path / "m", tmp_path / "corrupt")
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(CorruptModelError):
+        load_model(tmp_path / "corrupt")
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(CorruptModelError, match="GGUF"):
+        load_model(tmp_path / "x.gguf")
+
+
+def test_unpermute_inverts_llama_cpp_interleave():
+    w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(4 * 8, 3)  # 4 heads of dim 8
+    n_head = 4
+    permuted = w.reshape(n_head, 2, 4, 3).swapaxes(1, 2).reshape(w.shape)  # llama.cpp's permute
+    assert np.array_equal(unpermute_rows(permuted, n_head), w)
+
+
+def _write_gguf(hf, path):
+    """Fabricate a llama GGUF from a transformers model, the way llama.cpp's converter lays it out
+    (q/k rows interleaved, F32 tensors)."""
+    import gguf
+
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm"}
+    layer = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for name, t in hf.state_dict().items():
+        a = t.numpy().astype(np.float32)
+        parts = name.split(".")
+        if name == "lm_head.weight":
+            g = "output.weight"
+        elif parts[1] in names:
+            g = f"{names[parts[1]]}.weight"
+        else:
+            key = ".".join(parts[3:-1])
+            g = f"blk.{parts[2]}.{layer[key]}.weight"
+            heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+            if layer[key] in heads:
+                n = heads[layer[key]]
+                a = a.reshape(n, 2, a.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(a.shape)
+        w.add_tensor(g, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_conversion_matches_the_original(tmp_path, monkeypatch):
+    monkeypatch.setattr("specdecode.models.gguf_convert._save_tokenizer", lambda src, out: None)
+    hf = make_tiny_hf("llama", tmp_path / "hf")
+    _write_gguf(hf, tmp_path / "tiny.gguf")
+    convert_gguf(tmp_path / "tiny.gguf", tmp_path / "converted")
+    ids = list(range(3, 19))
+    got = logits_of(load_model(tmp_path / "converted").model, ids)
+    want = hf(torch.tensor([ids])).logits[0].detach()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
