@@ -1,0 +1,167 @@
+"""Lossless verification of draft chains and trees, batched.
+
+Notation (Leviathan et al. 2023; Chen et al. 2023): p is the TARGET distribution, q the DRAFT
+distribution; both are `warp`ed with the request's own temperature, top-k and top-p.
+
+Glossary
+- accepted token: a draft token the target keeps.
+- recovered (residual) token: after a rejection, a token drawn from the residual distribution,
+  which makes up exactly for the mass the draft over-proposed.
+- bonus token: when every draft on the way to a leaf is accepted, one more token drawn from p at
+  the leaf. Every step therefore emits (accepted + 1) tokens.
+
+Two rules, both lossless, chosen by whether the drafter reports q:
+- sampled drafts (q given; siblings drawn i.i.d. from their parent's q): accept x with
+  probability min(1, r(x) / q(x)); on rejection r <- normalize(max(r - q, 0)) and try the next
+  sibling (SpecInfer's multi-round rejection sampling; for a chain this is the classic rule).
+- deterministic drafts (q is None: argmax or top-k candidates, q treated as one-hot): accept x
+  with probability r(x); on rejection r(x) <- 0, renormalize, try the next sibling.
+r starts as p at the current node. If no child is accepted, the step ends with a token drawn from
+r (recovered, or bonus at a leaf). Greedy requests need no special case: their p is one-hot on
+the argmax, so both rules accept exactly the argmax child and otherwise emit the argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.tree import TreeShape
+
+
+@dataclass
+class DraftBatch:
+    """Draft trees of B requests, padded to N nodes and C children per node."""
+
+    tokens: torch.Tensor  # [B, N] long, token at each node (node 0: the root, already decided)
+    children: torch.Tensor  # [B, N, C] long, children in sibling order, -1 = none
+    num_nodes: list[int]  # [B] real nodes per request
+    draft_probs: torch.Tensor | None = None  # [B, N, V] q at each node for its children; None:
+    # deterministic drafts
+
+    @classmethod
+    def from_trees(
+        cls,
+        shapes: list[TreeShape],
+        tokens: list[list[int]],
+        draft_probs: list[torch.Tensor] | None = None,
+    ) -> DraftBatch:
+        """Pad per-request trees (`draft_probs[i]`: [n_i, V]) into one batch."""
+        b = len(shapes)
+        n = max(len(s) for s in shapes)
+        c = max(1, max(len(k) for s in shapes for k in s.children))
+        tok = torch.zeros(b, n, dtype=torch.long)
+        kids = torch.full((b, n, c), -1, dtype=torch.long)
+        for i, (shape, t) in enumerate(zip(shapes, tokens, strict=True)):
+            tok[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            for node, ch in enumerate(shape.children):
+                kids[i, node, : len(ch)] = torch.tensor(ch, dtype=torch.long)
+        q = None
+        if draft_probs is not None:
+            v = draft_probs[0].shape[-1]
+            q = torch.zeros(b, n, v)
+            for i, probs in enumerate(draft_probs):
+                q[i, : probs.shape[0]] = probs
+        return cls(tok, kids, [len(s) for s in shapes], q)
+
+
+@dataclass
+class VerifyResult:
+    accepted: list[list[int]]  # [B] accepted node indices, root excluded, in path order
+    tokens: list[list[int]]  # [B] emitted tokens: accepted drafts + one recovered/bonus token
+
+    @property
+    def num_accepted(self) -> list[int]:
+        return [len(a) for a in self.accepted]
+
+
+def verify(
+    target_probs: torch.Tensor,  # [B, N, V] p at every node (warped, as the request samples)
+    drafts: DraftBatch,
+    generators: list[torch.Generator | None] | None = None,  # [B] per-request RNG
+) -> VerifyResult:
+    b, n, v = target_probs.shape
+    device = target_probs.device
+    rows = torch.arange(b, device=device)
+    children = drafts.children.to(device)
+    tokens = drafts.tokens.to(device)
+    q_all = drafts.draft_probs.to(device) if drafts.draft_probs is not None else None
+    max_depth, c = n, children.shape[-1]
+    uniforms = _uniforms(b, max_depth * c, generators, device).view(b, max_depth, c)
+
+    cur = torch.zeros(b, dtype=torch.long, device=device)
+    residual = target_probs[:, 0].clone()
+    active = torch.ones(b, dtype=torch.bool, device=device)
+    accepted: list[list[int]] = [[] for _ in range(b)]
+    final = torch.zeros(b, dtype=torch.long, device=device)
+    for depth in range(max_depth):
+        chosen = torch.full((b,), -1, dtype=torch.long, device=device)
+        q = q_all[rows, cur] if q_all is not None else None  # [B, V]
+        for j in range(c):
+            child = children[rows, cur, j]
+            live = active & (child >= 0) & (chosen < 0)
+            if not live.any():
+                break
+            x = tokens[rows, child.clamp(min=0)]
+            rx = residual[rows, x]
+            if q is None:
+                accept_prob = rx
+            else:
+                qx = q[rows, x]
+                accept_prob = torch.where(qx > 0, (rx / qx.clamp(min=1e-30)).clamp(max=1.0), 0.0)
+            take = live & (uniforms[:, depth, j] < accept_prob)
+            chosen = torch.where(take, child, chosen)
+            reject = live & ~take
+            if reject.any():
+                residual = _reject(residual, reject, x, q)
+        moved = chosen >= 0
+        stop = active & ~moved
+        if stop.any():
+            final[stop] = _sample_rows(residual[stop], _subset(generators, stop))
+        for i in torch.nonzero(moved).flatten().tolist():
+            accepted[i].append(int(chosen[i]))
+        active = moved
+        if not active.any():
+            break
+        cur = torch.where(moved, chosen, cur)
+        residual = torch.where(moved[:, None], target_probs[rows, cur], residual)
+    out_tokens = [
+        [int(tokens[i, node]) for node in accepted[i]] + [int(final[i])] for i in range(b)
+    ]
+    return VerifyResult(accepted, out_tokens)
+
+
+def _reject(
+    residual: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, q: torch.Tensor | None
+) -> torch.Tensor:
+    """Residual after rejecting token x in the rows `rows`."""
+    if q is None:
+        new = residual.scatter(1, x[:, None], 0.0)
+    else:
+        new = (residual - q).clamp(min=0.0)
+    total = new.sum(-1, keepdim=True)
+    # A zero residual means r == q: rejection had probability 0; keep r (float safety only).
+    new = torch.where(total > 0, new / total.clamp(min=1e-30), residual)
+    return torch.where(rows[:, None], new, residual)
+
+
+def _uniforms(b, k, generators, device) -> torch.Tensor:
+    if generators is None or all(g is None for g in generators):
+        return torch.rand(b, k, device=device)
+    return torch.stack([torch.rand(k, generator=g, device=device) for g in generators])
+
+
+def _subset(generators, mask: torch.Tensor):
+    if generators is None:
+        return None
+    return [g for g, m in zip(generators, mask.tolist(), strict=True) if m]
+
+
+def _sample_rows(probs: torch.Tensor, generators) -> torch.Tensor:
+    """One draw per row; rows with their own generator draw from it."""
+    if generators is None or all(g is None for g in generators):
+        return torch.multinomial(probs, 1).squeeze(-1)
+    return torch.cat(
+        [torch.multinomial(p[None], 1, generator=g).squeeze(-1) for p, g in zip(probs, generators)]
+    )
