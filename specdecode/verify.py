@@ -163,5 +163,8 @@ def _sample_rows(probs: torch.Tensor, generators) -> torch.Tensor:
     if generators is None or all(g is None for g in generators):
         return torch.multinomial(probs, 1).squeeze(-1)
     return torch.cat(
-        [torch.multinomial(p[None], 1, generator=g).squeeze(-1) for p, g in zip(probs, generators)]
+        [
+            torch.multinomial(p[None], 1, generator=g).squeeze(-1)
+            for p, g in zip(probs, generators, strict=True)
+        ]
     )
