@@ -14,6 +14,7 @@ ceil(tokens / block_size) blocks, not max_len.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: set[int] = set(range(1, num_blocks))
+        self._heap: list[int] = list(range(1, num_blocks))  # lowest free id first; may hold
+        # ids already taken (lazy deletion): `_free` is the truth
 
     @property
     def capacity_tokens(self) -> int:
@@ -65,20 +68,32 @@ class BlockManager:
             return False
         for _ in range(need):
             want = seq.block_table[-1] + 1 if seq.block_table else None
-            block = want if want in self._free else min(self._free)
+            block = want if want in self._free else self._pop_lowest()
             self._free.remove(block)
             seq.block_table.append(block)
         return True
+
+    def _pop_lowest(self) -> int:
+        while True:
+            block = heapq.heappop(self._heap)
+            if block in self._free:
+                return block
+
+    def _release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b not in self._free:
+                self._free.add(b)
+                heapq.heappush(self._heap, b)
 
     def truncate(self, seq: SeqBlocks, length: int) -> None:
         """Drop tokens past `length` and return blocks no longer needed."""
         seq.length = min(seq.length, length)
         keep = -(-length // self.block_size)
-        self._free.update(seq.block_table[keep:])
+        self._release(seq.block_table[keep:])
         del seq.block_table[keep:]
 
     def free(self, seq: SeqBlocks) -> None:
-        self._free.update(seq.block_table)
+        self._release(seq.block_table)
         seq.block_table.clear()
         seq.length = 0
 

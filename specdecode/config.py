@@ -122,3 +122,48 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     allow_pickle: bool = False
     seed: int = 0  # global seed for requests without their own
+    speculative_config: SpeculativeConfig | dict | None = None
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config` keys. `num_speculative_tokens` is the draft depth k."""
+
+    method: str
+    model: str | None = None  # draft model (draft_model), head directory (later methods)
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    draft_dtype: str | None = None  # the draft only proposes: it may run in lower precision
+
+    def __post_init__(self) -> None:
+        from specdecode.errors import InvalidRequestError
+
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidRequestError(
+                f"unknown speculative method {self.method!r}; "
+                f"choose from {', '.join(SPECULATIVE_METHODS)}"
+            )
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise InvalidRequestError("num_speculative_tokens must be a positive integer")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.method == "draft_model" and not self.model:
+            raise InvalidRequestError("method 'draft_model' needs a draft 'model'")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
+        from dataclasses import fields
+
+        from specdecode.errors import InvalidRequestError
+
+        if not isinstance(raw, dict) or "method" not in raw:
+            raise InvalidRequestError("the speculative config needs a 'method'")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown speculative config keys: {', '.join(unknown)}")
+        return cls(**raw)

@@ -15,6 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from specdecode.cache import SeqBlocks
+from specdecode.metrics import SpecDecodeStats
 from specdecode.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -41,10 +42,15 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     streamed: int = 0  # characters of `text` already handed to a stream consumer
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def num_uncommitted(self) -> int:
@@ -70,6 +76,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    spec: dict | None = None  # SpecDecodeStats.as_dict() when speculation ran
 
 
 @dataclass

@@ -109,7 +109,15 @@ class LLM:
                 request_id=s.request_id,
                 prompt=pr if isinstance(pr, str) else None,
                 prompt_token_ids=s.prompt_token_ids,
-                outputs=[CompletionOutput(0, s.text, list(s.output_token_ids), s.finish_reason)],
+                outputs=[
+                    CompletionOutput(
+                        0,
+                        s.text,
+                        list(s.output_token_ids),
+                        s.finish_reason,
+                        s.spec.as_dict() if s.spec.num_drafts else None,
+                    )
+                ],
                 finished=True,
             )
             for s, pr in zip(seqs, prompts, strict=True)

@@ -44,8 +44,9 @@ FAMILIES = {
 }
 
 
-def make_tiny_hf(family: str, out: Path, seed: int = 0):
-    """Save a random tiny transformers model of `family` to `out`; return the HF model."""
+def make_tiny_hf(family: str, out: Path, seed: int = 0, logit_scale: float = 1.0):
+    """Save a random tiny transformers model of `family` to `out`; return the HF model.
+    `logit_scale` sharpens the output distribution (a random model's is nearly flat)."""
     import transformers
 
     cfg_name, model_name, extra = FAMILIES[family]
@@ -59,6 +60,7 @@ def make_tiny_hf(family: str, out: Path, seed: int = 0):
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)
+        model.get_output_embeddings().weight.mul_(logit_scale)
     model.save_pretrained(out, safe_serialization=True)
     return model
 
@@ -74,6 +76,15 @@ def tiny_family(request, tmp_path_factory):
 def tiny_llama_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-llama")
     make_tiny_hf("llama", out)
+    _write_byte_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def sharp_llama_dir(tmp_path_factory) -> Path:
+    """A tiny model with peaked next-token distributions: drafts get accepted at temperature 1."""
+    out = tmp_path_factory.mktemp("sharp-llama")
+    make_tiny_hf("llama", out, seed=1, logit_scale=6.0)
     _write_byte_tokenizer(out)
     return out
 

@@ -8,12 +8,14 @@ from collections.abc import Iterator
 import torch
 
 from specdecode.cache import BlockManager, KVCache
-from specdecode.config import EngineConfig
+from specdecode.config import EngineConfig, SpeculativeConfig
 from specdecode.core import Sequence
+from specdecode.drafters.base import Drafter, DraftProposal
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.engine.output import OutputProcessor
 from specdecode.engine.scheduler import Scheduler
 from specdecode.errors import InvalidRequestError
+from specdecode.metrics import SpecDecodeStats
 from specdecode.models.loader import load_model, load_tokenizer
 from specdecode.sampling import SamplingParams
 
@@ -55,6 +57,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.manager)
         self.output = OutputProcessor(self.tokenizer, self._eos_ids(), self.max_model_len)
+        self.spec_config = _speculative_config(config.speculative_config)
+        self.drafter: Drafter | None = None
+        if self.spec_config is not None:
+            from specdecode.drafters.factory import build_drafter
+
+            self.drafter = build_drafter(self.spec_config, self)
+            self.scheduler.on_preempt.append(self.drafter.release)
+        self.spec_stats = SpecDecodeStats()
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -84,21 +94,68 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """Run one forward for the scheduled batch; return the sequences that received tokens."""
-        batch = self.scheduler.schedule()
+        k = self.spec_config.num_speculative_tokens if self.drafter else 0
+        batch = self.scheduler.schedule(num_lookahead=k)
         if not batch.seqs:
             return []
-        next_tokens = self.runner.run(batch)
+        proposals = self._propose(batch, k)
+        samples = self.drafter.samples_drafts if self.drafter else False
+        new_tokens = self.runner.run(batch, proposals, samples)
+        if self.drafter:
+            spec = [i for i, p in enumerate(proposals) if p is not None]
+            self.drafter.on_verified(
+                [batch.seqs[i] for i in spec],
+                [proposals[i] for i in spec],
+                [new_tokens[i][:-1] for i in spec],
+            )
         updated = []
-        for seq, tok in zip(batch.seqs, next_tokens, strict=True):
-            if tok is None:
+        for seq, tokens in zip(batch.seqs, new_tokens, strict=True):
+            self.manager.truncate(seq.blocks, seq.blocks.length)  # unused lookahead slots
+            if tokens is None:
                 continue
-            self.output.append(seq, [tok])
+            self.output.append(seq, tokens)
             if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-                self.runner.release(seq)
+                self._finish(seq)
             updated.append(seq)
         return updated
+
+    def _propose(self, batch, k: int) -> list[DraftProposal | None]:
+        proposals: list[DraftProposal | None] = [None] * len(batch)
+        if not self.drafter:
+            return proposals
+        decoding = [
+            i
+            for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new, strict=True))
+            if n == 1 and s.num_uncommitted == 1
+        ]
+        if not decoding:
+            return proposals
+        seqs = [batch.seqs[i] for i in decoding]
+        budgets = [self._budget(s, k) for s in seqs]
+        for i, prop in zip(decoding, self.drafter.propose(seqs, budgets), strict=True):
+            proposals[i] = prop if prop.num_drafts > 0 else None
+        return proposals
+
+    def _budget(self, seq: Sequence, k: int) -> int:
+        """Drafts worth proposing: none past the context, none past max_tokens."""
+        room = self.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        return max(0, min(k, room))
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.runner.release(seq)
+        if self.drafter:
+            self.drafter.release(seq)
+        self.spec_stats.merge(seq.spec)
 
     def run_to_completion(self) -> Iterator[list[Sequence]]:
         while self.has_unfinished():
             yield self.step()
+
+
+def _speculative_config(raw) -> SpeculativeConfig | None:
+    if raw is None or isinstance(raw, SpeculativeConfig):
+        return raw
+    return SpeculativeConfig.from_dict(raw)

@@ -1,15 +1,18 @@
-"""Owns every tensor of a step: builds inputs and attention metadata, runs the model, samples."""
+"""Owns every tensor of a step: builds inputs and attention metadata, runs the model once for the
+whole batch (prefill chunks, plain decodes and draft trees together), samples or verifies."""
 
 from __future__ import annotations
 
 import torch
 
-from specdecode.cache import BlockManager, KVCache
+from specdecode.cache import BlockManager, KVCache, keep_path
 from specdecode.core import Sequence
+from specdecode.drafters.base import DraftProposal
 from specdecode.engine.scheduler import ScheduledBatch
 from specdecode.models.attention import build_metadata
 from specdecode.models.llama import LlamaModel
 from specdecode.sampling import sample, warp
+from specdecode.verify import DraftBatch, VerifyResult, verify
 
 
 class ModelRunner:
@@ -29,34 +32,87 @@ class ModelRunner:
         self._generators.pop(seq.seq_id, None)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """Feed each sequence its scheduled tokens; return its next token, or None while a
-        prompt is still being prefilled in chunks."""
-        ids, positions = [], []
-        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+    def run(
+        self,
+        batch: ScheduledBatch,
+        proposals: list[DraftProposal | None] | None = None,
+        samples_drafts: bool = False,
+    ) -> list[list[int] | None]:
+        """Feed each sequence its scheduled tokens, or its draft tree where `proposals[i]` is
+        set. Return the tokens each sequence gains this step (None while a prompt is still being
+        prefilled in chunks)."""
+        proposals = proposals or [None] * len(batch)
+        ids, positions, num_new, trees = [], [], [], []
+        for seq, n, prop in zip(batch.seqs, batch.num_new, proposals, strict=True):
             start = seq.blocks.length
-            ids += seq.token_ids(start, start + n)
-            positions += range(start, start + n)
-        meta = build_metadata(
-            self.cache.kv, self.manager, [s.blocks for s in batch.seqs], batch.num_new
-        )
-        out = self.model(
-            torch.tensor(ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            meta,
-        )
-        wants = [
+            if prop is None:
+                ids += seq.token_ids(start, start + n)
+                positions += range(start, start + n)
+                num_new.append(n)
+                trees.append(None)
+            else:
+                ids += prop.tokens
+                positions += [start + d for d in prop.shape.depths]
+                num_new.append(len(prop.tokens))
+                trees.append(None if prop.shape.is_chain() else prop.shape.ancestor_mask())
+        blocks = [s.blocks for s in batch.seqs]
+        meta = build_metadata(self.cache.kv, self.manager, blocks, num_new, trees)
+        hidden = self.model(
+            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta
+        ).hidden
+        return self._postprocess(batch, proposals, num_new, hidden, samples_drafts)
+
+    def _postprocess(self, batch, proposals, num_new, hidden, samples_drafts):
+        offsets = [0]
+        for n in num_new:
+            offsets.append(offsets[-1] + n)
+        result: list[list[int] | None] = [None] * len(batch)
+        plain = [
             i
-            for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new, strict=True))
-            if s.blocks.length + n == s.num_tokens
+            for i, (s, n, p) in enumerate(zip(batch.seqs, num_new, proposals, strict=True))
+            if p is None and s.blocks.length + n == s.num_tokens
         ]
-        last = torch.tensor(batch.num_new, device=self.device).cumsum(0) - 1
-        logits = self.model.compute_logits(out.hidden[last[wants]]) if wants else None
-        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
-            seq.blocks.length += n
-        result: list[int | None] = [None] * len(batch)
-        for row, i in enumerate(wants):
-            result[i] = self._sample(batch.seqs[i], logits[row : row + 1])
+        spec = [i for i, p in enumerate(proposals) if p is not None]
+        rows = [offsets[i + 1] - 1 for i in plain]
+        rows += [r for i in spec for r in range(offsets[i], offsets[i + 1])]
+        logits = self.model.compute_logits(hidden[rows]) if rows else None
+        for j, i in enumerate(plain):
+            result[i] = [self._sample(batch.seqs[i], logits[j : j + 1])]
+        for seq, n, prop in zip(batch.seqs, num_new, proposals, strict=True):
+            if prop is None:
+                seq.blocks.length += n
+        if spec:
+            spec_logits = logits[len(plain) :].split([num_new[i] for i in spec])
+            verified = self._verify(
+                [batch.seqs[i] for i in spec],
+                [proposals[i] for i in spec],
+                spec_logits,
+                samples_drafts,
+            )
+            for j, i in enumerate(spec):
+                result[i] = verified.tokens[j]
+        return result
+
+    def _verify(
+        self,
+        seqs: list[Sequence],
+        proposals: list[DraftProposal],
+        logits: list[torch.Tensor],
+        samples_drafts: bool,
+    ) -> VerifyResult:
+        probs = [warp(lg, s.params) for s, lg in zip(seqs, logits, strict=True)]
+        n = max(p.shape[0] for p in probs)
+        target = torch.zeros(len(seqs), n, probs[0].shape[-1], device=self.device)
+        for i, p in enumerate(probs):
+            target[i, : p.shape[0]] = p
+        q = [p.draft_probs for p in proposals] if samples_drafts else None
+        drafts = DraftBatch.from_trees(
+            [p.shape for p in proposals], [p.tokens for p in proposals], q
+        )
+        result = verify(target, drafts, [self.generator(s) for s in seqs])
+        for seq, prop, acc in zip(seqs, proposals, result.accepted, strict=True):
+            keep_path(self.manager, self.cache, seq.blocks, [0] + acc)
+            seq.spec.record(prop.num_drafts, max(prop.shape.depths), len(acc))
         return result
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:

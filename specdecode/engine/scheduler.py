@@ -35,6 +35,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.on_preempt: list = []  # callbacks(seq), e.g. a drafter dropping its state
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens + 1 > self.manager.capacity_tokens:
@@ -47,7 +48,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, num_lookahead: int = 0) -> ScheduledBatch:
+        """`num_lookahead`: extra slots reserved for each decoding sequence's draft tree."""
         seqs, num_new = [], []
         budget = self.max_num_batched_tokens
         for seq in list(self.running):
@@ -56,7 +58,8 @@ class Scheduler:
             n = min(seq.num_uncommitted, budget)
             if n == 0:
                 continue
-            while not self.manager.allocate(seq.blocks, seq.blocks.length + n):
+            extra = num_lookahead if n == seq.num_uncommitted == 1 else 0
+            while not self.manager.allocate(seq.blocks, seq.blocks.length + n + extra):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -82,6 +85,8 @@ class Scheduler:
         self.running.remove(seq)
         self.manager.free(seq.blocks)
         self.num_preemptions += 1
+        for callback in self.on_preempt:
+            callback(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -1,0 +1,3 @@
+from specdecode.drafters.base import Drafter, DraftProposal
+
+__all__ = ["DraftProposal", "Drafter"]

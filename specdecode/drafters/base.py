@@ -1,0 +1,53 @@
+"""The protocol every drafter implements.
+
+A drafter proposes, for each request that is decoding, a draft tree rooted at the request's last
+decided token (see `tree.py`), optionally with the draft distribution q its tokens were drawn
+from (for lossless verification of sampled drafts; None means deterministic drafts, e.g. argmax
+or top-k candidates). After verification it hears what was accepted, so it can roll back its own
+state (a draft model's KV cache) or learn (an n-gram table).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.core import Sequence
+from specdecode.tree import TreeShape
+
+
+@dataclass
+class DraftProposal:
+    shape: TreeShape
+    tokens: list[int]  # [n] token at each node; tokens[0] is the root (the last decided token)
+    draft_probs: torch.Tensor | None = None  # [n, V] q at each node for its children
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.tokens) - 1
+
+    @classmethod
+    def empty(cls, root: int) -> DraftProposal:
+        return cls(TreeShape.chain(0), [root])
+
+
+class Drafter(ABC):
+    """Proposes draft trees for a batch of decoding sequences."""
+
+    #: True when proposals carry q (sampled drafts); False for deterministic drafts.
+    samples_drafts: bool = False
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        """One proposal per sequence with at most `budgets[i]` draft nodes (0: no drafts).
+        The root is `seq.last_token`; all other state the drafter needs is its own."""
+
+    def on_verified(
+        self, seqs: list[Sequence], proposals: list[DraftProposal], accepted: list[list[int]]
+    ) -> None:
+        """`accepted[i]`: the draft nodes of proposal i the target kept, in path order."""
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence finished or was preempted: drop its state."""

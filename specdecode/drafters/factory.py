@@ -1,0 +1,23 @@
+"""Builds the drafter a SpeculativeConfig names."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from specdecode.config import SpeculativeConfig
+from specdecode.drafters.base import Drafter
+
+if TYPE_CHECKING:
+    from specdecode.engine.engine import LLMEngine
+
+
+def build_drafter(config: SpeculativeConfig, engine: LLMEngine) -> Drafter:
+    if config.method == "ngram":
+        from specdecode.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model":
+        from specdecode.drafters.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter.from_config(config, engine)
+    raise ValueError(f"no drafter for method {config.method!r}")
