@@ -105,3 +105,72 @@ def test_bad_speculative_config(tiny_llama_dir):
         LLM(
             str(tiny_llama_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 0}
         )
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory):
+    """A different random tiny model: a draft that disagrees with the target often."""
+    from conftest import _write_byte_tokenizer, make_tiny_hf
+
+    out = tmp_path_factory.mktemp("draft")
+    make_tiny_hf("llama", out, seed=7)
+    _write_byte_tokenizer(out)
+    return out
+
+
+@pytest.mark.parametrize("draft", ["self", "other"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_draft_model_greedy_equals_plain(plain, tiny_llama_dir, other_draft_dir, draft, k):
+    path = tiny_llama_dir if draft == "self" else other_draft_dir
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={
+            "method": "draft_model",
+            "model": str(path),
+            "num_speculative_tokens": k,
+        },
+    )
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
+    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(30))]
+    assert got == want
+    assert spec.generate(PROMPTS[1], greedy(30))[0].outputs[0].token_ids == want[1]
+    stats = spec.engine.spec_stats
+    if draft == "self":  # the target drafting for itself: every draft is accepted
+        assert stats.acceptance_rate == 1.0
+    else:
+        assert 0 < stats.acceptance_rate < 1.0
+
+
+def test_draft_model_sampled_distribution_unchanged(sharp_llama_dir, tmp_path):
+    """Sampled drafts verified with their real q: first tokens distributed as without
+    speculation (same chi-square test as above)."""
+    from conftest import _write_byte_tokenizer, make_tiny_hf
+
+    make_tiny_hf("llama", tmp_path, seed=1, logit_scale=3.0)  # same weights, softer: q != p
+    _write_byte_tokenizer(tmp_path)
+    plain = LLM(str(sharp_llama_dir))
+    spec = LLM(
+        str(sharp_llama_dir),
+        speculative_config={
+            "method": "draft_model",
+            "model": str(tmp_path),
+            "num_speculative_tokens": 3,
+        },
+    )
+    n = 2000
+
+    def params(offset):
+        return [
+            SamplingParams(
+                temperature=1.0, top_k=8, top_p=0.9, max_tokens=4, ignore_eos=True, seed=offset + s
+            )
+            for s in range(n)
+        ]
+
+    a = [o.outputs[0].token_ids for o in plain.generate([PROMPTS[0]] * n, params(0))]
+    b = [o.outputs[0].token_ids for o in spec.generate([PROMPTS[0]] * n, params(n))]
+    stats = spec.engine.spec_stats
+    assert stats.num_accepted_tokens > 1000 and stats.acceptance_rate < 0.95
+    for pos in range(4):
+        pval = chi_square_pvalue([t[pos] for t in a], [t[pos] for t in b])
+        assert pval > 1e-3, (pos, pval)
