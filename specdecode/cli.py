@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import InvalidRequestError, SpecDecodeError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -26,6 +27,49 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    spec = p.add_argument_group("speculative decoding (vLLM flags)")
+    spec.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
+    )
+    spec.add_argument(
+        "--speculative-model", default=None, help="legacy vLLM flag: a draft model, or [ngram]"
+    )
+    spec.add_argument("--num-speculative-tokens", type=int, default=None)
+    spec.add_argument("--ngram-prompt-lookup-max", type=int, default=None)
+    spec.add_argument("--ngram-prompt-lookup-min", type=int, default=None)
+
+
+def speculative_config(args: argparse.Namespace) -> dict | None:
+    """Merge `--speculative-config` with the legacy flags (the JSON wins where both are set)."""
+    cfg: dict = {}
+    if getattr(args, "speculative_model", None):
+        model = args.speculative_model
+        if model.strip("[]") == "ngram":
+            cfg["method"] = "ngram"
+        else:
+            cfg.update(method="draft_model", model=model)
+    legacy = {
+        "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
+        "prompt_lookup_max": getattr(args, "ngram_prompt_lookup_max", None),
+        "prompt_lookup_min": getattr(args, "ngram_prompt_lookup_min", None),
+    }
+    cfg.update({k: v for k, v in legacy.items() if v is not None})
+    if getattr(args, "speculative_config", None):
+        try:
+            raw = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"--speculative-config is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise InvalidRequestError("--speculative-config must be a JSON object")
+        cfg.update(raw)
+    if cfg and "method" not in cfg:
+        raise InvalidRequestError("speculative flags given without a method or draft model")
+    return cfg or None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         dtype=args.dtype,
@@ -33,6 +77,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         allow_pickle=args.allow_pickle,
+        speculative_config=speculative_config(args),
     )
 
 
@@ -43,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_args(gen)
+    add_speculative_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -82,6 +128,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    stats = llm.engine.spec_stats
+    if stats.num_drafts:
+        print(
+            f"[speculative: {stats.num_accepted_tokens}/{stats.num_draft_tokens} drafts accepted "
+            f"({100 * stats.acceptance_rate:.0f}%), {stats.mean_acceptance_length:.2f} tokens "
+            "per step]",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

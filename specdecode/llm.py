@@ -92,6 +92,9 @@ class LLM:
             delta = OutputProcessor.stream_delta(seq)
             if delta:
                 yield delta
+        delta = OutputProcessor.stream_delta(seq)
+        if delta:
+            yield delta
 
     def _run(self, ids: list[list[int]], params, prompts: list) -> list[RequestOutput]:
         if params is None:

@@ -60,3 +60,46 @@ def test_unsupported_architecture(tiny_llama_dir, tmp_path):
     (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["FalconForCausalLM"]}))
     r = run("generate", "--model", str(d), "--prompt", "hi")
     assert r.returncode == 2 and "unsupported architecture" in r.stderr
+
+
+def test_speculative_flags(tiny_llama_dir):
+    base = [
+        "generate",
+        "--model",
+        str(tiny_llama_dir),
+        "--prompt",
+        "abcabcabcabc",
+        "--max-tokens",
+        "20",
+        "--ignore-eos",
+    ]
+    plain = run(*base)
+    legacy = run(
+        *base,
+        "--speculative-model",
+        "[ngram]",
+        "--num-speculative-tokens",
+        "3",
+        "--ngram-prompt-lookup-min",
+        "1",
+    )
+    modern = run(
+        *base,
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
+    )
+    assert plain.returncode == legacy.returncode == modern.returncode == 0, legacy.stderr
+    assert plain.stdout == legacy.stdout == modern.stdout
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--speculative-config", "{not json"], "not valid JSON"),
+        (["--speculative-config", '{"method": "eagle9"}'], "unknown speculative method"),
+        (["--num-speculative-tokens", "3"], "without a method"),
+    ],
+)
+def test_bad_speculative_flags(tiny_llama_dir, flags, message):
+    r = run("generate", "--model", str(tiny_llama_dir), "--prompt", "hi", *flags)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
