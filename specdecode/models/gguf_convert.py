@@ -107,30 +107,70 @@ def gguf_config(reader) -> dict:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, model.safetensors and the tokenizer files of `gguf_path` to `out_dir`."""
     import gguf
-    from safetensors.torch import save_file
 
     try:
         reader = gguf.GGUFReader(str(gguf_path))
     except Exception as e:  # noqa: BLE001 - the reader raises assorted errors on bad files
         raise CorruptModelError(f"{gguf_path} is not a readable GGUF file: {e}") from e
     cfg = gguf_config(reader)
-    permute = cfg["model_type"] == "llama"
-    tensors = {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes, files = 0, []
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
             continue
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape([int(d) for d in reversed(t.shape)])
-        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_rows(w, cfg["num_attention_heads"])
-        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_rows(w, cfg["num_key_value_heads"])
-        tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        shard[name] = _dequantize(t, name, cfg)
+        shard_bytes += shard[name].numel() * 4
+        if shard_bytes >= _SHARD_BYTES:
+            files.append(_write_shard(shard, out_dir, len(files)))
+            shard, shard_bytes = {}, 0
+    if shard:
+        files.append(_write_shard(shard, out_dir, len(files)))
+    _name_shards_like_hf(files, out_dir)
     _save_tokenizer(gguf_path, out_dir)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+_SHARD_BYTES = 2 * 2**30  # bounds the memory a conversion holds at once
+
+
+def _dequantize(t, name: str, cfg: dict) -> torch.Tensor:
+    import gguf
+
+    w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    w = w.reshape([int(d) for d in reversed(t.shape)])
+    if cfg["model_type"] == "llama":  # undo llama.cpp's q/k row interleave
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_rows(w, cfg["num_attention_heads"])
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_rows(w, cfg["num_key_value_heads"])
+    return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+
+
+def _write_shard(tensors: dict[str, torch.Tensor], out_dir: Path, index: int) -> Path:
+    from safetensors.torch import save_file
+
+    path = out_dir / f"shard-{index:05d}.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
+def _name_shards_like_hf(files: list[Path], out_dir: Path) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors plus the index transformers reads."""
+    from safetensors import safe_open
+
+    if len(files) == 1:
+        files[0].rename(out_dir / "model.safetensors")
+        return
+    weight_map = {}
+    for i, f in enumerate(files, start=1):
+        name = f"model-{i:05d}-of-{len(files):05d}.safetensors"
+        with safe_open(str(f), framework="pt") as st:
+            weight_map.update({k: name for k in st.keys()})
+        f.rename(out_dir / name)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
