@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
 
+    models = sub.add_parser("models", help="list or pull the models specdecode can fetch")
+    msub = models.add_subparsers(dest="models", required=True)
+    msub.add_parser("list", help="pullable models and where they are")
+    pull = msub.add_parser("pull", help="download, verify and convert a model")
+    pull.add_argument("name")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     lat = bsub.add_parser("latency", help="plain decoding tok/s vs transformers, and the floor")
@@ -138,6 +144,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
         )
 
 
+def cmd_models(args: argparse.Namespace) -> None:
+    from specdecode.models.registry import REGISTRY, gguf_path, pull
+
+    if args.models == "list":
+        for m in REGISTRY.values():
+            state = "pulled" if gguf_path(m).is_file() else "not pulled"
+            print(f"{m.name:<22} {state:<11} {m.description}")
+        return
+    print(pull(args.name))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -147,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             cmd_generate(args)
+        elif args.command == "models":
+            cmd_models(args)
         elif args.command == "bench" and args.bench == "latency":
             from specdecode.bench.latency import run_latency
 

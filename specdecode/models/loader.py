@@ -54,6 +54,10 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     """Turn what the user typed into a Hugging Face-style directory, converting GGUF if needed."""
     if model is None or str(model) in ("default", DEFAULT_MODEL):
         return convert_gguf_cached(default_gguf_path(), name=DEFAULT_MODEL)
+    from specdecode.models.registry import REGISTRY, pulled_dir
+
+    if str(model) in REGISTRY:
+        return pulled_dir(str(model))
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
