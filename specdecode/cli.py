@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench", required=True)
     lat = bsub.add_parser("latency", help="plain decoding tok/s vs transformers, and the floor")
     add_engine_args(lat)
+    add_speculative_args(lat)
+    lat.add_argument(
+        "--workloads",
+        default="code,sql,json,chat",
+        help="speculative mode: comma-separated subset of code,sql,json,chat",
+    )
+    lat.add_argument("--temperatures", default="0,0.7,1.0", help="speculative mode")
+    lat.add_argument("--num-prompts", type=int, default=3, help="speculative mode, per workload")
     lat.add_argument("--max-tokens", type=int, default=64)
     lat.add_argument("--repeats", type=int, default=3)
     lat.add_argument("--skip-transformers", action="store_true")
@@ -167,9 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "models":
             cmd_models(args)
         elif args.command == "bench" and args.bench == "latency":
-            from specdecode.bench.latency import run_latency
+            if speculative_config(args):
+                from specdecode.bench.speculative import run_speculative
 
-            run_latency(args)
+                run_speculative(args)
+            else:
+                from specdecode.bench.latency import run_latency
+
+                run_latency(args)
     except SpecDecodeError as e:
         print(f"specdecode: error: {e}", file=sys.stderr)
         return 2

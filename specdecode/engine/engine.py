@@ -65,6 +65,7 @@ class LLMEngine:
             self.drafter = build_drafter(self.spec_config, self)
             self.scheduler.on_preempt.append(self.drafter.release)
         self.spec_stats = SpecDecodeStats()
+        self.speculation_enabled = True  # False: plain decoding with the same engine
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -94,7 +95,8 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """Run one forward for the scheduled batch; return the sequences that received tokens."""
-        k = self.spec_config.num_speculative_tokens if self.drafter else 0
+        speculate = self.drafter is not None and self.speculation_enabled
+        k = self.spec_config.num_speculative_tokens if speculate else 0
         batch = self.scheduler.schedule(num_lookahead=k)
         if not batch.seqs:
             return []
@@ -121,7 +123,7 @@ class LLMEngine:
 
     def _propose(self, batch, k: int) -> list[DraftProposal | None]:
         proposals: list[DraftProposal | None] = [None] * len(batch)
-        if not self.drafter:
+        if not self.drafter or not self.speculation_enabled:
             return proposals
         decoding = [
             i

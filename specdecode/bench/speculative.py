@@ -1,0 +1,169 @@
+"""`specdecode bench latency --speculative-config ...`: batch-1 speculative decoding against plain
+decoding of the same engine, per workload and temperature, next to transformers' own speculative
+mode on the same prompts (prompt lookup for `ngram`, assisted generation for `draft_model`).
+
+Every figure is tokens generated / wall time, prefill included, measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import time
+
+import torch
+
+from specdecode.bench import workloads
+
+log = logging.getLogger(__name__)
+
+
+def _timed(fn) -> tuple[int, float]:
+    t = time.perf_counter()
+    n = fn()
+    return n, time.perf_counter() - t
+
+
+def run_speculative(args: argparse.Namespace) -> dict:
+    from specdecode import LLM, SamplingParams
+    from specdecode.cli import engine_kwargs
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    engine = llm.engine
+    spec_cfg = engine.spec_config
+    hf = _HFReference(llm, spec_cfg) if not args.skip_transformers else None
+    temps = [float(t) for t in args.temperatures.split(",")]
+    rows = []
+    for name in args.workloads.split(","):
+        prompts = [llm._chat_ids(m) for m in workloads.load(name, args.num_prompts)]
+        for temp in temps:
+            row = {"workload": name, "temperature": temp, "prompts": len(prompts)}
+            stats_before = _copy_stats(engine)
+            for mode in ("plain", "spec"):
+                engine.speculation_enabled = mode == "spec"
+                total_n, total_t = 0, 0.0
+                for i, ids in enumerate(prompts):
+                    params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=i)
+                    n, dt = _timed(
+                        lambda ids=ids, params=params: len(
+                            llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+                        )
+                    )
+                    total_n, total_t = total_n + n, total_t + dt
+                row[f"{mode}_tok_s"] = total_n / total_t
+            stats = _diff_stats(engine, stats_before)
+            row.update(
+                speedup=row["spec_tok_s"] / row["plain_tok_s"],
+                acceptance_rate=stats.acceptance_rate,
+                tau=stats.mean_acceptance_length,
+            )
+            if hf is not None:
+                row.update(hf.measure(prompts, temp, args.max_tokens))
+            rows.append(row)
+            _print_row(row)
+    result = {
+        "model": engine.model_path.name,
+        "speculative_config": spec_cfg.__dict__,
+        "dtype": args.dtype,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}",
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _copy_stats(engine):
+    from copy import deepcopy
+
+    return deepcopy(engine.spec_stats)
+
+
+def _diff_stats(engine, before):
+    from specdecode.metrics import SpecDecodeStats
+
+    now = engine.spec_stats
+    d = SpecDecodeStats(
+        now.num_drafts - before.num_drafts,
+        now.num_draft_tokens - before.num_draft_tokens,
+        now.num_accepted_tokens - before.num_accepted_tokens,
+    )
+    return d
+
+
+def _print_row(r: dict) -> None:
+    line = (
+        f"{r['workload']:<5} T={r['temperature']:<4} plain {r['plain_tok_s']:6.1f} tok/s  "
+        f"spec {r['spec_tok_s']:6.1f} tok/s  speedup {r['speedup']:.2f}x  "
+        f"accept {100 * r['acceptance_rate']:4.0f}%  tau {r['tau']:.2f}"
+    )
+    if "hf_speedup" in r:
+        line += (
+            f"  | transformers {r['hf_method']}: {r['hf_spec_tok_s']:.1f} vs "
+            f"{r['hf_plain_tok_s']:.1f} tok/s = {r['hf_speedup']:.2f}x"
+        )
+    print(line, flush=True)
+
+
+class _HFReference:
+    """transformers `generate` on the same checkpoint, plain and with its speculative mode."""
+
+    def __init__(self, llm, spec_cfg) -> None:
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        from specdecode.engine.engine import resolve_dtype
+        from specdecode.models.loader import resolve_model
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        dtype = resolve_dtype(llm.engine.config.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(llm.engine.model_path), dtype=dtype
+        ).eval()
+        self.pad = llm.tokenizer.eos_token_id
+        self.k = spec_cfg.num_speculative_tokens
+        self.extra: dict = {}
+        if spec_cfg.method == "ngram":
+            self.method = "prompt lookup"
+            self.extra = {"prompt_lookup_num_tokens": self.k}
+        elif spec_cfg.method == "draft_model":
+            self.method = "assisted"
+            draft_dtype = resolve_dtype(spec_cfg.draft_dtype or llm.engine.config.dtype)
+            draft = AutoModelForCausalLM.from_pretrained(
+                str(resolve_model(spec_cfg.model)), dtype=draft_dtype
+            ).eval()
+            self.extra = {"assistant_model": draft}
+        else:
+            self.method = None
+
+    @torch.inference_mode()
+    def measure(self, prompts: list[list[int]], temp: float, max_tokens: int) -> dict:
+        if self.method is None:
+            return {}
+        out = {"hf_method": self.method}
+        for mode, extra in (("plain", {}), ("spec", self.extra)):
+            total_n, total_t = 0, 0.0
+            for i, ids in enumerate(prompts):
+                torch.manual_seed(i)
+                x = torch.tensor([ids])
+                kw = {"do_sample": temp > 0, **({"temperature": temp} if temp > 0 else {})}
+                t = time.perf_counter()
+                y = self.model.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=max_tokens,
+                    pad_token_id=self.pad,
+                    **kw,
+                    **extra,
+                )
+                total_t += time.perf_counter() - t
+                total_n += y.shape[1] - x.shape[1]
+            out[f"hf_{mode}_tok_s"] = total_n / total_t
+        out["hf_speedup"] = out["hf_spec_tok_s"] / out["hf_plain_tok_s"]
+        return out
