@@ -138,10 +138,29 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     draft_dtype: str | None = None  # the draft only proposes: it may run in lower precision
+    # Static draft tree as a choice list (vLLM's key; a JSON string or a list), e.g.
+    # [[0], [1], [0, 0], [1, 0], [0, 0, 0]]: top-2 children of the root, then chains below.
+    speculative_token_tree: Any = None
 
     def __post_init__(self) -> None:
         from specdecode.errors import InvalidRequestError
 
+        tree = self.speculative_token_tree
+        if isinstance(tree, str):
+            import json
+
+            try:
+                tree = json.loads(tree)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"speculative_token_tree is not JSON: {e}") from e
+        if tree is not None:
+            from specdecode.tree import TreeShape
+
+            try:
+                TreeShape.from_choices(tree)
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError(f"invalid speculative_token_tree: {e}") from e
+            object.__setattr__(self, "speculative_token_tree", [list(c) for c in tree])
         if self.method not in SPECULATIVE_METHODS:
             raise InvalidRequestError(
                 f"unknown speculative method {self.method!r}; "

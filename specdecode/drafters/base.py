@@ -39,10 +39,15 @@ class Drafter(ABC):
     #: True when proposals carry q (sampled drafts); False for deterministic drafts.
     samples_drafts: bool = False
 
+    def max_nodes(self, k: int) -> int:
+        """Cache slots a proposal of depth at most k may need (beyond the root)."""
+        return k
+
     @abstractmethod
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
-        """One proposal per sequence with at most `budgets[i]` draft nodes (0: no drafts).
-        The root is `seq.last_token`; all other state the drafter needs is its own."""
+        """One proposal per sequence, no deeper than `budgets[i]` (0: no drafts) and with at
+        most `max_nodes(k)` drafts. The root is `seq.last_token`; any other state the drafter
+        needs is its own."""
 
     def on_verified(
         self, seqs: list[Sequence], proposals: list[DraftProposal], accepted: list[list[int]]

@@ -1,10 +1,13 @@
 """Gen 1: a separate, smaller draft model with the target's tokenizer.
 
 The draft keeps its own paged KV cache. Each step it first catches up on the tokens the target
-committed since it last looked (the root included), then proposes k tokens one forward at a
-time, sampling each from q = warp(draft logits) with the request's own temperature, top-k and
-top-p, so verification can use the sampled-drafts rule with the real q. After verification its
-cache is rolled back to the tokens that survived.
+committed since it last looked (the root included), then drafts:
+- a chain (default): k tokens one forward at a time, each sampled from q = warp(draft logits)
+  with the request's own temperature, top-k and top-p, verified with the sampled-drafts rule and
+  the real q;
+- or a static tree (`speculative_token_tree`): level by level, each node's children are the
+  top-ranked candidates of its q (deterministic drafts), one forward per level with a tree mask.
+After verification its cache is rolled back to the tokens that survived.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.cache import BlockManager, KVCache, SeqBlocks
+from specdecode.cache import BlockManager, KVCache, SeqBlocks, keep_path
 from specdecode.config import SpeculativeConfig
 from specdecode.core import Sequence
 from specdecode.drafters.base import Drafter, DraftProposal
@@ -32,14 +35,27 @@ if TYPE_CHECKING:
 class _DraftState:
     blocks: SeqBlocks
     generator: torch.Generator | None
-    pending: tuple[int, int] = (0, 0)  # (sequence length at proposal, drafts proposed)
+    pending: tuple[int, int] = (0, 0)  # chain: (sequence length at proposal, drafts proposed)
+    fed_nodes: int = 0  # tree: nodes written to the draft cache after the root
 
 
 class DraftModelDrafter(Drafter):
     samples_drafts = True
 
-    def __init__(self, model: LlamaModel, kv_memory_gb: float, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_memory_gb: float,
+        block_size: int = 16,
+        tree: TreeShape | None = None,
+    ) -> None:
         self.model = model
+        self.tree = tree
+        if tree is not None:
+            depths = tree.depths
+            if any(a > b for a, b in zip(depths, depths[1:], strict=False)):
+                raise ValueError("tree nodes must be in level order")
+            self.samples_drafts = False
         self.device = model.norm.weight.device
         dtype = model.norm.weight.dtype
         per_token = KVCache.bytes_per_token(model.config, dtype)
@@ -65,7 +81,16 @@ class DraftModelDrafter(Drafter):
                 f"the draft model's vocabulary ({loaded.config.vocab_size}) differs from the "
                 f"target's ({engine.model_config.vocab_size}); they must share a tokenizer"
             )
-        return cls(loaded.model, engine.config.kv_cache_memory_gb / 4, engine.config.block_size)
+        tree = config.speculative_token_tree
+        return cls(
+            loaded.model,
+            engine.config.kv_cache_memory_gb / 4,
+            engine.config.block_size,
+            TreeShape.from_choices(tree) if tree else None,
+        )
+
+    def max_nodes(self, k: int) -> int:
+        return len(self.tree) - 1 if self.tree is not None else k
 
     def _get_state(self, seq: Sequence) -> _DraftState:
         st = self._state.get(seq.seq_id)
@@ -80,6 +105,8 @@ class DraftModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        if self.tree is not None:
+            return self._propose_tree(seqs, budgets)
         states = [self._get_state(s) for s in seqs]
         active = [i for i, k in enumerate(budgets) if k > 0]
         if active and not self._ensure_room(
@@ -110,38 +137,125 @@ class DraftModelDrafter(Drafter):
             out.append(DraftProposal(TreeShape.chain(len(d)), [seq.last_token] + d, probs))
         return out
 
+    def _propose_tree(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        tree = self.tree
+        states = [self._get_state(s) for s in seqs]
+        shapes = [_prune(tree, k) for k in budgets]
+        active = [i for i, sh in enumerate(shapes) if len(sh) > 1]
+        if active and not self._ensure_room(
+            [states[i] for i in active],
+            [seqs[i].num_tokens + len(shapes[i]) - 1 for i in active],
+        ):
+            active = []
+        tokens = [[s.last_token] + [0] * (len(sh) - 1) for s, sh in zip(seqs, shapes, strict=True)]
+        for st in states:
+            st.fed_nodes = 0
+        if not active:
+            return [DraftProposal.empty(s.last_token) for s in seqs]
+        feeds = [seqs[i].token_ids(states[i].blocks.length, seqs[i].num_tokens) for i in active]
+        logits = self._forward([states[i].blocks for i in active], feeds, last_only=True)
+        q_rows = {(i, 0): logits[r] for r, i in enumerate(active)}  # (seq, node) -> logits
+        depths, kids = tree.depths, tree.children
+        for depth in range(1, max(depths) + 1):
+            level = [j for j, d in enumerate(depths) if d == depth]
+            for i in active:
+                for j in level:
+                    if j < len(shapes[i]):
+                        # candidates ranked by the draft's logits (deterministic drafts)
+                        parent_logits = q_rows[(i, tree.parents[j])]
+                        tokens[i][j] = int(parent_logits.topk(tree.ranks[j] + 1).indices[-1])
+            deeper = [
+                i
+                for i in active
+                if any(
+                    depths[c] == depth + 1 and c < len(shapes[i]) for j in level for c in kids[j]
+                )
+            ]
+            if not deeper:
+                break
+            lo, hi = level[0], level[-1] + 1
+            mask = tree.ancestor_mask()[lo:hi, 1:hi]
+            feeds = [tokens[i][lo:hi] for i in deeper]
+            logits = self._forward(
+                [states[i].blocks for i in deeper], feeds, masks=[mask] * len(deeper)
+            )
+            for r, i in enumerate(deeper):
+                states[i].fed_nodes = hi - 1
+                for j in range(lo, hi):
+                    q_rows[(i, j)] = logits[r * (hi - lo) + (j - lo)]
+        return [DraftProposal(sh, t) for sh, t in zip(shapes, tokens, strict=True)]
+
     def _ensure_room(self, states: list[_DraftState], lengths: list[int]) -> bool:
         for st, n in zip(states, lengths, strict=True):
             if not self.manager.allocate(st.blocks, n):
                 return False
         return True
 
-    def _forward(self, blocks: list[SeqBlocks], feeds: list[list[int]]) -> torch.Tensor:
-        """Append `feeds[i]` to sequence i; return [B, V] logits at each last new token."""
+    def _forward(
+        self,
+        blocks: list[SeqBlocks],
+        feeds: list[list[int]],
+        masks: list[torch.Tensor] | None = None,
+        last_only: bool = True,
+    ) -> torch.Tensor:
+        """Append `feeds[i]` to sequence i (with tree `masks`, positions following the tree's
+        depth); return logits at each last new token [B, V], or at every new token when masks
+        are given ([sum n_i, V])."""
         nums = [len(f) for f in feeds]
-        meta = build_metadata(self.cache.kv, self.manager, blocks, nums)
+        meta = build_metadata(self.cache.kv, self.manager, blocks, nums, masks)
         ids = torch.tensor([t for f in feeds for t in f], device=self.device)
-        pos = torch.tensor(
-            [p for b, n in zip(blocks, nums, strict=True) for p in range(b.length, b.length + n)],
-            device=self.device,
-        )
+        if masks is None:
+            positions = [
+                p for b, n in zip(blocks, nums, strict=True) for p in range(b.length, b.length + n)
+            ]
+        else:  # a level of the tree: all its nodes sit at the same depth
+            positions = [
+                b.length - m.shape[1] + n + self._level_depth(m)
+                for b, n, m in zip(blocks, nums, masks, strict=True)
+                for _ in range(n)
+            ]
+        pos = torch.tensor(positions, device=self.device)
         hidden = self.model(ids, pos, meta).hidden
-        last = torch.tensor(nums, device=self.device).cumsum(0) - 1
         for b, n in zip(blocks, nums, strict=True):
             b.length += n
+        if masks is not None:
+            return self.model.compute_logits(hidden)
+        last = torch.tensor(nums, device=self.device).cumsum(0) - 1
         return self.model.compute_logits(hidden[last])
+
+    @staticmethod
+    def _level_depth(mask: torch.Tensor) -> int:
+        """Depth below the root of the nodes in this level (ancestors among the tree nodes)."""
+        return int(mask[0].sum()) - 1
 
     def on_verified(self, seqs, proposals, accepted) -> None:
         for seq, acc in zip(seqs, accepted, strict=True):
             st = self._state.get(seq.seq_id)
             if st is None:
                 continue
+            if self.tree is not None:
+                self._keep_tree_path(st, acc)
+                continue
             length, k = st.pending
             # The draft fed the root and drafts 1..k-1; those accepted stay valid.
             valid = length + min(len(acc), max(k - 1, 0))
             self.manager.truncate(st.blocks, min(valid, st.blocks.length))
 
+    def _keep_tree_path(self, st: _DraftState, accepted: list[int]) -> None:
+        """Nodes 1..fed_nodes sit after the root; keep the accepted ones that were fed."""
+        root_index = st.blocks.length - st.fed_nodes - 1
+        fed = [j for j in accepted if j <= st.fed_nodes]  # a prefix of the path
+        st.blocks.length = root_index
+        keep_path(self.manager, self.cache, st.blocks, [0] + fed)
+        st.fed_nodes = 0
+
     def release(self, seq: Sequence) -> None:
         st = self._state.pop(seq.seq_id, None)
         if st is not None:
             self.manager.free(st.blocks)
+
+
+def _prune(tree: TreeShape, max_depth: int) -> TreeShape:
+    """The level-ordered prefix of `tree` no deeper than `max_depth` (a chain root if 0)."""
+    n = sum(1 for d in tree.depths if d <= max_depth)
+    return TreeShape(tree.parents[:n], tree.ranks[:n])

@@ -97,7 +97,8 @@ class LLMEngine:
         """Run one forward for the scheduled batch; return the sequences that received tokens."""
         speculate = self.drafter is not None and self.speculation_enabled
         k = self.spec_config.num_speculative_tokens if speculate else 0
-        batch = self.scheduler.schedule(num_lookahead=k)
+        lookahead = self.drafter.max_nodes(k) if speculate else 0
+        batch = self.scheduler.schedule(num_lookahead=lookahead)
         if not batch.seqs:
             return []
         proposals = self._propose(batch, k)
@@ -108,7 +109,7 @@ class LLMEngine:
             self.drafter.on_verified(
                 [batch.seqs[i] for i in spec],
                 [proposals[i] for i in spec],
-                [new_tokens[i][:-1] for i in spec],
+                [self.runner.accepted_nodes[i] for i in spec],
             )
         updated = []
         for seq, tokens in zip(batch.seqs, new_tokens, strict=True):
@@ -139,7 +140,7 @@ class LLMEngine:
         return proposals
 
     def _budget(self, seq: Sequence, k: int) -> int:
-        """Drafts worth proposing: none past the context, none past max_tokens."""
+        """Draft depth worth proposing: none past the context, none past max_tokens."""
         room = self.max_model_len - seq.num_tokens
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)

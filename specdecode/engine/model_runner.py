@@ -22,6 +22,7 @@ class ModelRunner:
         self.manager = manager
         self.device = model.norm.weight.device
         self._generators: dict[int, torch.Generator | None] = {}
+        self.accepted_nodes: dict[int, list[int]] = {}
 
     def generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.seq_id not in self._generators:
@@ -40,7 +41,8 @@ class ModelRunner:
     ) -> list[list[int] | None]:
         """Feed each sequence its scheduled tokens, or its draft tree where `proposals[i]` is
         set. Return the tokens each sequence gains this step (None while a prompt is still being
-        prefilled in chunks)."""
+        prefilled in chunks). The accepted draft nodes of the last step are in
+        `self.accepted_nodes` (batch index -> node indices)."""
         proposals = proposals or [None] * len(batch)
         ids, positions, num_new, trees = [], [], [], []
         for seq, n, prop in zip(batch.seqs, batch.num_new, proposals, strict=True):
@@ -67,6 +69,7 @@ class ModelRunner:
         for n in num_new:
             offsets.append(offsets[-1] + n)
         result: list[list[int] | None] = [None] * len(batch)
+        self.accepted_nodes = {}
         plain = [
             i
             for i, (s, n, p) in enumerate(zip(batch.seqs, num_new, proposals, strict=True))
@@ -91,6 +94,7 @@ class ModelRunner:
             )
             for j, i in enumerate(spec):
                 result[i] = verified.tokens[j]
+                self.accepted_nodes[i] = verified.accepted[j]
         return result
 
     def _verify(

@@ -44,7 +44,9 @@ def build_metadata(
     """Metadata for a step that writes `num_new[i]` tokens after `seqs[i].length` committed ones.
 
     `tree_masks[i]` ([n_i, n_i] bool, node j may attend node k) replaces the causal triangle for
-    sequence i. Blocks for the new tokens must already be allocated.
+    sequence i. It may also be [n_i, w] with w > n_i: then it covers the last w indices, the
+    w - n_i tokens already written before these (earlier levels of a tree drafted level by
+    level) and the new ones. Blocks for the new tokens must already be allocated.
     """
     device = kv_cache.device
     masks = tree_masks or [None] * len(seqs)
@@ -64,9 +66,16 @@ def build_metadata(
 
 
 def _one_mask(cached: int, n: int, tree: torch.Tensor | None, width: int) -> torch.Tensor:
+    """[n, width]: new tokens see the whole prefix, and among the last `tree.shape[1]` indices
+    (which end with the n new ones) what `tree` allows."""
     mask = torch.zeros(n, width, dtype=torch.bool)
-    mask[:, :cached] = True
-    mask[:, cached : cached + n] = causal_tree_mask(n) if tree is None else tree
+    if tree is None:
+        mask[:, :cached] = True
+        mask[:, cached : cached + n] = causal_tree_mask(n)
+        return mask
+    w = tree.shape[1]
+    mask[:, : cached + n - w] = True
+    mask[:, cached + n - w : cached + n] = tree
     return mask
 
 

@@ -174,3 +174,58 @@ def test_draft_model_sampled_distribution_unchanged(sharp_llama_dir, tmp_path):
     for pos in range(4):
         pval = chi_square_pvalue([t[pos] for t in a], [t[pos] for t in b])
         assert pval > 1e-3, (pos, pval)
+
+
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("draft", ["self", "other"])
+def test_draft_model_tree_greedy_equals_plain(plain, tiny_llama_dir, other_draft_dir, draft):
+    path = tiny_llama_dir if draft == "self" else other_draft_dir
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={
+            "method": "draft_model",
+            "model": str(path),
+            "num_speculative_tokens": 4,
+            "speculative_token_tree": TREE,
+        },
+    )
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(30))] == want
+    assert spec.generate(PROMPTS[3], greedy(30))[0].outputs[0].token_ids == want[3]
+    stats = spec.engine.spec_stats
+    if draft == "self":  # greedy + self-draft: the top-1 path is always fully accepted
+        assert stats.mean_acceptance_length == pytest.approx(5.0, abs=0.3)
+    else:
+        assert stats.num_accepted_tokens > 0
+
+
+def test_draft_model_tree_sampled_distribution_unchanged(sharp_llama_dir, other_draft_dir):
+    """Deterministic top-k tree drafts at temperature 1: first tokens distributed as without."""
+    plain = LLM(str(sharp_llama_dir))
+    spec = LLM(
+        str(sharp_llama_dir),
+        speculative_config={
+            "method": "draft_model",
+            "model": str(sharp_llama_dir),
+            "num_speculative_tokens": 3,
+            "speculative_token_tree": TREE,
+        },
+    )
+    n = 2000
+
+    def params(offset):
+        return [
+            SamplingParams(
+                temperature=1.0, top_p=0.95, max_tokens=5, ignore_eos=True, seed=offset + s
+            )
+            for s in range(n)
+        ]
+
+    a = [o.outputs[0].token_ids for o in plain.generate([PROMPTS[1]] * n, params(0))]
+    b = [o.outputs[0].token_ids for o in spec.generate([PROMPTS[1]] * n, params(n))]
+    assert spec.engine.spec_stats.num_accepted_tokens > 500
+    for pos in range(5):
+        pval = chi_square_pvalue([t[pos] for t in a], [t[pos] for t in b])
+        assert pval > 1e-3, (pos, pval)
