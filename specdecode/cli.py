@@ -105,6 +105,34 @@ def build_parser() -> argparse.ArgumentParser:
     pull = msub.add_parser("pull", help="download, verify and convert a model")
     pull.add_argument("name")
 
+    data = sub.add_parser("data", help="training data")
+    dsub = data.add_subparsers(dest="data", required=True)
+    dgen = dsub.add_parser(
+        "generate",
+        help="the target answers ShareGPT train prompts "
+        "(self-distillation); resumable; runs under torchrun",
+    )
+    add_engine_args(dgen)
+    dgen.add_argument("--out", required=True, help="directory for the shards")
+    dgen.add_argument("--num-conversations", type=int, default=512)
+    dgen.add_argument("--shard-size", type=int, default=64)
+    dgen.add_argument("--max-tokens", type=int, default=256)
+    dgen.add_argument("--temperature", type=float, default=0.0)
+    dgen.add_argument("--max-num-seqs", type=int, default=16, help="generation batch size")
+
+    train = sub.add_parser("train", help="train drafters on a frozen target")
+    tsub = train.add_subparsers(dest="train", required=True)
+    tdraft = tsub.add_parser("draft", help="distil a small draft model from the target")
+    add_engine_args(tdraft)
+    tdraft.add_argument("--data", required=True, help="shards from `specdecode data generate`")
+    tdraft.add_argument("--out", required=True)
+    tdraft.add_argument("--num-layers", type=int, default=2)
+    tdraft.add_argument("--draft-vocab", type=int, default=8192)
+    tdraft.add_argument("--steps", type=int, default=300)
+    tdraft.add_argument("--batch-size", type=int, default=8)
+    tdraft.add_argument("--max-len", type=int, default=384)
+    tdraft.add_argument("--lr", type=float, default=3e-4)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     lat = bsub.add_parser("latency", help="plain decoding tok/s vs transformers, and the floor")
@@ -152,6 +180,58 @@ def cmd_generate(args: argparse.Namespace) -> None:
         )
 
 
+def cmd_data(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from specdecode import LLM, data
+    from specdecode.train.datagen import generate
+
+    kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs}
+    llm = LLM(args.model, **kwargs)
+    conversations = []
+    for item in data.sharegpt("train"):
+        conversations.append(item)
+        if len(conversations) == args.num_conversations:
+            break
+    written = generate(
+        llm, conversations, Path(args.out), args.shard_size, args.max_tokens, args.temperature
+    )
+    print(f"wrote {len(written)} shards to {args.out}")
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from specdecode.engine.engine import resolve_dtype
+    from specdecode.models.loader import load_model, load_tokenizer
+    from specdecode.train.draft import DraftTrainConfig, train_draft
+
+    loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
+    tok = load_tokenizer(loaded.path)
+    eos = sorted(
+        {
+            *loaded.config.eos_token_ids,
+            *([tok.eos_token_id] if tok.eos_token_id is not None else []),
+        }
+    )
+    cfg = DraftTrainConfig(
+        num_layers=args.num_layers,
+        draft_vocab=args.draft_vocab,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        max_len=args.max_len,
+        lr=args.lr,
+    )
+    history = train_draft(loaded.model, Path(args.data), Path(args.out), cfg, eos, loaded.path)
+    print(
+        json.dumps(
+            {k: history[k] for k in ("before", "after", "train_seconds", "draft_vocab_coverage")},
+            indent=2,
+        )
+    )
+
+
 def cmd_models(args: argparse.Namespace) -> None:
     from specdecode.models.registry import REGISTRY, gguf_path, pull
 
@@ -174,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             cmd_generate(args)
         elif args.command == "models":
             cmd_models(args)
+        elif args.command == "data":
+            cmd_data(args)
+        elif args.command == "train":
+            cmd_train(args)
         elif args.command == "bench" and args.bench == "latency":
             if speculative_config(args):
                 from specdecode.bench.speculative import run_speculative

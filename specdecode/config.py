@@ -170,8 +170,6 @@ class SpeculativeConfig:
             raise InvalidRequestError("num_speculative_tokens must be a positive integer")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.method == "draft_model" and not self.model:
-            raise InvalidRequestError("method 'draft_model' needs a draft 'model'")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:

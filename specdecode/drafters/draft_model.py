@@ -67,23 +67,28 @@ class DraftModelDrafter(Drafter):
     @classmethod
     def from_config(cls, config: SpeculativeConfig, engine: LLMEngine) -> DraftModelDrafter:
         from specdecode.engine.engine import resolve_dtype
-        from specdecode.models.loader import load_model
+        from specdecode.models.loader import load_model, resolve_model
+        from specdecode.train.draft import is_trained_draft, load_trained_draft
 
-        dtype = resolve_dtype(config.draft_dtype or engine.config.dtype)
-        loaded = load_model(
-            config.model,
-            dtype=dtype,
-            device=engine.model.norm.weight.device,
-            allow_pickle=engine.config.allow_pickle,
-        )
-        if loaded.config.vocab_size != engine.model_config.vocab_size:
+        path = resolve_model(config.model or default_draft_path(engine))
+        if is_trained_draft(path):  # distilled by `specdecode train draft`
+            model = load_trained_draft(path, engine.model)
+        else:
+            dtype = resolve_dtype(config.draft_dtype or engine.config.dtype)
+            model = load_model(
+                path,
+                dtype=dtype,
+                device=engine.model.norm.weight.device,
+                allow_pickle=engine.config.allow_pickle,
+            ).model
+        if model.config.vocab_size != engine.model_config.vocab_size:
             raise InvalidRequestError(
-                f"the draft model's vocabulary ({loaded.config.vocab_size}) differs from the "
+                f"the draft model's vocabulary ({model.config.vocab_size}) differs from the "
                 f"target's ({engine.model_config.vocab_size}); they must share a tokenizer"
             )
         tree = config.speculative_token_tree
         return cls(
-            loaded.model,
+            model,
             engine.config.kv_cache_memory_gb / 4,
             engine.config.block_size,
             TreeShape.from_choices(tree) if tree else None,
@@ -253,6 +258,21 @@ class DraftModelDrafter(Drafter):
         st = self._state.pop(seq.seq_id, None)
         if st is not None:
             self.manager.free(st.blocks)
+
+
+def default_draft_path(engine: LLMEngine) -> str:
+    """The draft shipped for the default target (`specdecode train draft` made it)."""
+    from pathlib import Path
+
+    from specdecode.models.loader import DEFAULT_MODEL
+
+    shipped = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-draft"
+    if engine.model_path.name.startswith(DEFAULT_MODEL) and shipped.is_dir():
+        return str(shipped)
+    raise InvalidRequestError(
+        "method 'draft_model' needs a draft 'model' (a draft is shipped only for the default "
+        "target)"
+    )
 
 
 def _prune(tree: TreeShape, max_depth: int) -> TreeShape:

@@ -81,6 +81,25 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.o_proj(paged_attention(q, k, v, self.layer, meta))
 
+    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] with causal attention over the T tokens only (no cache)."""
+        b, t, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=True,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -106,6 +125,10 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_dense(self, h, cos, sin):  # h [B, T, H]
+        h = h + self.self_attn.forward_dense(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 @dataclass
 class ModelOutput:
@@ -124,6 +147,18 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Reduced-vocabulary head (drafts): lm_head covers only these token ids [K]; logits of
+        # every other token are -inf, so the draft never proposes them (still lossless).
+        self.vocab_ids: torch.Tensor | None = None
+
+    def reduce_vocab(self, vocab_ids: torch.Tensor) -> None:
+        """Keep only `vocab_ids` in the LM head (rows copied from the current head)."""
+        head = nn.Linear(self.config.hidden_size, len(vocab_ids), bias=False)
+        head = head.to(self.lm_head.weight.device, self.lm_head.weight.dtype)
+        with torch.no_grad():
+            head.weight.copy_(self.lm_head.weight[vocab_ids])
+        self.lm_head = head
+        self.vocab_ids = vocab_ids.to(self.lm_head.weight.device)
 
     def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [max_pos, head_dim] in the model dtype, built once."""
@@ -158,7 +193,54 @@ class LlamaModel(nn.Module):
         return ModelOutput(self.norm(h), captured)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.vocab_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.vocab_ids, logits)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under Hugging Face Llama names (q/k/v and gate/up unfused)."""
+        cfg = self.config
+        q, kv, inter = (
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+            (cfg.intermediate_size),
+        )
+        out = {}
+        for name, t in self.state_dict().items():
+            t = t.detach().contiguous()
+            if "qkv_proj" in name:
+                for part, (a, b) in zip(
+                    "qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv)), strict=True
+                ):
+                    out["model." + name.replace("qkv_proj", f"{part}_proj")] = t[a:b].clone()
+            elif "gate_up_proj" in name:
+                out["model." + name.replace("gate_up_proj", "gate_proj")] = t[:inter].clone()
+                out["model." + name.replace("gate_up_proj", "up_proj")] = t[inter:].clone()
+            elif name == "lm_head.weight":
+                if not cfg.tie_word_embeddings or self.vocab_ids is not None:
+                    out[name] = t
+            else:
+                out["model." + name] = t
+        return out
+
+    def forward_dense(
+        self, input_ids: torch.Tensor, capture_layers: tuple[int, ...] = ()
+    ) -> ModelOutput:
+        """Training/feature-extraction forward without the KV cache: input_ids [B, T] (right
+        padded; padding never influences earlier tokens), plain causal attention, autograd-safe.
+        Returns hidden [B, T, H] and the captured layer inputs."""
+        b, t = input_ids.shape
+        cos_table, sin_table = self.rope_tables()
+        cos, sin = cos_table[:t].unsqueeze(1), sin_table[:t].unsqueeze(1)  # [T, 1, D]
+        h = self.embed_tokens(input_ids)
+        captured = []
+        for i, layer in enumerate(self.layers):
+            if i in capture_layers:
+                captured.append(h)
+            h = layer.forward_dense(h, cos, sin)
+        return ModelOutput(self.norm(h), captured)
 
     # ---- weights -------------------------------------------------------------------------------
 

@@ -64,3 +64,14 @@ def test_captured_layer_inputs_match_hf_hidden_states(ours_and_hf):
     for k, layer in enumerate((0, 1)):
         torch.testing.assert_close(out.captured[k], hs[layer][0], atol=ATOL, rtol=0)
     torch.testing.assert_close(out.hidden, hs[-1][0], atol=ATOL, rtol=0)
+
+
+def test_dense_forward_matches_transformers(ours_and_hf):
+    """The cache-free training forward, on a right-padded batch."""
+    ours, hf = ours_and_hf
+    a, b = list(range(3, 20)), list(range(40, 50))
+    ids = torch.tensor([a, b + [0] * (len(a) - len(b))])
+    out = ours.forward_dense(ids)
+    logits = ours.compute_logits(out.hidden)
+    torch.testing.assert_close(logits[0], hf_logits(hf, a), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[1, : len(b)], hf_logits(hf, b), atol=ATOL, rtol=0)

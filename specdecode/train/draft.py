@@ -1,0 +1,272 @@
+"""`specdecode train draft`: distil a small draft model from the target (Gen 1 for targets that
+have no smaller sibling, such as SmolLM2-135M).
+
+The draft is a shallow copy of the target: `num_layers` of its layers (evenly spaced, first and
+last included), its final norm, and its embeddings, shared with the target at run time (frozen,
+never stored twice). Its LM head covers only the `draft_vocab` most frequent answer tokens of the
+training data (rows of the target's head), which cuts the cost that dominates small models; the
+draft never proposes other tokens, which keeps verification lossless. Training minimises the
+cross-entropy to the target's own next-token distribution (restricted to the draft vocabulary)
+on the target's own answers (`specdecode data generate`).
+
+Saved layout (a directory): config.json (Hugging Face Llama config with `num_hidden_layers` =
+the draft's, plus a `specdecode_draft` section) and model.safetensors (layers, norm, the reduced
+head and its `vocab_ids`; no embeddings).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from specdecode.models.llama import LlamaModel
+from specdecode.train.datagen import Example, iter_examples
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftTrainConfig:
+    num_layers: int = 2
+    draft_vocab: int = 8192
+    steps: int = 300
+    batch_size: int = 8
+    max_len: int = 384
+    lr: float = 3e-4
+    eval_examples: int = 32
+    seed: int = 0
+
+
+def layer_indices(total: int, n: int) -> list[int]:
+    """n layer indices spread evenly over `total`, first and last included."""
+    if n >= total:
+        return list(range(total))
+    if n == 1:
+        return [total - 1]
+    return sorted({round(i * (total - 1) / (n - 1)) for i in range(n)})
+
+
+def frequent_tokens(examples: list[Example], k: int, always: list[int]) -> torch.Tensor:
+    """The k most frequent answer tokens (ties by id), always including `always` (EOS...)."""
+    counts: dict[int, int] = {}
+    for ex in examples:
+        for t, m in zip(ex.input_ids, ex.loss_mask, strict=True):
+            if m:
+                counts[t] = counts.get(t, 0) + 1
+    ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    chosen = list(dict.fromkeys([*always, *ranked]))[:k]
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def make_draft(target: LlamaModel, num_layers: int, vocab_ids: torch.Tensor) -> LlamaModel:
+    """A draft that starts as the chosen layers of the target."""
+    picked = layer_indices(target.config.num_layers, num_layers)
+    cfg = replace(target.config, num_layers=len(picked))
+    draft = LlamaModel(cfg).to(target.norm.weight.dtype)
+    with torch.no_grad():
+        draft.embed_tokens.weight = target.embed_tokens.weight  # shared, frozen
+        for i, j in enumerate(picked):
+            draft.layers[i].load_state_dict(target.layers[j].state_dict())
+        draft.norm.load_state_dict(target.norm.state_dict())
+        draft.lm_head.weight = target.lm_head.weight
+    draft.reduce_vocab(vocab_ids)
+    draft.embed_tokens.weight.requires_grad_(False)
+    draft.source_layers = picked  # type: ignore[attr-defined]
+    return draft
+
+
+def _batches(examples: list[Example], batch_size: int, max_len: int, gen: torch.Generator):
+    while True:
+        order = torch.randperm(len(examples), generator=gen).tolist()
+        for i in range(0, len(order) - batch_size + 1, batch_size):
+            yield _collate([examples[j] for j in order[i : i + batch_size]], max_len)
+
+
+def _collate(batch: list[Example], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, T] right-padded with 0; mask [B, T]: position t predicts token t+1, trained
+    where token t+1 is an answer token."""
+    t = min(max_len, max(len(ex.input_ids) for ex in batch))
+    ids = torch.zeros(len(batch), t, dtype=torch.long)
+    mask = torch.zeros(len(batch), t, dtype=torch.bool)
+    for i, ex in enumerate(batch):
+        n = min(t, len(ex.input_ids))
+        ids[i, :n] = torch.tensor(ex.input_ids[:n])
+        mask[i, : n - 1] = torch.tensor(ex.loss_mask[1:n], dtype=torch.bool)
+    return ids, mask
+
+
+def _losses(target: LlamaModel, draft: LlamaModel, ids: torch.Tensor, mask: torch.Tensor):
+    """Soft cross-entropy to the target restricted to the draft vocabulary, and top-1 agreement
+    with the target's full-vocabulary argmax."""
+    with torch.no_grad():
+        t_hidden = target.forward_dense(ids).hidden[mask]
+        t_logits = target.compute_logits(t_hidden)
+        t_top1 = t_logits.argmax(-1)
+        p = t_logits[:, draft.vocab_ids].softmax(-1)
+    d_hidden = draft.forward_dense(ids).hidden[mask]
+    d_logits = draft.lm_head(d_hidden).float()
+    loss = -(p * d_logits.log_softmax(-1)).sum(-1).mean()
+    agree = (draft.vocab_ids[d_logits.argmax(-1)] == t_top1).float().mean()
+    return loss, agree
+
+
+def train_draft(
+    target: LlamaModel,
+    data_dir: Path,
+    out_dir: Path,
+    cfg: DraftTrainConfig,
+    eos_ids: list[int],
+    tokenizer_dir: Path | None = None,
+) -> dict:
+    from tqdm import tqdm
+
+    torch.manual_seed(cfg.seed)
+    examples = list(iter_examples(data_dir))
+    if len(examples) <= cfg.eval_examples:
+        raise ValueError(
+            f"{data_dir} holds {len(examples)} examples; need more than "
+            f"{cfg.eval_examples} (the last ones are held out for evaluation)"
+        )
+    train, held = examples[: -cfg.eval_examples], examples[-cfg.eval_examples :]
+    vocab_ids = frequent_tokens(train, cfg.draft_vocab, eos_ids)
+    coverage = _coverage(held, vocab_ids)
+    target.requires_grad_(False).eval()
+    draft = make_draft(target, cfg.num_layers, vocab_ids)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))
+    )
+    history = {"before": _evaluate(target, draft, held, cfg)}
+    batches = _batches(train, cfg.batch_size, cfg.max_len, torch.Generator().manual_seed(cfg.seed))
+    t0 = time.perf_counter()
+    bar = tqdm(range(cfg.steps), desc="training draft", unit="step")
+    for _ in bar:
+        ids, mask = next(batches)
+        loss, agree = _losses(target, draft, ids, mask)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{agree.item():.2f}")
+    history["after"] = _evaluate(target, draft, held, cfg)
+    history.update(
+        train_seconds=time.perf_counter() - t0,
+        train_examples=len(train),
+        held_out_examples=len(held),
+        draft_vocab_coverage=coverage,
+        source_layers=draft.source_layers,
+        config=cfg.__dict__,
+    )
+    save_draft(draft, out_dir, target, history, tokenizer_dir)
+    return history
+
+
+def _coverage(examples: list[Example], vocab_ids: torch.Tensor) -> float:
+    allowed = set(vocab_ids.tolist())
+    toks = [t for ex in examples for t, m in zip(ex.input_ids, ex.loss_mask, strict=True) if m]
+    return sum(t in allowed for t in toks) / max(1, len(toks))
+
+
+@torch.no_grad()
+def _evaluate(target, draft, held: list[Example], cfg: DraftTrainConfig) -> dict:
+    losses, agrees = [], []
+    for i in range(0, len(held), cfg.batch_size):
+        ids, mask = _collate(held[i : i + cfg.batch_size], cfg.max_len)
+        loss, agree = _losses(target, draft, ids, mask)
+        losses.append(loss.item())
+        agrees.append(agree.item())
+    return {"loss": sum(losses) / len(losses), "top1_agreement": sum(agrees) / len(agrees)}
+
+
+def save_draft(
+    draft: LlamaModel, out_dir: Path, target: LlamaModel, history: dict, tokenizer_dir: Path | None
+) -> None:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        k: v.to(torch.bfloat16) for k, v in draft.hf_state_dict().items() if "embed_tokens" not in k
+    }
+    tensors["vocab_ids"] = draft.vocab_ids.cpu()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    c = target.config
+    config = {
+        "architectures": [
+            "LlamaForCausalLM"
+            if c.family == "llama"
+            else {
+                "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM",
+                "mistral": "MistralForCausalLM",
+            }[c.family]
+        ],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": draft.config.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope.theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "specdecode_draft": {
+            "embeddings": "shared with the target",
+            "draft_vocab_size": int(draft.vocab_ids.numel()),
+            "source_layers": draft.source_layers,
+            "training": history,
+        },
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer_dir is not None:
+        import shutil
+
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (tokenizer_dir / f).is_file():
+                shutil.copy(tokenizer_dir / f, out_dir / f)
+
+
+def is_trained_draft(path: Path) -> bool:
+    cfg = path / "config.json"
+    return cfg.is_file() and "specdecode_draft" in json.loads(cfg.read_text())
+
+
+def load_trained_draft(path: Path, target: LlamaModel) -> LlamaModel:
+    """A draft saved by `save_draft`, its embeddings taken from `target` (no copy)."""
+    from safetensors.torch import load_file
+
+    from specdecode.config import ModelConfig
+
+    raw = json.loads((path / "config.json").read_text())
+    cfg = ModelConfig.from_hf(raw)
+    if cfg.vocab_size != target.config.vocab_size or cfg.hidden_size != target.config.hidden_size:
+        from specdecode.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"{path} was trained for a different target model")
+    dtype, device = target.norm.weight.dtype, target.norm.weight.device
+    tensors = load_file(str(path / "model.safetensors"))
+    vocab_ids = tensors.pop("vocab_ids").long()
+    with torch.device("meta"):
+        draft = LlamaModel(cfg)
+    draft = draft.to_empty(device=device).to(dtype)
+    draft.embed_tokens.weight = target.embed_tokens.weight
+    draft.reduce_vocab(vocab_ids)
+    head = tensors.pop("lm_head.weight")
+    draft.lm_head.weight.data.copy_(head)
+    params = dict(draft.named_parameters())
+    for name, t in tensors.items():
+        target_name, offset = draft._map_hf_name(name)
+        dst = params[target_name].data
+        if offset is not None:
+            dst = dst.narrow(0, offset, t.shape[0])
+        dst.copy_(t)
+    return draft.eval().requires_grad_(False)

@@ -1,0 +1,85 @@
+"""Self-distillation data (shards, resume, torchrun split) and draft distillation, tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode import LLM, SamplingParams
+from specdecode.train.datagen import generate, iter_examples, read_shard, shard_path
+from specdecode.train.draft import DraftTrainConfig, layer_indices, train_draft
+
+CONVS = [(f"c{i}", [{"role": "user", "content": f"question {i}: abc{i}"}]) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir))
+
+
+def test_shards_hold_prompt_and_answer_with_mask(llm, tmp_path):
+    generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=12)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+        "shard-00002.safetensors",
+    ]
+    examples = list(iter_examples(tmp_path))
+    assert [e.conversation_id for e in examples] == [c for c, _ in CONVS]
+    for ex, (_, messages) in zip(examples, CONVS, strict=True):
+        prompt = llm._chat_ids(messages)
+        assert ex.input_ids[: len(prompt)] == prompt
+        assert ex.loss_mask == [0] * len(prompt) + [1] * (len(ex.input_ids) - len(prompt))
+        answer = llm.generate(
+            {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12)
+        )
+        assert ex.input_ids[len(prompt) :] == answer[0].outputs[0].token_ids
+
+
+def test_resume_after_interruption(llm, tmp_path):
+    generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=8)
+    kept = shard_path(tmp_path, 0).stat().st_mtime_ns
+    lost = read_shard(shard_path(tmp_path, 1))
+    shard_path(tmp_path, 1).unlink()  # as if the run had stopped before writing it
+    written = generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=8)
+    assert written == [shard_path(tmp_path, 1)]
+    assert shard_path(tmp_path, 0).stat().st_mtime_ns == kept
+    assert read_shard(shard_path(tmp_path, 1)) == lost
+
+
+def test_torchrun_ranks_split_the_shards(llm, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    written = generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=4)
+    assert written == [shard_path(tmp_path, 1)]
+
+
+def test_layer_indices():
+    assert layer_indices(30, 2) == [0, 29]
+    assert layer_indices(30, 4) == [0, 10, 19, 29]
+    assert layer_indices(2, 5) == [0, 1]
+
+
+def test_train_draft_learns_and_serves_losslessly(llm, tiny_llama_dir, tmp_path):
+    convs = [
+        (f"c{i}", [{"role": "user", "content": f"say {i % 7} {i % 5} {i}"}]) for i in range(48)
+    ]
+    generate(llm, convs, tmp_path / "data", shard_size=16, max_tokens=24)
+    target = llm.engine.model
+    cfg = DraftTrainConfig(
+        num_layers=1, draft_vocab=64, steps=40, batch_size=8, lr=3e-3, eval_examples=8
+    )
+    history = train_draft(target, tmp_path / "data", tmp_path / "draft", cfg, [2], tiny_llama_dir)
+    assert history["after"]["loss"] < history["before"]["loss"]
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={
+            "method": "draft_model",
+            "model": str(tmp_path / "draft"),
+            "num_speculative_tokens": 3,
+        },
+    )
+    prompts = ["say 3 1 9", "abcabc", "xyz"]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+    assert spec.engine.spec_stats.num_draft_tokens > 0
