@@ -123,6 +123,7 @@ class EngineConfig:
     allow_pickle: bool = False
     seed: int = 0  # global seed for requests without their own
     speculative_config: SpeculativeConfig | dict | None = None
+    kernels: str = "auto"  # "auto": packed weights + C++ layer loop on capable CPUs; "off"
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

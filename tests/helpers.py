@@ -13,7 +13,7 @@ class Runner:
 
     def __init__(self, model, num_blocks: int = 64, block_size: int = 4):
         self.model = model
-        dtype = model.norm.weight.dtype
+        dtype = model.activation_dtype
         self.manager = BlockManager(num_blocks, block_size)
         self.cache = KVCache(model.config, num_blocks, block_size, dtype)
 

@@ -57,7 +57,7 @@ class DraftModelDrafter(Drafter):
                 raise ValueError("tree nodes must be in level order")
             self.samples_drafts = False
         self.device = model.norm.weight.device
-        dtype = model.norm.weight.dtype
+        dtype = model.activation_dtype
         per_token = KVCache.bytes_per_token(model.config, dtype)
         num_blocks = max(2, int(kv_memory_gb * 2**30 / per_token / block_size))
         self.manager = BlockManager(num_blocks, block_size)
@@ -86,6 +86,10 @@ class DraftModelDrafter(Drafter):
                 f"the draft model's vocabulary ({model.config.vocab_size}) differs from the "
                 f"target's ({engine.model_config.vocab_size}); they must share a tokenizer"
             )
+        if engine.config.kernels == "auto":
+            from specdecode.models.fast import accelerate
+
+            accelerate(model)
         tree = config.speculative_token_tree
         return cls(
             model,

@@ -45,15 +45,22 @@ class LLMEngine:
             config.model, dtype=dtype, device=device, allow_pickle=config.allow_pickle
         )
         self.model, self.model_config, self.model_path = loaded.model, loaded.config, loaded.path
+        if config.kernels not in ("auto", "off"):
+            raise InvalidRequestError(f"kernels must be 'auto' or 'off', got {config.kernels!r}")
+        if config.kernels == "auto":
+            from specdecode.models.fast import accelerate
+
+            accelerate(self.model)
         self.tokenizer = load_tokenizer(loaded.path)
         mc = self.model_config
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        per_token = KVCache.bytes_per_token(mc, dtype)
+        kv_dtype = self.model.activation_dtype
+        per_token = KVCache.bytes_per_token(mc, kv_dtype)
         num_blocks = max(2, int(config.kv_cache_memory_gb * 2**30 / per_token / config.block_size))
         self.manager = BlockManager(num_blocks, config.block_size)
-        self.cache = KVCache(mc, num_blocks, config.block_size, dtype, device)
+        self.cache = KVCache(mc, num_blocks, config.block_size, kv_dtype, device)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.manager)
         self.output = OutputProcessor(self.tokenizer, self._eos_ids(), self.max_model_len)

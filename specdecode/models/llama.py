@@ -150,6 +150,12 @@ class LlamaModel(nn.Module):
         # Reduced-vocabulary head (drafts): lm_head covers only these token ids [K]; logits of
         # every other token are -inf, so the draft never proposes them (still lossless).
         self.vocab_ids: torch.Tensor | None = None
+        self.fast = None  # set by models.fast.accelerate: packed weights, C++ layer loop
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """dtype of activations and of the KV cache (fp32 on the fast path)."""
+        return torch.float32 if self.fast is not None else self.norm.weight.dtype
 
     def reduce_vocab(self, vocab_ids: torch.Tensor) -> None:
         """Keep only `vocab_ids` in the LM head (rows copied from the current head)."""
@@ -182,6 +188,8 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         capture_layers: tuple[int, ...] = (),
     ) -> ModelOutput:
+        if self.fast is not None:
+            return self.fast.forward(self, input_ids, positions, meta, capture_layers)
         cos_table, sin_table = self.rope_tables()
         cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
         h = self.embed_tokens(input_ids)
@@ -193,7 +201,10 @@ class LlamaModel(nn.Module):
         return ModelOutput(self.norm(h), captured)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
-        logits = self.lm_head(hidden).float()
+        if self.fast is not None:
+            logits = self.fast.logits(hidden)
+        else:
+            logits = self.lm_head(hidden).float()
         if self.vocab_ids is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))

@@ -64,7 +64,9 @@ def test_train_draft_learns_and_serves_losslessly(llm, tiny_llama_dir, tmp_path)
         (f"c{i}", [{"role": "user", "content": f"say {i % 7} {i % 5} {i}"}]) for i in range(48)
     ]
     generate(llm, convs, tmp_path / "data", shard_size=16, max_tokens=24)
-    target = llm.engine.model
+    from specdecode.models.loader import load_model
+
+    target = load_model(tiny_llama_dir).model  # trainable copy (the engine's is packed)
     cfg = DraftTrainConfig(
         num_layers=1, draft_vocab=64, steps=40, batch_size=8, lr=3e-3, eval_examples=8
     )

@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import Runner
 
+from specdecode.models.fast import accelerate
 from specdecode.models.loader import load_model
 
 ATOL = 1e-4
@@ -16,10 +17,15 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0]
 
 
-@pytest.fixture(scope="module")
-def ours_and_hf(tiny_family):
+@pytest.fixture(scope="module", params=["eager", "fast"])
+def ours_and_hf(tiny_family, request):
+    """Our model on the eager PyTorch path and on the packed-kernel C++ fast path."""
     family, path, hf = tiny_family
-    return load_model(path).model, hf
+    model = load_model(path).model
+    if request.param == "fast":
+        if not accelerate(model):
+            pytest.skip("CPU kernels unavailable here")
+    return model, hf
 
 
 def test_prefill_logits_match_transformers(ours_and_hf):
@@ -67,8 +73,10 @@ def test_captured_layer_inputs_match_hf_hidden_states(ours_and_hf):
 
 
 def test_dense_forward_matches_transformers(ours_and_hf):
-    """The cache-free training forward, on a right-padded batch."""
+    """The cache-free training forward, on a right-padded batch (eager models only)."""
     ours, hf = ours_and_hf
+    if ours.fast is not None:
+        pytest.skip("training uses the eager model")
     a, b = list(range(3, 20)), list(range(40, 50))
     ids = torch.tensor([a, b + [0] * (len(a) - len(b))])
     out = ours.forward_dense(ids)

@@ -7,15 +7,19 @@ import torch
 from helpers import PARENTS, Runner, ancestor_mask, depth, path_to
 
 from specdecode.cache import BlockManager, KVCache, SeqBlocks, keep_path
+from specdecode.models.fast import accelerate
 from specdecode.models.loader import load_model
 
 ATOL = 1e-4
 TOKENS = [11, 12, 13, 14, 15, 16]
 
 
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir):
-    return load_model(tiny_llama_dir).model
+@pytest.fixture(scope="module", params=["eager", "fast"])
+def model(tiny_llama_dir, request):
+    m = load_model(tiny_llama_dir).model
+    if request.param == "fast" and not accelerate(m):
+        pytest.skip("CPU kernels unavailable here")
+    return m
 
 
 def test_ancestor_mask_is_the_hand_drawn_one():

@@ -1,0 +1,129 @@
+// The decoder's layer loop in one C++ call (CPU, fp32 activations, packed fp32 or bf16
+// weights). Python dispatch costs ~5-10 us per op and a layer has ~30 of them; here a step is one
+// call, the residual stream is updated in place by the fused RMSNorm, and RoPE is applied in place.
+//
+// Layout of `weights`: kPerLayer tensors per layer, in this order (absent ones are empty):
+//   input_norm, qkv_packed, qkv_bias, o_packed, post_norm, gate_up_packed, down_packed,
+//   q_norm, k_norm
+// followed by the final norm. The attention inputs mirror models/attention.py.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+
+#include <optional>
+#include <vector>
+
+#include "kernels.h"
+
+namespace specdecode {
+namespace {
+
+constexpr int kPerLayer = 9;
+
+struct Dims {
+  int64_t hidden, heads, kv_heads, head_dim, inter;
+  double eps;
+  bool bf16_activations;
+};
+
+inline std::optional<at::Tensor> opt(const at::Tensor& t) {
+  return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// x [T, n, D] (a strided view is fine) rotated in place with cos/sin [T, D] (half-split form).
+void rope_inplace(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t T = x.size(0), n = x.size(1), D = x.size(2), half = D / 2;
+  float* base = x.data_ptr<float>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* ct = c + t * D;
+    const float* sn = s + t * D;
+    for (int64_t h = 0; h < n; ++h) {
+      float* v = base + t * st + h * sh;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * ct[i] - b * sn[i];
+        v[i + half] = b * ct[i + half] + a * sn[i + half];
+      }
+    }
+  }
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& cache_k, const at::Tensor& cache_v,
+                     const at::Tensor& slot_mapping, int64_t kv_start, int64_t kv_end,
+                     const at::Tensor& kv_slots, const at::Tensor& query_index,
+                     const at::Tensor& query_valid, const at::Tensor& mask) {
+  // q [T, H, D], k/v [T, Hkv, D]; caches [Hkv, S, D].
+  cache_k.index_copy_(1, slot_mapping, k.transpose(0, 1));
+  cache_v.index_copy_(1, slot_mapping, v.transpose(0, 1));
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  auto m = opt(mask);
+  if (kv_start >= 0) {
+    auto keys = cache_k.slice(1, kv_start, kv_end).unsqueeze(0);
+    auto vals = cache_v.slice(1, kv_start, kv_end).unsqueeze(0);
+    auto o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, vals, m, 0.0,
+                                              false, std::nullopt, true);
+    return o.select(0, 0).transpose(0, 1).reshape({T, H * D});
+  }
+  auto keys = cache_k.index_select(1, kv_slots.flatten())
+                  .view({cache_k.size(0), kv_slots.size(0), kv_slots.size(1), D})
+                  .transpose(0, 1);
+  auto vals = cache_v.index_select(1, kv_slots.flatten())
+                  .view({cache_v.size(0), kv_slots.size(0), kv_slots.size(1), D})
+                  .transpose(0, 1);
+  auto qq = q.index_select(0, query_index.flatten())
+                .view({query_index.size(0), query_index.size(1), H, D})
+                .transpose(1, 2);
+  auto o = at::scaled_dot_product_attention(qq, keys, vals, m, 0.0, false, std::nullopt, true);
+  return o.transpose(1, 2).reshape({-1, H * D}).index({query_valid.flatten()});
+}
+
+}  // namespace
+
+// Returns {final hidden [T, hidden] (after the last norm), captured layer inputs...}.
+std::vector<at::Tensor> forward_layers(
+    at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv,
+    const at::Tensor& slot_mapping, int64_t kv_start, int64_t kv_end, const at::Tensor& kv_slots,
+    const at::Tensor& query_index, const at::Tensor& query_valid, const at::Tensor& mask,
+    const std::vector<at::Tensor>& weights, std::vector<int64_t> dims_in, double eps,
+    bool bf16_activations, const std::vector<int64_t>& capture) {
+  Dims d{dims_in[0], dims_in[1], dims_in[2], dims_in[3], dims_in[4], eps, bf16_activations};
+  const int64_t layers = (static_cast<int64_t>(weights.size()) - 1) / kPerLayer;
+  const int64_t T = h.size(0);
+  const int64_t qs = d.heads * d.head_dim, kvs = d.kv_heads * d.head_dim;
+  std::vector<at::Tensor> out(1);
+  at::Tensor residual = h.contiguous().clone();
+  at::Tensor x;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = &weights[l * kPerLayer];
+    // For l > 0, `x` is the previous MLP output: the fused norm adds it to the residual first.
+    x = rmsnorm(l == 0 ? residual : x, w[0], d.eps,
+                l == 0 ? std::nullopt : std::optional<at::Tensor>(residual));
+    for (auto c : capture)
+      if (c == l) out.push_back(residual.clone());  // the residual stream entering layer l
+    auto qkv = linear(x, w[1], qs + 2 * kvs, d.hidden, opt(w[2]), d.bf16_activations);
+    auto q = qkv.narrow(1, 0, qs).view({T, d.heads, d.head_dim});
+    auto k = qkv.narrow(1, qs, kvs).view({T, d.kv_heads, d.head_dim});
+    auto v = qkv.narrow(1, qs + kvs, kvs).view({T, d.kv_heads, d.head_dim});
+    if (w[7].numel()) {  // Qwen3: RMSNorm per head on q and k
+      q = rmsnorm(q.contiguous(), w[7], d.eps, std::nullopt);
+      k = rmsnorm(k.contiguous(), w[8], d.eps, std::nullopt);
+    }
+    rope_inplace(q, cos, sin);
+    rope_inplace(k, cos, sin);
+    auto attn = attention(q, k, v, kv.select(0, l).select(0, 0), kv.select(0, l).select(0, 1),
+                          slot_mapping, kv_start, kv_end, kv_slots, query_index, query_valid,
+                          mask);
+    auto o = linear(attn.contiguous(), w[3], d.hidden, qs, std::nullopt, d.bf16_activations);
+    x = rmsnorm(o, w[4], d.eps, residual);  // residual += o
+    auto gu = linear(x, w[5], 2 * d.inter, d.hidden, std::nullopt, d.bf16_activations);
+    x = linear(silu_mul(gu), w[6], d.hidden, d.inter, std::nullopt, d.bf16_activations);
+  }
+  out[0] = rmsnorm(x, weights.back(), d.eps, residual);  // residual += last MLP output
+  return out;
+}
+
+}  // namespace specdecode

@@ -1,0 +1,387 @@
+// Small-M linear kernels (y = x @ W^T + b) for AVX-512 CPUs.
+//
+// Decoding multiplies a handful of activation rows by a large weight, so the
+// cost is streaming W from DRAM once per call.  Weights are pre-packed (by
+// specdecode/kernels.py) so that each inner-loop step loads one contiguous
+// 64-byte line for 16 consecutive outputs:
+//
+//   fp32: [ceil(N/16), K, 16]          w[b][k][i]    = W[16 b + i, k]
+//   bf16: [ceil(N/16), ceil(K/2), 16, 2] w[b][j][i][h] = W[16 b + i, 2 j + h]
+//
+// Padding is zero.  A bf16 32-bit lane holds the (k, k+1) pair of one output:
+// with fp32 activations both halves widen to fp32 with one shift / one mask,
+// with bf16 activations the pair feeds one vdpbf16ps directly.
+//
+// Each output is accumulated in one sequential chain over k, independent of
+// M and of the thread split, so a row's result is bitwise identical whatever
+// the batch (speculative verification matches single-token decoding).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <utility>
+
+#include "kernels.h"
+
+namespace specdecode {
+
+constexpr int64_t kBlock = 16;      // outputs per packed block (one zmm)
+constexpr int kMaxRows = 8;         // activation rows per micro-tile (table size)
+constexpr int kMaxBlocks = 4;       // output blocks per micro-tile
+
+enum class Kind { kF32, kBf16, kBf16Dot };
+
+// Mask of the first min(n, 16) lanes.
+inline __mmask16 count_mask(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// Blocks per micro-tile for MR rows: keeps MR * CB <= 16 accumulators.
+constexpr int blocks_for_rows(int mr) { return mr <= 4 ? 4 : 2; }
+
+// Rows per micro-tile.  Each row costs one broadcast per weight vector, and
+// broadcasts compete with FMAs, so wide-but-short tiles win once the loop is
+// compute-bound; re-reading a tile's weights for the next row chunk hits
+// cache.  (Measured on Zen 4: 16x1 tiles run at ~60% of 8x2; the bf16 path,
+// with two FMAs per loaded pair, prefers 4x4.)
+template <Kind KIND>
+constexpr int max_rows() { return KIND == Kind::kBf16 ? 4 : 8; }
+
+// Arguments shared by all micro-tiles.  `x` is fp32 [M, ldx] for kF32/kBf16
+// and packed bf16 pairs (uint32) [M, ldx] for kBf16Dot.
+struct TileArgs {
+  const void* x;
+  int64_t ldx;
+  int64_t steps;  // K for fp32, ceil(K/2) for bf16
+  float* y;
+  int64_t ldy;
+  int64_t N;
+  const float* bias;
+};
+
+template <Kind KIND, int MR, int CB>
+void tile(const TileArgs& a, const void* wblock, int64_t n0) {
+  __m512 acc[MR][CB];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_setzero_ps();
+  const int64_t steps = a.steps;
+  // One step consumes 64 bytes of weights per block.
+  const int64_t bstride_bytes = steps * 64;
+  const char* wb = static_cast<const char*>(wblock);
+
+  for (int64_t s = 0; s < steps; ++s) {
+    const char* p0 = wb + s * 64;
+    if constexpr (KIND == Kind::kF32) {
+      const float* x = static_cast<const float*>(a.x);
+      __m512 wv[CB];
+      for (int c = 0; c < CB; ++c) {
+        const char* p = p0 + c * bstride_bytes;
+        wv[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xv = _mm512_set1_ps(x[m * a.ldx + s]);
+        for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_fmadd_ps(xv, wv[c], acc[m][c]);
+      }
+    } else if constexpr (KIND == Kind::kBf16) {
+      const float* x = static_cast<const float*>(a.x);
+      const __m512i hi_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+      __m512 w0[CB], w1[CB];
+      for (int c = 0; c < CB; ++c) {
+        const char* p = p0 + c * bstride_bytes;
+        const __m512i v = _mm512_loadu_si512(p);
+        w0[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));      // k = 2s
+        w1[c] = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));  // k = 2s + 1
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512 x0 = _mm512_set1_ps(x[m * a.ldx + 2 * s]);
+        const __m512 x1 = _mm512_set1_ps(x[m * a.ldx + 2 * s + 1]);
+        for (int c = 0; c < CB; ++c) {
+          acc[m][c] = _mm512_fmadd_ps(x0, w0[c], acc[m][c]);
+          acc[m][c] = _mm512_fmadd_ps(x1, w1[c], acc[m][c]);
+        }
+      }
+    } else {
+#if defined(__AVX512BF16__)
+      const uint32_t* x = static_cast<const uint32_t*>(a.x);
+      __m512i wv[CB];
+      for (int c = 0; c < CB; ++c) {
+        const char* p = p0 + c * bstride_bytes;
+        wv[c] = _mm512_loadu_si512(p);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(x[m * a.ldx + s]));
+        for (int c = 0; c < CB; ++c)
+          acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)xv, (__m512bh)wv[c]);
+      }
+#endif
+    }
+  }
+
+  for (int c = 0; c < CB; ++c) {
+    const int64_t n = n0 + c * kBlock;
+    const __mmask16 mask = count_mask(a.N - n);
+    const __m512 b = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m)
+      _mm512_mask_storeu_ps(a.y + m * a.ldy + n, mask, _mm512_add_ps(acc[m][c], b));
+  }
+}
+
+using TileFn = void (*)(const TileArgs&, const void*, int64_t);
+
+// Table of micro-tiles indexed by [rows - 1][blocks - 1].
+template <Kind KIND>
+struct TileTable {
+  TileFn fn[kMaxRows][kMaxBlocks];
+
+  constexpr TileTable() : fn{} { fill(std::make_integer_sequence<int, kMaxRows>{}); }
+
+  template <int... Rs>
+  constexpr void fill(std::integer_sequence<int, Rs...>) {
+    (fill_row<Rs + 1>(), ...);
+  }
+
+  template <int MR>
+  constexpr void fill_row() {
+    if constexpr (MR <= max_rows<KIND>()) {
+      fn[MR - 1][0] = &tile<KIND, MR, 1>;
+      fn[MR - 1][1] = &tile<KIND, MR, 2>;
+      if constexpr (blocks_for_rows(MR) >= 3) fn[MR - 1][2] = &tile<KIND, MR, 3>;
+      if constexpr (blocks_for_rows(MR) >= 4) fn[MR - 1][3] = &tile<KIND, MR, 4>;
+    }
+  }
+};
+
+template <Kind KIND>
+TileFn lookup(int mr, int cb) {
+  static constexpr TileTable<KIND> table;
+  return table.fn[mr - 1][cb - 1];
+}
+
+// Splits the output blocks into one contiguous range per thread (at least
+// 256 KiB of weights each); each thread walks its range in groups of up to CB
+// blocks and, within a group, all row chunks, so the weight re-reads for
+// M > rows-per-tile hit cache rather than DRAM.
+template <Kind KIND>
+void run(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
+  const int64_t block_bytes = a.steps * 64;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / block_bytes);
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    constexpr int rows = max_rows<KIND>();
+    const int cb_full = blocks_for_rows(static_cast<int>(std::min<int64_t>(M, rows)));
+    for (int64_t b = b0; b < b1;) {
+      const int cb = static_cast<int>(std::min<int64_t>(cb_full, b1 - b));
+      for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int mr = static_cast<int>(std::min<int64_t>(rows, M - m0));
+        const int step = std::min(cb, blocks_for_rows(mr));
+        TileArgs sub = a;
+        sub.x = static_cast<const char*>(a.x) + m0 * a.ldx * 4;
+        sub.y = a.y + m0 * a.ldy;
+        for (int c = 0; c < cb; c += step) {
+          const int n = std::min(step, cb - c);
+          lookup<KIND>(mr, n)(sub, w + (b + c) * block_bytes, (b + c) * kBlock);
+        }
+      }
+      b += cb;
+    }
+  });
+}
+
+bool bf16_dot_compiled() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y[..., N] = x[..., K] @ W^T + bias, W packed as described at the top.
+// `bf16_activations` (bf16 weights only) rounds x to bf16 and uses vdpbf16ps.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K,
+                  const std::optional<at::Tensor>& bias, bool bf16_activations) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "specdecode kernels are CPU-only");
+  TORCH_CHECK(x.is_floating_point(), "x must be a floating-point tensor");
+  TORCH_CHECK(K > 0 && x.dim() >= 1 && x.size(-1) == K, "x last dim must be K = ", K);
+  TORCH_CHECK(w.is_contiguous() && w.size(0) * kBlock >= N, "bad packed weight");
+  const bool is_bf16 = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(is_bf16 || w.scalar_type() == at::kFloat, "packed weight must be fp32 or bf16");
+  const int64_t steps = is_bf16 ? (K + 1) / 2 : K;
+  TORCH_CHECK(w.numel() == w.size(0) * steps * kBlock * (is_bf16 ? 2 : 1),
+              "packed weight does not match K");
+  TORCH_CHECK(!bf16_activations || is_bf16, "bf16_activations needs bf16 weights");
+  TORCH_CHECK(!bf16_activations || bf16_dot_compiled(), "built without AVX512_BF16");
+
+  auto x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  const int64_t kpad = is_bf16 ? 2 * steps : K;
+  at::Tensor xa;  // activations in kernel format
+  if (bf16_activations) {
+    xa = x2.to(at::kBFloat16);
+  } else {
+    xa = x2.to(at::kFloat);
+  }
+  if (kpad != K) xa = at::constant_pad_nd(xa, {0, kpad - K});
+  xa = xa.contiguous();
+
+  auto y = at::empty({M, N}, x2.options().dtype(at::kFloat));
+  at::Tensor b;
+  if (bias) {
+    TORCH_CHECK(bias->numel() == N && bias->device().is_cpu(), "bias must have N elements");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  if (M > 0 && N > 0) {
+    TileArgs a{xa.data_ptr(), bf16_activations ? steps : kpad, steps, y.data_ptr<float>(), N, N,
+               b.defined() ? b.data_ptr<float>() : nullptr};
+    const char* wp = static_cast<const char*>(w.data_ptr());
+    const int64_t nblocks = (N + kBlock - 1) / kBlock;
+    if (!is_bf16) {
+      run<Kind::kF32>(a, M, wp, nblocks);
+    } else if (bf16_activations) {
+      run<Kind::kBf16Dot>(a, M, wp, nblocks);
+    } else {
+      run<Kind::kBf16>(a, M, wp, nblocks);
+    }
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  y = y.view(sizes);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// ---------------------------------------------------------------------------
+// Fused elementwise ops (fp32), cutting per-op dispatch in a decode step.
+
+// exp(x) per lane: 2^n * 2^f, |f| <= 1/2, degree-7 polynomial (rel. err ~1e-7).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(128.0f), _mm512_max_ps(_mm512_set1_ps(-128.0f), x));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  // Coefficients ln2^i / i! of 2^f.
+  __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Rows per parallel task so that tiny decode-sized inputs stay single-threaded.
+int64_t row_grain(int64_t row_elems) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, row_elems));
+}
+
+void check_f32_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name,
+              " must be an fp32 CPU tensor");
+}
+
+// out[..., I] = silu(gate_up[..., :I]) * gate_up[..., I:].
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  check_f32_cpu(gate_up_in, "gate_up");
+  const at::Tensor gate_up = gate_up_in.contiguous();
+  const int64_t two_i = gate_up.size(-1);
+  TORCH_CHECK(two_i % 2 == 0, "last dim of gate_up must be even");
+  const int64_t I = two_i / 2;
+  const int64_t rows = I > 0 ? gate_up.numel() / two_i : 0;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, gate_up.options());
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, row_grain(two_i), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = src + r * two_i;
+      const float* u = g + I;
+      float* o = dst + r * I;
+      for (int64_t i = 0; i < I; i += 16) {
+        const __mmask16 m = count_mask(I - i);
+        const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+        const __m512 uv = _mm512_maskz_loadu_ps(m, u + i);
+        const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+        _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_div_ps(gv, den), uv));
+      }
+    }
+  });
+  return out;
+}
+
+// RMSNorm over the last dim, HF-style: (x * rsqrt(mean(x^2) + eps)) * weight.
+// With `residual`, first does residual += x in place and normalizes the sum.
+at::Tensor rmsnorm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps,
+                   const std::optional<at::Tensor>& residual) {
+  check_f32_cpu(x_in, "x");
+  check_f32_cpu(weight_in, "weight");
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(weight.numel() == H, "weight must have ", H, " elements");
+  if (residual) {
+    check_f32_cpu(*residual, "residual");
+    TORCH_CHECK(residual->is_contiguous(), "residual must be contiguous (updated in place)");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "residual shape must match x");
+  }
+  const int64_t rows = H > 0 ? x.numel() / H : 0;
+  auto out = at::empty_like(x);
+  const float* xs = x.data_ptr<float>();
+  float* res = residual ? residual->data_ptr<float>() : nullptr;
+  const float* w = weight.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* src = xs + r * H;
+      if (res) {
+        float* rr = res + r * H;
+        for (int64_t i = 0; i < H; i += 16) {
+          const __mmask16 m = count_mask(H - i);
+          const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, rr + i), _mm512_maskz_loadu_ps(m, src + i));
+          _mm512_mask_storeu_ps(rr + i, m, v);
+        }
+        src = rr;
+      }
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t i = 0; i < H; i += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(count_mask(H - i), src + i);
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const float mean = _mm512_reduce_add_ps(ss) / static_cast<float>(H);
+      const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(mean + static_cast<float>(eps)));
+      float* o = dst + r * H;
+      for (int64_t i = 0; i < H; i += 16) {
+        const __mmask16 m = count_mask(H - i);
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), scale);
+        _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace specdecode
+
+namespace py = pybind11;
+using namespace specdecode;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "y = x @ W^T (+ bias) with a packed fp32/bf16 weight", py::arg("x"),
+        py::arg("w"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(),
+        py::arg("bf16_activations") = false);
+  m.def("forward_layers", &forward_layers,
+        "the decoder's layer loop in one call (see decoder.cpp)");
+  m.def("silu_mul", &silu_mul, "silu(gate_up[..., :I]) * gate_up[..., I:] (fp32)",
+        py::arg("gate_up"));
+  m.def("rmsnorm", &rmsnorm, "RMSNorm (fp32); with residual, residual += x first (in place)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("bf16_dot_compiled", &bf16_dot_compiled, "whether vdpbf16ps support was compiled in");
+}

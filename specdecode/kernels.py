@@ -1,0 +1,309 @@
+"""Optional AVX-512 CPU kernels for small-batch (decode-time) inference.
+
+The C++ source in ``csrc/specdecode_kernels.cpp`` is JIT-compiled on first
+use with ``torch.utils.cpp_extension.load`` into a build cache
+(``$SPECDECODE_CACHE`` or ``~/.cache/specdecode``).  Everything here is
+optional: when the CPU lacks AVX-512, the compiler is missing, the build
+fails, ``SPECDECODE_DISABLE_KERNELS=1`` is set, or tensors live on another
+device, the functions fall back to plain torch with the same semantics.
+
+Typical use::
+
+    packed = kernels.pack(layer.weight, layer.bias, dtype=torch.bfloat16)
+    y = kernels.linear(x, packed)          # y = x @ W^T + b, any M
+
+The linear kernel targets M = 1..16 rows (it stays correct for larger M).
+Every output row is computed in a fixed order that does not depend on M or
+on the thread split, so results are bitwise batch-invariant.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "PackedLinear",
+    "available",
+    "cpu_supported",
+    "linear",
+    "load_extension",
+    "pack",
+    "rmsnorm",
+    "silu_mul",
+]
+
+CACHE_ENV = "SPECDECODE_CACHE"
+DISABLE_ENV = "SPECDECODE_DISABLE_KERNELS"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCE = _CSRC / "specdecode_kernels.cpp"
+_SOURCES = (_SOURCE, _CSRC / "decoder.cpp")
+_EXT_NAME = "specdecode_kernels"
+_REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
+_BF16_FLAG = "avx512_bf16"
+_BLOCK = 16  # outputs per packed block, must match the C++ kBlock
+
+_lock = threading.Lock()
+_ext: ModuleType | None = None
+_load_attempted = False
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    """Return the CPU feature flags from /proc/cpuinfo (empty if unreadable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_supported() -> bool:
+    """Whether this CPU has the AVX-512 subsets the kernels are built for."""
+    flags = _cpu_flags()
+    if flags:
+        return all(f in flags for f in _REQUIRED_FLAGS)
+    try:  # no /proc/cpuinfo: trust torch's own dispatch level
+        return torch.backends.cpu.get_cpu_capability() == "AVX512"
+    except Exception:  # pragma: no cover - very old torch
+        return False
+
+
+def cpu_has_bf16_dot() -> bool:
+    """Whether the CPU supports vdpbf16ps (needed for ``bf16_activations``)."""
+    return _BF16_FLAG in _cpu_flags()
+
+
+def cache_dir() -> Path:
+    """Root folder of the JIT build cache."""
+    root = os.environ.get(CACHE_ENV)
+    return Path(root) if root else Path.home() / ".cache" / "specdecode"
+
+
+def _build_dir() -> Path:
+    """Build folder keyed by torch version and CPU features (-march=native)."""
+    flags = " ".join(sorted(_cpu_flags()))
+    tag = hashlib.sha256(f"{torch.__version__}|{flags}".encode()).hexdigest()[:12]
+    return cache_dir() / "ext" / f"torch{torch.__version__.split('+')[0]}-{tag}"
+
+
+def load_extension(verbose: bool = False) -> ModuleType | None:
+    """Compile (first time) and import the extension; None if unavailable."""
+    global _ext, _load_attempted
+    if _load_attempted:
+        return _ext
+    with _lock:
+        if _load_attempted:
+            return _ext
+        try:
+            _ext = _compile(verbose)
+        finally:
+            _load_attempted = True
+    return _ext
+
+
+def _compile(verbose: bool) -> ModuleType | None:
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        log.info("specdecode kernels disabled by %s", DISABLE_ENV)
+        return None
+    if not cpu_supported():
+        log.info("specdecode kernels unavailable: CPU lacks %s", "/".join(_REQUIRED_FLAGS))
+        return None
+    if not _SOURCE.is_file():
+        log.warning("specdecode kernels unavailable: missing %s", _SOURCE)
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        build_dir = _build_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cflags = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
+        cflags += [f"-m{f.replace('_', '')}" for f in _REQUIRED_FLAGS]
+        if cpu_has_bf16_dot():
+            cflags.append("-mavx512bf16")
+        if not any(build_dir.glob(f"{_EXT_NAME}*.so")):
+            log.info("building specdecode kernels in %s (first use, ~15 s)", build_dir)
+        start = time.perf_counter()
+        ext = cpp_extension.load(
+            name=_EXT_NAME,
+            sources=[str(p) for p in _SOURCES],
+            extra_include_paths=[str(_CSRC)],
+            extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=verbose,
+        )
+        log.info("specdecode kernels loaded in %.1fs (%s)", time.perf_counter() - start, build_dir)
+        return ext
+    except Exception as exc:  # compiler missing, build error, import error ...
+        log.warning("specdecode kernels unavailable, falling back to torch: %s", exc)
+        return None
+
+
+def available() -> bool:
+    """True if the compiled kernels can be used (compiles lazily on first call)."""
+    return load_extension() is not None
+
+
+@dataclass(frozen=True, slots=True)
+class PackedLinear:
+    """A linear layer's weight prepared for :func:`linear`.
+
+    ``weight`` is the packed tensor when ``packed`` is True (see the C++ file
+    for the layout), otherwise the plain ``[N, K]`` weight used by the torch
+    fallback.  ``dtype`` is the storage dtype of the weight.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+    packed: bool
+    bf16_activations: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight streamed per call."""
+        return self.weight.numel() * self.weight.element_size()
+
+
+def _pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reorder [N, K] into the blocked layout the C++ kernels stream."""
+    n, k = weight.shape
+    nb = -(-n // _BLOCK)
+    if dtype == torch.float32:
+        padded = weight.new_zeros((nb * _BLOCK, k), dtype=dtype)
+        padded[:n] = weight
+        # [nb, 16, K] -> [nb, K, 16]
+        return padded.view(nb, _BLOCK, k).transpose(1, 2).contiguous()
+    k2 = -(-k // 2)
+    padded = weight.new_zeros((nb * _BLOCK, 2 * k2), dtype=dtype)
+    padded[:n, :k] = weight
+    # [nb, 16, K/2, 2] -> [nb, K/2, 16, 2]: one 32-bit lane = (k, k+1) of one output
+    return padded.view(nb, _BLOCK, k2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def pack(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    bf16_activations: bool = False,
+) -> PackedLinear:
+    """Prepare ``weight`` ([N, K]) and optional ``bias`` for :func:`linear`.
+
+    ``dtype`` is the storage dtype (float32 or bfloat16; default: the
+    weight's own when it is one of those, else float32).  With bf16 storage,
+    activations stay fp32 unless ``bf16_activations`` is set, which rounds
+    them to bf16 and uses vdpbf16ps (about 2x faster at M >= 8, ~1e-3 rel.
+    error; ignored without AVX512_BF16).  Non-CPU weights, other dtypes and
+    unavailable kernels give an unpacked object that :func:`linear` serves
+    with ``F.linear`` (for bf16 storage that path runs in bf16).
+    """
+    if weight.dim() != 2 or weight.shape[1] == 0:
+        raise ValueError(f"expected a 2-D weight with K > 0, got shape {tuple(weight.shape)}")
+    if dtype is None:
+        dtype = weight.dtype if weight.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    n, k = weight.shape
+    weight = weight.detach()
+    bias = bias.detach() if bias is not None else None
+    if bf16_activations and not (dtype == torch.bfloat16 and cpu_has_bf16_dot()):
+        log.debug("bf16_activations needs bf16 weights and AVX512_BF16; ignored")
+        bf16_activations = False
+    use_kernel = (
+        weight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and available()
+    )
+    if not use_kernel:
+        w = weight.to(dtype) if weight.device.type == "cpu" else weight
+        return PackedLinear(w.contiguous(), bias, n, k, w.dtype, packed=False)
+    with torch.no_grad():
+        packed_w = _pack_weight(weight, dtype)
+        b = bias.to(torch.float32).contiguous() if bias is not None else None
+    return PackedLinear(packed_w, b, n, k, dtype, packed=True, bf16_activations=bf16_activations)
+
+
+def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T + b`` for ``x`` of shape [..., K]; output keeps ``x.dtype``.
+
+    ``bias`` overrides the bias given to :func:`pack`.  Inference only: the
+    kernel path does not record autograd history.
+    """
+    b = packed.bias if bias is None else bias
+    if packed.packed:  # implies the extension is loaded
+        if not (x.is_cpu and x.is_floating_point()):
+            raise RuntimeError(
+                f"packed weight used with an unsupported input ({x.device}, {x.dtype})"
+            )
+        return _ext.linear(  # type: ignore[union-attr]
+            x,
+            packed.weight,
+            packed.out_features,
+            packed.in_features,
+            b,
+            packed.bf16_activations,
+        )
+    w = packed.weight
+    if w.dtype != x.dtype:
+        y = F.linear(x.to(w.dtype), w, b.to(w.dtype) if b is not None else None)
+        return y.to(x.dtype)
+    return F.linear(x, w, b)
+
+
+def _fused_ext(*tensors: torch.Tensor) -> ModuleType | None:
+    """The extension if the fused fp32 CPU kernels can take these tensors."""
+    for t in tensors:
+        if not t.is_cpu or t.dtype != torch.float32:
+            return None
+    return _ext if _load_attempted else load_extension()
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate_up[..., :I]) * gate_up[..., I:]`` (fused on CPU fp32)."""
+    ext = _fused_ext(gate_up)
+    if ext is not None:
+        return ext.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RMSNorm of ``x`` (HF Llama style); with ``residual``, first ``residual += x``.
+
+    ``residual`` is updated in place and the returned tensor is the
+    normalized sum, i.e. the usual ``residual = residual + h; h = norm(residual)``.
+    Fused for fp32 CPU tensors, plain torch otherwise.
+    """
+    if residual is None:
+        ext = _fused_ext(x, weight)
+    elif residual.is_contiguous() and residual.shape == x.shape:
+        ext = _fused_ext(x, weight, residual)
+    else:
+        ext = None
+    if ext is not None:
+        return ext.rmsnorm(x, weight, float(eps), residual)
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)

@@ -1,0 +1,123 @@
+"""The CPU fast path: pre-packed weights and the whole layer loop in one C++ call.
+
+`accelerate(model)` transforms a loaded `LlamaModel` after construction (the model code itself
+does not branch on it): every projection is packed for the small-M kernels of `kernels.py`
+(fp32 or bf16 storage, as the model was loaded), the unpacked copies are freed, and
+`model.fast` is set, which `LlamaModel.forward` / `compute_logits` hand over to. Activations,
+norms and the KV cache are fp32 on this path, whatever the weight dtype: bf16 only halves the
+bytes streamed per step. The projections compute each output row in an order independent of the
+batch (so bf16 weights do not flip near-ties between decoding and verification through them);
+attention still sums in a shape-dependent order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specdecode import kernels
+from specdecode.models.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+_EMPTY = torch.empty(0)
+
+
+class FastPath:
+    def __init__(self, model, weight_dtype: torch.dtype) -> None:
+        self.ext = kernels.load_extension()
+        cfg = model.config
+        self.dims = [
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        ]
+        self.eps = cfg.rms_norm_eps
+        self.weights: list[torch.Tensor] = []
+        self._keep: list[kernels.PackedLinear] = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = self._pack(attn.qkv_proj, weight_dtype)
+            self.weights += [
+                _f32(layer.input_layernorm.weight),
+                qkv.weight,
+                qkv.bias if qkv.bias is not None else _EMPTY,
+                self._pack(attn.o_proj, weight_dtype).weight,
+                _f32(layer.post_attention_layernorm.weight),
+                self._pack(mlp.gate_up_proj, weight_dtype).weight,
+                self._pack(mlp.down_proj, weight_dtype).weight,
+                _f32(attn.q_norm.weight) if attn.q_norm is not None else _EMPTY,
+                _f32(attn.k_norm.weight) if attn.k_norm is not None else _EMPTY,
+            ]
+        self.weights.append(_f32(model.norm.weight))
+        self.lm_head = kernels.pack(model.lm_head.weight.detach(), dtype=weight_dtype)
+        self.cos, self.sin = (t.float().contiguous() for t in model.rope_tables())
+
+    def _pack(self, linear: torch.nn.Linear, dtype: torch.dtype) -> kernels.PackedLinear:
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        packed = kernels.pack(linear.weight.detach(), bias, dtype=dtype)
+        self._keep.append(packed)
+        linear.weight = torch.nn.Parameter(_EMPTY, requires_grad=False)  # free the original
+        return packed
+
+    def forward(
+        self, model, input_ids, positions, meta: AttentionMetadata, capture_layers: tuple[int, ...]
+    ):
+        from specdecode.models.llama import ModelOutput
+
+        h = model.embed_tokens(input_ids).float()
+        cos, sin = self.cos[positions], self.sin[positions]
+        if meta.kv_range is not None:
+            start, end = meta.kv_range
+            slots = index = valid = _EMPTY
+        else:
+            start = end = -1
+            slots, index, valid = meta.kv_slots, meta.query_index, meta.query_valid
+        out = self.ext.forward_layers(
+            h,
+            cos,
+            sin,
+            meta.kv_cache,
+            meta.slot_mapping,
+            start,
+            end,
+            slots,
+            index,
+            valid,
+            meta.mask if meta.mask is not None else _EMPTY,
+            self.weights,
+            self.dims,
+            self.eps,
+            False,
+            list(capture_layers),
+        )
+        return ModelOutput(out[0], list(out[1:]))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(hidden.float(), self.lm_head)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float().contiguous()
+
+
+def can_accelerate(model) -> bool:
+    device = model.norm.weight.device
+    dtype = model.norm.weight.dtype
+    return (
+        device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and (kernels.available())
+    )
+
+
+def accelerate(model) -> bool:
+    """Switch `model` to the fast path if this machine supports it; True if it did."""
+    if model.fast is not None:
+        return True
+    if not can_accelerate(model):
+        log.info("CPU kernels unavailable: using the eager PyTorch path")
+        return False
+    model.fast = FastPath(model, model.norm.weight.dtype)
+    return True

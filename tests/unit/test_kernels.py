@@ -1,0 +1,112 @@
+"""The packed small-M linear kernels and fused ops against torch, and every fallback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdecode import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernels unavailable")
+
+
+def rel(a, r):
+    return ((a.double() - r.double()).abs().max() / r.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("N,K", [(100, 71), (960, 576), (576, 1536), (33, 8)])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 13, 16, 17, 40])
+def test_linear(N, K, M):
+    torch.manual_seed(N * 1000 + K + M)
+    W, b, x = torch.randn(N, K), torch.randn(N), torch.randn(M, K)
+    p32 = kernels.pack(W, b)
+    pbf = kernels.pack(W, b, dtype=torch.bfloat16)
+    pdot = kernels.pack(W, b, dtype=torch.bfloat16, bf16_activations=True)
+    assert p32.packed and pbf.packed and pdot.packed
+    ref = F.linear(x.double(), W.double(), b.double())
+    Wb = W.bfloat16().double()
+    assert rel(kernels.linear(x, p32), ref) < 1e-5
+    yb = kernels.linear(x, pbf)
+    assert rel(yb, F.linear(x.double(), Wb, b.double())) < 1e-5
+    # fp32-activation bf16 path == fp32 kernel on bf16-rounded weights, bitwise
+    assert torch.equal(yb, kernels.linear(x, kernels.pack(W.bfloat16().float(), b)))
+    yd = kernels.linear(x, pdot)
+    assert rel(yd, F.linear(x.bfloat16().double(), Wb, b.double())) < 1e-5
+    for p in (p32, pbf, pdot):  # batch invariance
+        y = kernels.linear(x, p)
+        for i in {0, M // 2, M - 1}:
+            assert torch.equal(kernels.linear(x[i : i + 1], p)[0], y[i])
+
+
+def test_linear_shapes_dtypes():
+    W = torch.randn(64, 32)
+    x = torch.randn(2, 3, 32)
+    p = kernels.pack(W)
+    assert kernels.linear(x, p).shape == (2, 3, 64)
+    xb = x.bfloat16()
+    y = kernels.linear(xb, p)
+    assert y.dtype == torch.bfloat16 and rel(y, F.linear(xb.float(), W)) < 1e-2
+    bias2 = torch.randn(64)
+    assert rel(kernels.linear(x, p, bias2), F.linear(x, W, bias2)) < 1e-5
+    assert kernels.linear(torch.randn(0, 32), p).shape == (0, 64)
+
+
+def test_fallback_non_cpu():
+    W = torch.randn(16, 8, device="meta")
+    p = kernels.pack(W)
+    assert not p.packed
+    assert kernels.linear(torch.randn(2, 8, device="meta"), p).shape == (2, 16)
+
+
+def test_silu_mul():
+    for shape in [(1, 2 * 1536), (5, 2 * 17), (3, 4, 2 * 64)]:
+        gu = torch.randn(*shape) * 8
+        g, u = gu.chunk(2, -1)
+        assert rel(kernels.silu_mul(gu), F.silu(g) * u) < 1e-6
+    gu = torch.tensor([[-1e4, 1e4, float("inf"), -float("inf"), 0.0, 1, 1, 1, 1, 1]])
+    out = kernels.silu_mul(gu)
+    assert torch.allclose(out, F.silu(gu[:, :5]) * gu[:, 5:], equal_nan=True)
+
+
+def test_rmsnorm():
+    for H in (576, 37):
+        x, r, w = torch.randn(3, H), torch.randn(3, H), torch.randn(H)
+
+        def ref(h, w=w):
+            return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+        assert rel(kernels.rmsnorm(x, w, 1e-5), ref(x)) < 1e-5
+        r2 = r.clone()
+        out = kernels.rmsnorm(x, w, 1e-5, residual=r2)
+        assert torch.equal(r2, r + x)
+        assert rel(out, ref(r + x)) < 1e-5
+
+
+def test_disabled_env_falls_back(tmp_path):
+    code = (
+        "import torch; from specdecode import kernels;"
+        "assert not kernels.available(); p=kernels.pack(torch.randn(4,3)); assert not p.packed;"
+        "print(kernels.linear(torch.randn(2,3), p).shape)"
+    )
+    env = dict(os.environ, SPECDECODE_DISABLE_KERNELS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_compile_error_falls_back(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("this is not C++")
+    monkeypatch.setattr(kernels, "_SOURCE", bad)
+    monkeypatch.setattr(kernels, "_SOURCES", (bad,))
+    monkeypatch.setattr(kernels, "_EXT_NAME", "specdecode_bad")
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path / "cache"))
+    assert kernels._compile(False) is None
+
+
+def test_cpu_without_avx512_falls_back(monkeypatch):
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: frozenset({"sse2", "avx2"}))
+    assert not kernels.cpu_supported()
+    assert kernels._compile(False) is None
