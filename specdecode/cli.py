@@ -21,6 +21,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "off"],
+        help="auto: packed-weight C++ fast path on AVX-512 CPUs (built on first use)",
+    )
+    p.add_argument(
         "--allow-pickle",
         action="store_true",
         help="allow loading pickle checkpoints (*.bin); they can run code",
@@ -77,6 +83,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         allow_pickle=args.allow_pickle,
+        kernels=args.kernels,
         speculative_config=speculative_config(args),
     )
 
