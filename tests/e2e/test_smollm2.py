@@ -115,3 +115,19 @@ def test_tree_forward_and_compaction_on_the_real_model(smol, chat_ids):
     keep_path(r.manager, r.cache, s, path)
     (after,) = r.feed([s], [[11]])
     torch.testing.assert_close(after, seq_logits[-1:], atol=ATOL, rtol=0)
+
+
+def test_ngram_greedy_equals_plain_on_the_real_model():
+    from specdecode import LLM, SamplingParams
+
+    prompts = [
+        [{"role": "user", "content": "Repeat exactly: the cat sat on the mat. the cat sat."}],
+        [{"role": "user", "content": "Write a Python function that adds two numbers."}],
+    ]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = LLM()
+    want = [o.outputs[0].token_ids for o in plain.chat(prompts, params)]
+    spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert [o.outputs[0].token_ids for o in spec.chat(prompts, params)] == want  # batched
+    assert spec.chat(prompts[1], params)[0].outputs[0].token_ids == want[1]  # batch 1
+    assert spec.engine.spec_stats.num_accepted_tokens > 0

@@ -229,3 +229,29 @@ def test_draft_model_tree_sampled_distribution_unchanged(sharp_llama_dir, other_
     for pos in range(5):
         pval = chi_square_pvalue([t[pos] for t in a], [t[pos] for t in b])
         assert pval > 1e-3, (pos, pval)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_tokens_stay_in_the_top_k_support(plain, tiny_llama_dir, other_draft_dir, method):
+    """With top_k=2 every emitted token must be one of the target's top-2 at its position,
+    accepted draft, recovered or bonus alike (checked by teacher forcing the target)."""
+    cfg = {"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    if method == "draft_model":
+        cfg = {"method": method, "model": str(other_draft_dir), "num_speculative_tokens": 4}
+    spec = LLM(str(tiny_llama_dir), speculative_config=cfg)
+    params = [
+        SamplingParams(temperature=1.5, top_k=2, max_tokens=24, ignore_eos=True, seed=s)
+        for s in range(8)
+    ]
+    outs = spec.generate([PROMPTS[0]] * 8, params)
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+    from helpers import Runner
+
+    model = plain.engine.model
+    for out in outs:
+        ids = out.prompt_token_ids + out.outputs[0].token_ids
+        r = Runner(model)
+        (logits,) = r.feed([r.new_seq()], [ids[:-1]])
+        top2 = logits[len(out.prompt_token_ids) - 1 :].topk(2).indices
+        for tok, allowed in zip(out.outputs[0].token_ids, top2.tolist(), strict=True):
+            assert tok in allowed
