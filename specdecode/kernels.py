@@ -54,6 +54,7 @@ _EXT_NAME = "specdecode_kernels"
 _REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 _BF16_FLAG = "avx512_bf16"
 _BLOCK = 16  # outputs per packed block, must match the C++ kBlock
+_BF16_GROUP = 4  # bf16 blocks interleaved per k-step, must match the C++ kGroup
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None
@@ -195,8 +196,18 @@ def _pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     k2 = -(-k // 2)
     padded = weight.new_zeros((nb * _BLOCK, 2 * k2), dtype=dtype)
     padded[:n, :k] = weight
-    # [nb, 16, K/2, 2] -> [nb, K/2, 16, 2]: one 32-bit lane = (k, k+1) of one output
-    return padded.view(nb, _BLOCK, k2, 2).permute(0, 2, 1, 3).contiguous()
+    # Groups of g = 4 blocks (the last may be smaller): [g, 16, K/2, 2] -> [K/2, g, 16, 2],
+    # one 32-bit lane = (k, k+1) of one output; a micro-tile then streams contiguously.
+    g = _BF16_GROUP
+    full = nb - nb % g
+    parts = []
+    if full:
+        head = padded[: full * _BLOCK].view(full // g, g, _BLOCK, k2, 2)
+        parts.append(head.permute(0, 3, 1, 2, 4).reshape(-1))
+    if full < nb:
+        tail = padded[full * _BLOCK :].view(nb - full, _BLOCK, k2, 2)
+        parts.append(tail.permute(2, 0, 1, 3).reshape(-1))
+    return torch.cat(parts).view(nb, k2, _BLOCK, 2)
 
 
 def pack(

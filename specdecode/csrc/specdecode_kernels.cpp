@@ -6,9 +6,18 @@
 // 64-byte line for 16 consecutive outputs:
 //
 //   fp32: [ceil(N/16), K, 16]          w[b][k][i]    = W[16 b + i, k]
-//   bf16: [ceil(N/16), ceil(K/2), 16, 2] w[b][j][i][h] = W[16 b + i, 2 j + h]
+//   bf16: groups of G = 4 blocks (the last one may be smaller, g = its size),
+//         each stored as [ceil(K/2), g, 16, 2]:
+//         group[j][c][i][h] = W[16 (4 q + c) + i, 2 j + h] for group q
 //
-// Padding is zero.  A bf16 32-bit lane holds the (k, k+1) pair of one output:
+// Padding is zero.  The bf16 blocks of a group (one micro-tile's worth) are
+// interleaved per k-step so that a tile streams one contiguous run of memory
+// instead of 4 separate ones: at small M this is bandwidth-bound, and one
+// sequential stream keeps the hardware prefetchers far ahead (~1.25x faster
+// per core on Zen 4 than 4 panel streams).  The tensor keeps the shape
+// [ceil(N/16), ceil(K/2), 16, 2].
+//
+// A bf16 32-bit lane holds the (k, k+1) pair of one output:
 // with fp32 activations both halves widen to fp32 with one shift / one mask,
 // with bf16 activations the pair feeds one vdpbf16ps directly.
 //
@@ -37,6 +46,7 @@ namespace specdecode {
 constexpr int64_t kBlock = 16;      // outputs per packed block (one zmm)
 constexpr int kMaxRows = 8;         // activation rows per micro-tile (table size)
 constexpr int kMaxBlocks = 4;       // output blocks per micro-tile
+constexpr int64_t kGroup = 4;       // bf16 blocks interleaved per step (= _BF16_GROUP)
 
 enum class Kind { kF32, kBf16, kBf16Dot };
 
@@ -68,18 +78,22 @@ struct TileArgs {
   const float* bias;
 };
 
+// `wblock` points at the tile's first block at step 0; step s of block c is at
+// wblock + s * sstride_bytes + c * (fp32: one [K, 16] panel; bf16: 64 bytes).
 template <Kind KIND, int MR, int CB>
-void tile(const TileArgs& a, const void* wblock, int64_t n0) {
+void tile(const TileArgs& a, const void* wblock, int64_t sstride_bytes, int64_t n0) {
   __m512 acc[MR][CB];
   for (int m = 0; m < MR; ++m)
     for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_setzero_ps();
   const int64_t steps = a.steps;
-  // One step consumes 64 bytes of weights per block.
-  const int64_t bstride_bytes = steps * 64;
+  // One step consumes 64 bytes of weights per block.  fp32 blocks are whole
+  // [K, 16] panels one after another; bf16 blocks of a group are interleaved
+  // per step, so a tile streams one contiguous run of memory.
+  const int64_t bstride_bytes = KIND == Kind::kF32 ? steps * 64 : 64;
   const char* wb = static_cast<const char*>(wblock);
 
   for (int64_t s = 0; s < steps; ++s) {
-    const char* p0 = wb + s * 64;
+    const char* p0 = wb + s * (KIND == Kind::kF32 ? 64 : sstride_bytes);
     if constexpr (KIND == Kind::kF32) {
       const float* x = static_cast<const float*>(a.x);
       __m512 wv[CB];
@@ -135,7 +149,7 @@ void tile(const TileArgs& a, const void* wblock, int64_t n0) {
   }
 }
 
-using TileFn = void (*)(const TileArgs&, const void*, int64_t);
+using TileFn = void (*)(const TileArgs&, const void*, int64_t, int64_t);
 
 // Table of micro-tiles indexed by [rows - 1][blocks - 1].
 template <Kind KIND>
@@ -169,16 +183,25 @@ TileFn lookup(int mr, int cb) {
 // Splits the output blocks into one contiguous range per thread (at least
 // 256 KiB of weights each); each thread walks its range in groups of up to CB
 // blocks and, within a group, all row chunks, so the weight re-reads for
-// M > rows-per-tile hit cache rather than DRAM.
+// M > rows-per-tile hit cache rather than DRAM.  bf16 ranges are whole
+// packed groups of kGroup blocks.
 template <Kind KIND>
 void run(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
   const int64_t block_bytes = a.steps * 64;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / block_bytes);
-  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+  constexpr int64_t G = KIND == Kind::kF32 ? 1 : kGroup;
+  const int64_t nunits = (nblocks + G - 1) / G;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / (block_bytes * G));
+  at::parallel_for(0, nunits, grain, [&](int64_t u0, int64_t u1) {
     constexpr int rows = max_rows<KIND>();
-    const int cb_full = blocks_for_rows(static_cast<int>(std::min<int64_t>(M, rows)));
-    for (int64_t b = b0; b < b1;) {
+    const int64_t b1 = std::min(nblocks, u1 * G);
+    const int cb_full = KIND == Kind::kF32
+        ? blocks_for_rows(static_cast<int>(std::min<int64_t>(M, rows)))
+        : static_cast<int>(G);
+    for (int64_t b = u0 * G; b < b1;) {
       const int cb = static_cast<int>(std::min<int64_t>(cb_full, b1 - b));
+      // fp32: block c starts at its panel; bf16: group g holds its cb blocks
+      // interleaved, one 64-byte line each per step.
+      const int64_t sstride = KIND == Kind::kF32 ? 64 : cb * 64;
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int mr = static_cast<int>(std::min<int64_t>(rows, M - m0));
         const int step = std::min(cb, blocks_for_rows(mr));
@@ -187,7 +210,9 @@ void run(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
         sub.y = a.y + m0 * a.ldy;
         for (int c = 0; c < cb; c += step) {
           const int n = std::min(step, cb - c);
-          lookup<KIND>(mr, n)(sub, w + (b + c) * block_bytes, (b + c) * kBlock);
+          const char* wc =
+              KIND == Kind::kF32 ? w + (b + c) * block_bytes : w + b * block_bytes + c * 64;
+          lookup<KIND>(mr, n)(sub, wc, sstride, (b + c) * kBlock);
         }
       }
       b += cb;

@@ -81,13 +81,6 @@ def make_draft(target: LlamaModel, num_layers: int, vocab_ids: torch.Tensor) -> 
     return draft
 
 
-def _batches(examples: list[Example], batch_size: int, max_len: int, gen: torch.Generator):
-    while True:
-        order = torch.randperm(len(examples), generator=gen).tolist()
-        for i in range(0, len(order) - batch_size + 1, batch_size):
-            yield _collate([examples[j] for j in order[i : i + batch_size]], max_len)
-
-
 def _collate(batch: list[Example], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [B, T] right-padded with 0; mask [B, T]: position t predicts token t+1, trained
     where token t+1 is an answer token."""
@@ -101,11 +94,36 @@ def _collate(batch: list[Example], max_len: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def _losses(target: LlamaModel, draft: LlamaModel, ids: torch.Tensor, mask: torch.Tensor):
-    """Soft cross-entropy to the target restricted to the draft vocabulary, and top-1 agreement
-    with the target's full-vocabulary argmax."""
+@torch.no_grad()
+def teacher_features(
+    target: LlamaModel, examples: list[Example], max_len: int, batch_size: int = 8
+) -> list[torch.Tensor]:
+    """The target's final feature at every trained position of each example, computed once
+    (the target is frozen) so that training epochs only run the small draft."""
+    from tqdm import tqdm
+
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids))
+    out: list[torch.Tensor] = [torch.empty(0)] * len(examples)
+    for i in tqdm(range(0, len(order), batch_size), desc="target features", unit="batch"):
+        idx = order[i : i + batch_size]
+        ids, mask = _collate([examples[j] for j in idx], max_len)
+        hidden = target.forward_dense(ids).hidden
+        for row, j in enumerate(idx):
+            out[j] = hidden[row][mask[row]].clone()
+    return out
+
+
+def _losses(
+    target: LlamaModel,
+    draft: LlamaModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    t_hidden: torch.Tensor,
+):
+    """Soft cross-entropy to the target (its features `t_hidden` [n, H] at the masked
+    positions) restricted to the draft vocabulary, and top-1 agreement with the target's
+    full-vocabulary argmax."""
     with torch.no_grad():
-        t_hidden = target.forward_dense(ids).hidden[mask]
         t_logits = target.compute_logits(t_hidden)
         t_top1 = t_logits.argmax(-1)
         p = t_logits[:, draft.vocab_ids].softmax(-1)
@@ -114,6 +132,11 @@ def _losses(target: LlamaModel, draft: LlamaModel, ids: torch.Tensor, mask: torc
     loss = -(p * d_logits.log_softmax(-1)).sum(-1).mean()
     agree = (draft.vocab_ids[d_logits.argmax(-1)] == t_top1).float().mean()
     return loss, agree
+
+
+def _batch(examples, features, idx, max_len):
+    ids, mask = _collate([examples[j] for j in idx], max_len)
+    return ids, mask, torch.cat([features[j] for j in idx])
 
 
 def train_draft(
@@ -143,20 +166,25 @@ def train_draft(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))
     )
-    history = {"before": _evaluate(target, draft, held, cfg)}
-    batches = _batches(train, cfg.batch_size, cfg.max_len, torch.Generator().manual_seed(cfg.seed))
+    train_feats = teacher_features(target, train, cfg.max_len, cfg.batch_size)
+    held_feats = teacher_features(target, held, cfg.max_len, cfg.batch_size)
+    history = {"before": _evaluate(target, draft, held, held_feats, cfg)}
+    gen = torch.Generator().manual_seed(cfg.seed)
+    order: list[int] = []
     t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), desc="training draft", unit="step")
     for _ in bar:
-        ids, mask = next(batches)
-        loss, agree = _losses(target, draft, ids, mask)
+        if len(order) < cfg.batch_size:
+            order = torch.randperm(len(train), generator=gen).tolist()
+        idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
+        loss, agree = _losses(target, draft, *_batch(train, train_feats, idx, cfg.max_len))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{agree.item():.2f}")
-    history["after"] = _evaluate(target, draft, held, cfg)
+    history["after"] = _evaluate(target, draft, held, held_feats, cfg)
     history.update(
         train_seconds=time.perf_counter() - t0,
         train_examples=len(train),
@@ -176,11 +204,11 @@ def _coverage(examples: list[Example], vocab_ids: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def _evaluate(target, draft, held: list[Example], cfg: DraftTrainConfig) -> dict:
+def _evaluate(target, draft, held: list[Example], feats, cfg: DraftTrainConfig) -> dict:
     losses, agrees = [], []
     for i in range(0, len(held), cfg.batch_size):
-        ids, mask = _collate(held[i : i + cfg.batch_size], cfg.max_len)
-        loss, agree = _losses(target, draft, ids, mask)
+        idx = list(range(i, min(i + cfg.batch_size, len(held))))
+        loss, agree = _losses(target, draft, *_batch(held, feats, idx, cfg.max_len))
         losses.append(loss.item())
         agrees.append(agree.item())
     return {"loss": sum(losses) / len(losses), "top1_agreement": sum(agrees) / len(agrees)}
