@@ -22,6 +22,13 @@ def spec_llm(path, **cfg):
     return LLM(str(path), speculative_config={"method": "ngram", **cfg})
 
 
+def draft_llm(target, draft, k: int, tree=None) -> LLM:
+    cfg = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+    if tree is not None:
+        cfg["speculative_token_tree"] = tree
+    return LLM(str(target), speculative_config=cfg)
+
+
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
@@ -61,21 +68,23 @@ def test_sampled_distribution_unchanged(sharp_llama_dir):
     # The model's own greedy text loops; sampled continuations often follow the loop, so the
     # n-gram drafter gets accepted often enough to matter.
     prompt = PROMPTS[0] + plain.generate(PROMPTS[0], greedy(60))[0].outputs[0].text
-    n = 2000
-    params = [
-        SamplingParams(temperature=1.0, top_k=8, top_p=0.9, max_tokens=4, ignore_eos=True, seed=s)
-        for s in range(n)
-    ]
-    a = [o.outputs[0].token_ids for o in plain.generate([prompt] * n, params)]
-    params = [
-        SamplingParams(
-            temperature=1.0, top_k=8, top_p=0.9, max_tokens=4, ignore_eos=True, seed=n + s
-        )
-        for s in range(n)
-    ]
-    b = [o.outputs[0].token_ids for o in spec.generate([prompt] * n, params)]
+    assert_same_distribution(plain, spec, prompt, positions=3, temperature=1.0, top_k=8, top_p=0.9)
     assert spec.engine.spec_stats.num_accepted_tokens > 100
-    for pos in range(3):
+
+
+def assert_same_distribution(plain, spec, prompt, n: int = 2000, positions: int = 4, **sampling):
+    """Sample `n` seeded completions with and without speculation (different seeds) and
+    chi-square test each of the first `positions` tokens: p < 1e-3 fails."""
+
+    def run(llm, offset):
+        params = [
+            SamplingParams(max_tokens=positions, ignore_eos=True, seed=offset + s, **sampling)
+            for s in range(n)
+        ]
+        return [o.outputs[0].token_ids for o in llm.generate([prompt] * n, params)]
+
+    a, b = run(plain, 0), run(spec, n)
+    for pos in range(positions):
         pval = chi_square_pvalue([t[pos] for t in a], [t[pos] for t in b])
         assert pval > 1e-3, (pos, pval)
 
@@ -149,31 +158,10 @@ def test_draft_model_sampled_distribution_unchanged(sharp_llama_dir, tmp_path):
     make_tiny_hf("llama", tmp_path, seed=1, logit_scale=3.0)  # same weights, softer: q != p
     _write_byte_tokenizer(tmp_path)
     plain = LLM(str(sharp_llama_dir))
-    spec = LLM(
-        str(sharp_llama_dir),
-        speculative_config={
-            "method": "draft_model",
-            "model": str(tmp_path),
-            "num_speculative_tokens": 3,
-        },
-    )
-    n = 2000
-
-    def params(offset):
-        return [
-            SamplingParams(
-                temperature=1.0, top_k=8, top_p=0.9, max_tokens=4, ignore_eos=True, seed=offset + s
-            )
-            for s in range(n)
-        ]
-
-    a = [o.outputs[0].token_ids for o in plain.generate([PROMPTS[0]] * n, params(0))]
-    b = [o.outputs[0].token_ids for o in spec.generate([PROMPTS[0]] * n, params(n))]
+    spec = draft_llm(sharp_llama_dir, tmp_path, 3)
+    assert_same_distribution(plain, spec, PROMPTS[0], temperature=1.0, top_k=8, top_p=0.9)
     stats = spec.engine.spec_stats
     assert stats.num_accepted_tokens > 1000 and stats.acceptance_rate < 0.95
-    for pos in range(4):
-        pval = chi_square_pvalue([t[pos] for t in a], [t[pos] for t in b])
-        assert pval > 1e-3, (pos, pval)
 
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
@@ -182,15 +170,7 @@ TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0
 @pytest.mark.parametrize("draft", ["self", "other"])
 def test_draft_model_tree_greedy_equals_plain(plain, tiny_llama_dir, other_draft_dir, draft):
     path = tiny_llama_dir if draft == "self" else other_draft_dir
-    spec = LLM(
-        str(tiny_llama_dir),
-        speculative_config={
-            "method": "draft_model",
-            "model": str(path),
-            "num_speculative_tokens": 4,
-            "speculative_token_tree": TREE,
-        },
-    )
+    spec = draft_llm(tiny_llama_dir, path, 4, tree=TREE)
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(30))] == want
     assert spec.generate(PROMPTS[3], greedy(30))[0].outputs[0].token_ids == want[3]
@@ -204,31 +184,9 @@ def test_draft_model_tree_greedy_equals_plain(plain, tiny_llama_dir, other_draft
 def test_draft_model_tree_sampled_distribution_unchanged(sharp_llama_dir, other_draft_dir):
     """Deterministic top-k tree drafts at temperature 1: first tokens distributed as without."""
     plain = LLM(str(sharp_llama_dir))
-    spec = LLM(
-        str(sharp_llama_dir),
-        speculative_config={
-            "method": "draft_model",
-            "model": str(sharp_llama_dir),
-            "num_speculative_tokens": 3,
-            "speculative_token_tree": TREE,
-        },
-    )
-    n = 2000
-
-    def params(offset):
-        return [
-            SamplingParams(
-                temperature=1.0, top_p=0.95, max_tokens=5, ignore_eos=True, seed=offset + s
-            )
-            for s in range(n)
-        ]
-
-    a = [o.outputs[0].token_ids for o in plain.generate([PROMPTS[1]] * n, params(0))]
-    b = [o.outputs[0].token_ids for o in spec.generate([PROMPTS[1]] * n, params(n))]
+    spec = draft_llm(sharp_llama_dir, sharp_llama_dir, 3, tree=TREE)
+    assert_same_distribution(plain, spec, PROMPTS[1], positions=5, temperature=1.0, top_p=0.95)
     assert spec.engine.spec_stats.num_accepted_tokens > 500
-    for pos in range(5):
-        pval = chi_square_pvalue([t[pos] for t in a], [t[pos] for t in b])
-        assert pval > 1e-3, (pos, pval)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
