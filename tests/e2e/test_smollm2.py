@@ -131,3 +131,24 @@ def test_ngram_greedy_equals_plain_on_the_real_model():
     assert [o.outputs[0].token_ids for o in spec.chat(prompts, params)] == want  # batched
     assert spec.chat(prompts[1], params)[0].outputs[0].token_ids == want[1]  # batch 1
     assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("tree", [None, [[0], [1], [0, 0], [0, 0, 0]]])
+def test_draft_model_greedy_equals_plain_on_the_real_model(smol, tree):
+    """The real model drafting for itself (chain, then a top-2 tree): exercises the draft
+    cache, rollback and tree verification at full size; output must equal plain greedy."""
+    from specdecode import LLM, SamplingParams
+
+    loaded, _ = smol
+    prompts = [
+        [{"role": "user", "content": "Name three colors."}],
+        [{"role": "user", "content": "Write a haiku about the sea."}],
+    ]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    want = [o.outputs[0].token_ids for o in LLM().chat(prompts, params)]
+    cfg = {"method": "draft_model", "model": str(loaded.path), "num_speculative_tokens": 3}
+    if tree:
+        cfg["speculative_token_tree"] = tree
+    spec = LLM(speculative_config=cfg)
+    assert [o.outputs[0].token_ids for o in spec.chat(prompts, params)] == want
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
