@@ -132,6 +132,27 @@ def verify(
     return VerifyResult(accepted, out_tokens)
 
 
+def verify_greedy(
+    shapes: list[TreeShape], tokens: list[list[int]], target_argmax: list[list[int]]
+) -> VerifyResult:
+    """Greedy verification without probabilities: follow the children that match the target's
+    argmax (`target_argmax[i][node]`) from the root; the first mismatch or a leaf ends the path
+    with the argmax token. Identical to `verify` with one-hot p, minus its vocabulary-wide ops."""
+    accepted, emitted = [], []
+    for shape, toks, best in zip(shapes, tokens, target_argmax, strict=True):
+        kids = shape.children
+        path, node = [], 0
+        while True:
+            nxt = next((c for c in kids[node] if toks[c] == best[node]), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            node = nxt
+        accepted.append(path)
+        emitted.append([toks[c] for c in path] + [best[node]])
+    return VerifyResult(accepted, emitted)
+
+
 def _reject(
     residual: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, q: torch.Tensor | None
 ) -> torch.Tensor:

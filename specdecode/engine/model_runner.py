@@ -12,7 +12,7 @@ from specdecode.engine.scheduler import ScheduledBatch
 from specdecode.models.attention import build_metadata
 from specdecode.models.llama import LlamaModel
 from specdecode.sampling import sample, warp
-from specdecode.verify import DraftBatch, VerifyResult, verify
+from specdecode.verify import DraftBatch, VerifyResult, verify, verify_greedy
 
 
 class ModelRunner:
@@ -104,6 +104,14 @@ class ModelRunner:
         logits: list[torch.Tensor],
         samples_drafts: bool,
     ) -> VerifyResult:
+        if all(s.params.greedy for s in seqs):
+            result = verify_greedy(
+                [p.shape for p in proposals],
+                [p.tokens for p in proposals],
+                [lg.argmax(-1).tolist() for lg in logits],
+            )
+            self._keep_accepted(seqs, proposals, result)
+            return result
         probs = [warp(lg, s.params) for s, lg in zip(seqs, logits, strict=True)]
         n = max(p.shape[0] for p in probs)
         target = torch.zeros(len(seqs), n, probs[0].shape[-1], device=self.device)
@@ -114,10 +122,13 @@ class ModelRunner:
             [p.shape for p in proposals], [p.tokens for p in proposals], q
         )
         result = verify(target, drafts, [self.generator(s) for s in seqs])
+        self._keep_accepted(seqs, proposals, result)
+        return result
+
+    def _keep_accepted(self, seqs, proposals, result: VerifyResult) -> None:
         for seq, prop, acc in zip(seqs, proposals, result.accepted, strict=True):
             keep_path(self.manager, self.cache, seq.blocks, [0] + acc)
             seq.spec.record(prop.num_drafts, max(prop.shape.depths), len(acc))
-        return result
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         if seq.params.greedy:

@@ -194,3 +194,19 @@ def test_seeded_verification_is_deterministic():
     a = verify(p, drafts, gens).tokens
     gens = [torch.Generator().manual_seed(i) for i in range(50)]
     assert verify(p, drafts, gens).tokens == a
+
+
+def test_greedy_shortcut_equals_one_hot_verification():
+    """`verify_greedy` must give exactly what `verify` gives with one-hot p, on random trees."""
+    from specdecode.verify import verify_greedy
+
+    g = torch.Generator().manual_seed(0)
+    for shape in SHAPES.values():
+        n = len(shape)
+        for _ in range(50):
+            tokens = torch.randint(0, 3, (n,), generator=g).tolist()
+            best = torch.randint(0, 3, (n,), generator=g).tolist()
+            p = torch.zeros(1, n, V).scatter_(2, torch.tensor(best)[None, :, None], 1.0)
+            full = verify(p, DraftBatch.from_trees([shape], [tokens]))
+            fast = verify_greedy([shape], [tokens], [best])
+            assert (fast.accepted, fast.tokens) == (full.accepted, full.tokens)
