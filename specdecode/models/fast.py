@@ -54,7 +54,7 @@ class FastPath:
             ]
         self.weights.append(_f32(model.norm.weight))
         self.lm_head = kernels.pack(model.lm_head.weight.detach(), dtype=weight_dtype)
-        self.cos, self.sin = (t.float().contiguous() for t in model.rope_tables())
+        self.cos, self.sin = (t.contiguous() for t in model.rope_tables(torch.float32))
 
     def _pack(self, linear: torch.nn.Linear, dtype: torch.dtype) -> kernels.PackedLinear:
         bias = linear.bias.detach().float() if linear.bias is not None else None

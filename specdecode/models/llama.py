@@ -166,9 +166,11 @@ class LlamaModel(nn.Module):
         self.lm_head = head
         self.vocab_ids = vocab_ids.to(self.lm_head.weight.device)
 
-    def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [max_pos, head_dim] in the model dtype, built once."""
-        dtype, device = self.norm.weight.dtype, self.norm.weight.device
+    def rope_tables(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [max_pos, head_dim], computed in float64 and cast once to `dtype` (default:
+        the model dtype; the fast path asks for fp32)."""
+        dtype = dtype or self.norm.weight.dtype
+        device = self.norm.weight.device
         if self._rope_cache is None or self._rope_cache[0].dtype != dtype:
             cfg = self.config
             inv = rope_inv_freq(cfg.rope, cfg.head_dim)
