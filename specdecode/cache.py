@@ -139,6 +139,14 @@ class KVCache:
         self.kv[:, :, :, :block_size].zero_()
 
     @staticmethod
+    def num_blocks_for(
+        config: ModelConfig, dtype: torch.dtype, memory_gb: float, block_size: int
+    ) -> int:
+        """Blocks that fit a budget of `memory_gb` (at least 2: one reserved, one usable)."""
+        per_block = KVCache.bytes_per_token(config, dtype) * block_size
+        return max(2, int(memory_gb * 2**30 / per_block))
+
+    @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return config.num_layers * 2 * config.num_kv_heads * config.head_dim * itemsize

@@ -12,6 +12,7 @@ and the top-1 child of the first.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -54,14 +55,16 @@ class TreeShape:
     def __len__(self) -> int:
         return len(self.parents)
 
-    @property
+    # Derived structure is computed once per shape (shapes are reused every step); callers must
+    # not modify what these return.
+    @cached_property
     def depths(self) -> list[int]:
         d = [0] * len(self.parents)
         for i, p in enumerate(self.parents[1:], start=1):
             d[i] = d[p] + 1
         return d
 
-    @property
+    @cached_property
     def children(self) -> list[list[int]]:
         kids: list[list[int]] = [[] for _ in self.parents]
         for i, p in enumerate(self.parents[1:], start=1):
@@ -69,6 +72,10 @@ class TreeShape:
         return kids
 
     def ancestor_mask(self) -> torch.Tensor:  # [n, n] bool: node i may attend node j
+        return self._ancestor_mask
+
+    @cached_property
+    def _ancestor_mask(self) -> torch.Tensor:
         n = len(self.parents)
         mask = torch.zeros(n, n, dtype=torch.bool)
         for i, p in enumerate(self.parents):

@@ -58,8 +58,7 @@ class DraftModelDrafter(Drafter):
             self.samples_drafts = False
         self.device = model.norm.weight.device
         dtype = model.activation_dtype
-        per_token = KVCache.bytes_per_token(model.config, dtype)
-        num_blocks = max(2, int(kv_memory_gb * 2**30 / per_token / block_size))
+        num_blocks = KVCache.num_blocks_for(model.config, dtype, kv_memory_gb, block_size)
         self.manager = BlockManager(num_blocks, block_size)
         self.cache = KVCache(model.config, num_blocks, block_size, dtype, self.device)
         self._state: dict[int, _DraftState] = {}
@@ -162,7 +161,7 @@ class DraftModelDrafter(Drafter):
         if not active:
             return [DraftProposal.empty(s.last_token) for s in seqs]
         feeds = [seqs[i].token_ids(states[i].blocks.length, seqs[i].num_tokens) for i in active]
-        logits = self._forward([states[i].blocks for i in active], feeds, last_only=True)
+        logits = self._forward([states[i].blocks for i in active], feeds)
         q_rows = {(i, 0): logits[r] for r, i in enumerate(active)}  # (seq, node) -> logits
         depths, kids = tree.depths, tree.children
         for depth in range(1, max(depths) + 1):
@@ -185,8 +184,10 @@ class DraftModelDrafter(Drafter):
             lo, hi = level[0], level[-1] + 1
             mask = tree.ancestor_mask()[lo:hi, 1:hi]
             feeds = [tokens[i][lo:hi] for i in deeper]
+            # every node of this level sits `depth` positions after its root (the last token)
+            positions = [[seqs[i].num_tokens - 1 + depth] * (hi - lo) for i in deeper]
             logits = self._forward(
-                [states[i].blocks for i in deeper], feeds, masks=[mask] * len(deeper)
+                [states[i].blocks for i in deeper], feeds, [mask] * len(deeper), positions
             )
             for r, i in enumerate(deeper):
                 states[i].fed_nodes = hi - 1
@@ -205,25 +206,18 @@ class DraftModelDrafter(Drafter):
         blocks: list[SeqBlocks],
         feeds: list[list[int]],
         masks: list[torch.Tensor] | None = None,
-        last_only: bool = True,
+        positions: list[list[int]] | None = None,
     ) -> torch.Tensor:
-        """Append `feeds[i]` to sequence i (with tree `masks`, positions following the tree's
-        depth); return logits at each last new token [B, V], or at every new token when masks
-        are given ([sum n_i, V])."""
+        """Append `feeds[i]` to sequence i; return logits at each last new token [B, V], or,
+        for a tree level (`masks` and `positions` given), at every new token [sum n_i, V]."""
         nums = [len(f) for f in feeds]
         meta = build_metadata(self.cache.kv, self.manager, blocks, nums, masks)
         ids = torch.tensor([t for f in feeds for t in f], device=self.device)
-        if masks is None:
+        if positions is None:
             positions = [
-                p for b, n in zip(blocks, nums, strict=True) for p in range(b.length, b.length + n)
+                list(range(b.length, b.length + n)) for b, n in zip(blocks, nums, strict=True)
             ]
-        else:  # a level of the tree: all its nodes sit at the same depth
-            positions = [
-                b.length - m.shape[1] + n + self._level_depth(m)
-                for b, n, m in zip(blocks, nums, masks, strict=True)
-                for _ in range(n)
-            ]
-        pos = torch.tensor(positions, device=self.device)
+        pos = torch.tensor([p for ps in positions for p in ps], device=self.device)
         hidden = self.model(ids, pos, meta).hidden
         for b, n in zip(blocks, nums, strict=True):
             b.length += n
@@ -231,11 +225,6 @@ class DraftModelDrafter(Drafter):
             return self.model.compute_logits(hidden)
         last = torch.tensor(nums, device=self.device).cumsum(0) - 1
         return self.model.compute_logits(hidden[last])
-
-    @staticmethod
-    def _level_depth(mask: torch.Tensor) -> int:
-        """Depth below the root of the nodes in this level (ancestors among the tree nodes)."""
-        return int(mask[0].sum()) - 1
 
     def on_verified(self, seqs, proposals, accepted) -> None:
         for seq, acc in zip(seqs, accepted, strict=True):

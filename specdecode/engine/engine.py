@@ -57,8 +57,9 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         kv_dtype = self.model.activation_dtype
-        per_token = KVCache.bytes_per_token(mc, kv_dtype)
-        num_blocks = max(2, int(config.kv_cache_memory_gb * 2**30 / per_token / config.block_size))
+        num_blocks = KVCache.num_blocks_for(
+            mc, kv_dtype, config.kv_cache_memory_gb, config.block_size
+        )
         self.manager = BlockManager(num_blocks, config.block_size)
         self.cache = KVCache(mc, num_blocks, config.block_size, kv_dtype, device)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)

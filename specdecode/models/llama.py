@@ -71,26 +71,24 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        t = x.shape[0]
+        q, k, v = self._project(x, cos, sin)
+        return self.o_proj(paged_attention(q, k, v, self.layer, meta))
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [..., H] -> q [..., heads, D], k and v [..., kv_heads, D], rotary applied."""
+        lead = x.shape[:-1]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(paged_attention(q, k, v, self.layer, meta))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] with causal attention over the T tokens only (no cache)."""
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(b, t, self.num_heads, self.head_dim)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._project(x, cos, sin)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -257,9 +255,12 @@ class LlamaModel(nn.Module):
 
     # ---- weights -------------------------------------------------------------------------------
 
-    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_hf_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], provided: tuple[str, ...] = ()
+    ) -> None:
         """Copy Hugging Face-named tensors into the fused parameters. Every parameter must be
-        covered exactly; a missing or unexpected tensor raises KeyError naming it."""
+        covered exactly, except those named in `provided` (set by the caller, e.g. shared);
+        a missing or unexpected tensor raises KeyError naming it."""
         params = dict(self.named_parameters(remove_duplicate=False))
         filled: set[str] = set()
         for name, tensor in weights:
@@ -276,7 +277,7 @@ class LlamaModel(nn.Module):
                 )
             dst.copy_(tensor)
             filled.add(target if offset is None else f"{target}@{offset}")
-        self._check_filled(filled)
+        self._check_filled(filled | set(provided))
 
     def _map_hf_name(self, name: str) -> tuple[str | None, int | None]:
         name = name.removeprefix("model.")

@@ -288,13 +288,5 @@ def load_trained_draft(path: Path, target: LlamaModel) -> LlamaModel:
     draft = draft.to_empty(device=device).to(dtype)
     draft.embed_tokens.weight = target.embed_tokens.weight
     draft.reduce_vocab(vocab_ids)
-    head = tensors.pop("lm_head.weight")
-    draft.lm_head.weight.data.copy_(head)
-    params = dict(draft.named_parameters())
-    for name, t in tensors.items():
-        target_name, offset = draft._map_hf_name(name)
-        dst = params[target_name].data
-        if offset is not None:
-            dst = dst.narrow(0, offset, t.shape[0])
-        dst.copy_(t)
+    draft.load_hf_weights(tensors.items(), provided=("embed_tokens.weight",))
     return draft.eval().requires_grad_(False)
