@@ -126,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     dgen.add_argument("--max-tokens", type=int, default=256)
     dgen.add_argument("--temperature", type=float, default=0.0)
     dgen.add_argument("--max-num-seqs", type=int, default=16, help="generation batch size")
+    dgen.add_argument(
+        "--features",
+        choices=("eagle3", "final", "none"),
+        default="eagle3",
+        help="target features stored with the tokens (bf16): 'eagle3' = the inputs of layers "
+        "2, N//2, N-3 and the final feature (every head trains from these), 'final' = the "
+        "final feature only (Medusa, EAGLE-1), 'none' = tokens only",
+    )
 
     train = sub.add_parser("train", help="train drafters on a frozen target")
     tsub = train.add_subparsers(dest="train", required=True)
@@ -200,8 +208,21 @@ def cmd_data(args: argparse.Namespace) -> None:
         conversations.append(item)
         if len(conversations) == args.num_conversations:
             break
+    from specdecode.train.datagen import default_feature_layers
+
+    layers = {
+        "eagle3": default_feature_layers(llm.engine.model_config.num_layers),
+        "final": (),
+        "none": None,
+    }[args.features]
     written = generate(
-        llm, conversations, Path(args.out), args.shard_size, args.max_tokens, args.temperature
+        llm,
+        conversations,
+        Path(args.out),
+        args.shard_size,
+        args.max_tokens,
+        args.temperature,
+        feature_layers=layers,
     )
     print(f"wrote {len(written)} shards to {args.out}")
 

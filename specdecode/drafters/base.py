@@ -38,6 +38,8 @@ class Drafter(ABC):
 
     #: True when proposals carry q (sampled drafts); False for deterministic drafts.
     samples_drafts: bool = False
+    #: Target features this drafter reads (see `ModelRunner.feature_layers`); None: none.
+    feature_layers: tuple[int, ...] | None = None
 
     def max_nodes(self, k: int) -> int:
         """Cache slots a proposal of depth at most k may need (beyond the root)."""
@@ -48,6 +50,11 @@ class Drafter(ABC):
         """One proposal per sequence, no deeper than `budgets[i]` (0: no drafts) and with at
         most `max_nodes(k)` drafts. The root is `seq.last_token`; any other state the drafter
         needs is its own."""
+
+    def observe(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None:
+        """Every step (speculating or not), for drafters with `feature_layers`: `features[i]`
+        [m, F] are the target's features at the m tokens sequence i committed to the cache
+        this step, which sit at positions `seqs[i].blocks.length - m ...`."""
 
     def on_verified(
         self, seqs: list[Sequence], proposals: list[DraftProposal], accepted: list[list[int]]

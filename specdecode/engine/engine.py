@@ -66,12 +66,18 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.manager)
         self.output = OutputProcessor(self.tokenizer, self._eos_ids(), self.max_model_len)
         self.spec_config = _speculative_config(config.speculative_config)
+        # Called after every step with (sequences, their committed target features) when
+        # `runner.feature_layers` is set: feature-reading drafters, data generation.
+        self.feature_observers: list = []
         self.drafter: Drafter | None = None
         if self.spec_config is not None:
             from specdecode.drafters.factory import build_drafter
 
             self.drafter = build_drafter(self.spec_config, self)
             self.scheduler.on_preempt.append(self.drafter.release)
+            if self.drafter.feature_layers is not None:
+                self.runner.feature_layers = self.drafter.feature_layers
+                self.feature_observers.append(self.drafter.observe)
         self.spec_stats = SpecDecodeStats()
         self.speculation_enabled = True  # False: plain decoding with the same engine
 
@@ -119,6 +125,10 @@ class LLMEngine:
                 [proposals[i] for i in spec],
                 [self.runner.accepted_nodes[i] for i in spec],
             )
+        if self.runner.features:
+            feats = [self.runner.features[i] for i in range(len(batch))]
+            for observe in self.feature_observers:
+                observe(batch.seqs, feats)
         updated = []
         for seq, tokens in zip(batch.seqs, new_tokens, strict=True):
             self.manager.truncate(seq.blocks, seq.blocks.length)  # unused lookahead slots

@@ -23,6 +23,13 @@ class ModelRunner:
         self.device = model.norm.weight.device
         self._generators: dict[int, torch.Generator | None] = {}
         self.accepted_nodes: dict[int, list[int]] = {}
+        # Target features, for drafters that read them (Medusa, EAGLE) and for data generation:
+        # None = not captured; () = the final feature (input of the LM head); layer indices =
+        # the residual streams entering those layers, concatenated (EAGLE-3), then the final.
+        self.feature_layers: tuple[int, ...] | None = None
+        # batch index -> [m, F] features of the m tokens this step committed to the cache, in
+        # position order (a prefill chunk's tokens, a decode token, or a tree's accepted path)
+        self.features: dict[int, torch.Tensor] = {}
 
     def generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.seq_id not in self._generators:
@@ -59,10 +66,24 @@ class ModelRunner:
                 trees.append(None if prop.shape.is_chain() else prop.shape.ancestor_mask())
         blocks = [s.blocks for s in batch.seqs]
         meta = build_metadata(self.cache.kv, self.manager, blocks, num_new, trees)
-        hidden = self.model(
-            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta
-        ).hidden
-        return self._postprocess(batch, proposals, num_new, hidden, samples_drafts)
+        out = self.model(
+            torch.tensor(ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            meta,
+            self.feature_layers or (),
+        )
+        result = self._postprocess(batch, proposals, num_new, out.hidden, samples_drafts)
+        self.features = {}
+        if self.feature_layers is not None:
+            feats = torch.cat([*out.captured, out.hidden], -1) if out.captured else out.hidden
+            start = 0
+            for i, n in enumerate(num_new):
+                rows = feats[start : start + n]
+                if proposals[i] is not None:
+                    rows = rows[[0, *self.accepted_nodes[i]]]
+                self.features[i] = rows
+                start += n
+        return result
 
     def _postprocess(self, batch, proposals, num_new, hidden, samples_drafts):
         offsets = [0]

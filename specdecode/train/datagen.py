@@ -31,13 +31,19 @@ class Example:
     conversation_id: str
     input_ids: list[int]  # prompt + answer
     loss_mask: list[int]  # 1 on the answer's tokens (what the target generated)
+    # [len(input_ids) - 1, F] target features at every token but the last, if recorded
+    features: torch.Tensor | None = None
 
 
 def shard_path(out: Path, index: int) -> Path:
     return out / f"shard-{index:05d}.safetensors"
 
 
-def write_shard(path: Path, examples: list[Example], metadata: dict) -> None:
+def write_shard(
+    path: Path, examples: list[Example], metadata: dict, features: list[torch.Tensor] | None = None
+) -> None:
+    """`features[i]`: [len(examples[i].input_ids) - 1, F], the target's features at every token
+    but the last (stored as `features` with the same offsets minus one per example)."""
     from safetensors.torch import save_file
 
     offsets = [0]
@@ -48,28 +54,50 @@ def write_shard(path: Path, examples: list[Example], metadata: dict) -> None:
         "loss_mask": torch.tensor([m for ex in examples for m in ex.loss_mask], dtype=torch.uint8),
         "offsets": torch.tensor(offsets, dtype=torch.int64),
     }
+    if features is not None:
+        for ex, f in zip(examples, features, strict=True):
+            if f.shape[0] != len(ex.input_ids) - 1:
+                raise ValueError(
+                    f"{ex.conversation_id}: {f.shape[0]} feature rows for "
+                    f"{len(ex.input_ids)} tokens (expected one fewer)"
+                )
+        tensors["features"] = (
+            torch.cat(features) if features else torch.zeros(0, 1, dtype=torch.bfloat16)
+        )
     meta = {**metadata, "conversation_ids": json.dumps([ex.conversation_id for ex in examples])}
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata={k: str(v) for k, v in meta.items()})
     os.replace(tmp, path)
 
 
-def read_shard(path: Path) -> list[Example]:
+def read_shard(path: Path, features: bool = True) -> list[Example]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         ids, mask, offsets = (f.get_tensor(k) for k in ("input_ids", "loss_mask", "offsets"))
         conv_ids = json.loads(f.metadata()["conversation_ids"])
+        feats = f.get_tensor("features") if features and "features" in f.keys() else None
     out = []
     for i, cid in enumerate(conv_ids):
         a, b = int(offsets[i]), int(offsets[i + 1])
-        out.append(Example(cid, ids[a:b].tolist(), mask[a:b].tolist()))
+        fe = feats[a - i : b - i - 1] if feats is not None else None
+        out.append(Example(cid, ids[a:b].tolist(), mask[a:b].tolist(), fe))
     return out
 
 
-def iter_examples(data_dir: Path) -> Iterator[Example]:
+def shard_metadata(data_dir: Path) -> dict:
+    from safetensors import safe_open
+
+    paths = sorted(data_dir.glob("shard-*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(f"no shards in {data_dir} (run `specdecode data generate`)")
+    with safe_open(str(paths[0]), framework="pt") as f:
+        return dict(f.metadata())
+
+
+def iter_examples(data_dir: Path, features: bool = True) -> Iterator[Example]:
     for path in sorted(data_dir.glob("shard-*.safetensors")):
-        yield from read_shard(path)
+        yield from read_shard(path, features)
 
 
 def _seed(conversation_id: str) -> int:
@@ -82,6 +110,28 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, mid and high layers: the residual streams entering layers 2, N//2, N-3."""
+    return (2, num_layers // 2, num_layers - 3) if num_layers >= 6 else (0, num_layers // 2)
+
+
+class _FeatureRecorder:
+    """Collects, per sequence, the target features the engine computed at each fed token (a
+    preempted sequence is recomputed from position 0, which restarts its record)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, seqs, feats) -> None:
+        for seq, f in zip(seqs, feats, strict=True):
+            if seq.blocks.length - len(f) == 0:
+                self.rows[seq.seq_id] = []
+            self.rows[seq.seq_id].append(f.to(torch.bfloat16))
+
+    def pop(self, seq_id: int) -> torch.Tensor:
+        return torch.cat(self.rows.pop(seq_id))
+
+
 def generate(
     llm,
     conversations: list[tuple[str, list[dict]]],
@@ -90,8 +140,16 @@ def generate(
     max_tokens: int = 256,
     temperature: float = 0.0,
     max_prompt_tokens: int = 512,
+    feature_layers: tuple[int, ...] | None = None,
 ) -> list[Path]:
-    """Answer each conversation's first user turn with the target; write this rank's shards."""
+    """Answer each conversation's first user turn with the target; write this rank's shards.
+
+    All of this rank's remaining requests go to the engine at once (it batches up to
+    `max_num_seqs`), and a shard is written as soon as its last conversation finishes, so the
+    batch stays full. With `feature_layers` (see `ModelRunner.feature_layers`) each shard also
+    stores the target's features at every token but the last (bf16): the heads train on them
+    without a second pass of the target.
+    """
     from tqdm import tqdm
 
     from specdecode.sampling import SamplingParams
@@ -103,32 +161,50 @@ def generate(
     todo = [i for i in mine if not shard_path(out, i).exists()]
     if len(todo) < len(mine):
         log.info("resuming: %d of %d shards already written", len(mine) - len(todo), len(mine))
+    engine = llm.engine
     meta = {
-        "model": str(llm.engine.model_path.name),
+        "model": str(engine.model_path.name),
         "max_tokens": max_tokens,
         "temperature": temperature,
         "source": "sharegpt train split, first user turn",
     }
-    written = []
-    for i in tqdm(todo, desc=f"generating (rank {rank}/{world})", unit="shard"):
-        chunk = conversations[i * shard_size : (i + 1) * shard_size]
-        prompts, ids = [], []
-        for cid, messages in chunk:
+    recorder = None
+    if feature_layers is not None:
+        meta["feature_layers"] = json.dumps(list(feature_layers))
+        engine.runner.feature_layers = tuple(feature_layers)
+        recorder = _FeatureRecorder()
+        engine.feature_observers.append(recorder)
+    waiting: dict[int, list] = {}  # shard -> [(conversation id, prompt ids, Sequence)]
+    for i in todo:
+        waiting[i] = []
+        for cid, messages in conversations[i * shard_size : (i + 1) * shard_size]:
             p = llm._chat_ids([messages[0]])
-            if len(p) <= max_prompt_tokens:
-                prompts.append(p)
-                ids.append(cid)
-        params = [
-            SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=hash(c) % 2**31)
-            for c in ids
-        ]
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        examples = [
-            Example(
-                cid, p + o.outputs[0].token_ids, [0] * len(p) + [1] * len(o.outputs[0].token_ids)
-            )
-            for cid, p, o in zip(ids, prompts, outputs, strict=True)
-        ]
-        write_shard(shard_path(out, i), examples, meta)
-        written.append(shard_path(out, i))
+            if len(p) > max_prompt_tokens:
+                continue
+            params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=_seed(cid))
+            waiting[i].append((cid, p, engine.add_request(p, params, request_id=cid)))
+    written = []
+    bar = tqdm(total=len(todo), desc=f"generating (rank {rank}/{world})", unit="shard")
+    tokens = 0
+    try:
+        while waiting:
+            for seq in engine.step():
+                tokens += len(seq.output_token_ids) if seq.finished else 0
+            for i in [i for i, items in waiting.items() if all(s.finished for _, _, s in items)]:
+                examples, feats = [], []
+                for cid, p, seq in waiting.pop(i):
+                    answer = list(seq.output_token_ids)
+                    examples.append(Example(cid, p + answer, [0] * len(p) + [1] * len(answer)))
+                    if recorder is not None:
+                        f = recorder.pop(seq.seq_id)
+                        feats.append(f[: len(p) + len(answer) - 1])
+                write_shard(shard_path(out, i), examples, meta, feats if recorder else None)
+                written.append(shard_path(out, i))
+                bar.update(1)
+                bar.set_postfix(answer_tokens=tokens)
+    finally:
+        bar.close()
+        if recorder is not None:
+            engine.feature_observers.remove(recorder)
+            engine.runner.feature_layers = None
     return written

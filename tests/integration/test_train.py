@@ -85,3 +85,22 @@ def test_train_draft_learns_and_serves_losslessly(llm, tiny_llama_dir, tmp_path)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
     assert spec.engine.spec_stats.num_draft_tokens > 0
+
+
+def test_shards_store_the_targets_features(llm, tiny_llama_dir, tmp_path):
+    """Features recorded during generation equal a fresh dense forward of the target (the
+    entry of layer 1 and the final feature), one row per token but the last."""
+    from specdecode.models.loader import load_model
+
+    generate(llm, CONVS[:3], tmp_path, shard_size=2, max_tokens=10, feature_layers=(1,))
+    assert llm.engine.runner.feature_layers is None  # switched off again
+    target = load_model(tiny_llama_dir).model
+    examples = list(iter_examples(tmp_path))
+    assert len(examples) == 3
+    for ex in examples:
+        import torch
+
+        out = target.forward_dense(torch.tensor([ex.input_ids]), capture_layers=(1,))
+        want = torch.cat([out.captured[0], out.hidden], -1)[0, :-1]
+        assert ex.features.shape == (len(ex.input_ids) - 1, 2 * 64)
+        torch.testing.assert_close(ex.features.float(), want, atol=2e-2, rtol=2e-2)
