@@ -46,6 +46,25 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--num-speculative-tokens", type=int, default=None)
     spec.add_argument("--ngram-prompt-lookup-max", type=int, default=None)
     spec.add_argument("--ngram-prompt-lookup-min", type=int, default=None)
+    sg = p.add_argument_group("speculative decoding (SGLang flags)")
+    sg.add_argument(
+        "--speculative-algorithm",
+        type=str.upper,
+        choices=["EAGLE", "MEDUSA", "NGRAM", "STANDALONE"],
+        default=None,
+        help="EAGLE (EAGLE-2 dynamic tree), MEDUSA, NGRAM, STANDALONE (a draft model)",
+    )
+    sg.add_argument("--speculative-draft-model-path", default=None, help="head or draft model")
+    sg.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth")
+    sg.add_argument(
+        "--speculative-eagle-topk", type=int, default=None, help="children per node (1: chain)"
+    )
+    sg.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=None,
+        help="tree nodes verified per step, the root included",
+    )
 
 
 def speculative_config(args: argparse.Namespace) -> dict | None:
@@ -57,6 +76,22 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
             cfg["method"] = "ngram"
         else:
             cfg.update(method="draft_model", model=model)
+    algorithm = getattr(args, "speculative_algorithm", None)
+    if algorithm:
+        cfg["method"] = {
+            "EAGLE": "eagle",
+            "MEDUSA": "medusa",
+            "NGRAM": "ngram",
+            "STANDALONE": "draft_model",
+        }[algorithm]
+    if getattr(args, "speculative_draft_model_path", None):
+        cfg["model"] = args.speculative_draft_model_path
+    sglang = {
+        "num_speculative_tokens": getattr(args, "speculative_num_steps", None),
+        "topk": getattr(args, "speculative_eagle_topk", None),
+        "num_draft_tokens": getattr(args, "speculative_num_draft_tokens", None),
+    }
+    cfg.update({k: v for k, v in sglang.items() if v is not None})
     legacy = {
         "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
         "prompt_lookup_max": getattr(args, "ngram_prompt_lookup_max", None),
@@ -147,6 +182,30 @@ def build_parser() -> argparse.ArgumentParser:
     tdraft.add_argument("--batch-size", type=int, default=8)
     tdraft.add_argument("--max-len", type=int, default=384)
     tdraft.add_argument("--lr", type=float, default=3e-4)
+
+    for kind, what in (
+        ("medusa", "Medusa-1 heads on the target's last feature"),
+        ("eagle", "an EAGLE head (feature-level autoregression; drafted as EAGLE-2 trees)"),
+    ):
+        th = tsub.add_parser(kind, help=f"train {what} on a frozen target")
+        add_engine_args(th)
+        th.add_argument(
+            "--data", required=True, help="shards with features from `specdecode data generate`"
+        )
+        th.add_argument("--out", required=True, help="directory for the head")
+        th.add_argument(
+            "--draft-vocab", type=int, default=16384, help="draft vocabulary size (0 = full)"
+        )
+        th.add_argument("--steps", type=int, default=1000)
+        th.add_argument("--batch-tokens", type=int, default=4096)
+        th.add_argument("--max-len", type=int, default=768)
+        th.add_argument("--lr", type=float, default=1e-3)
+        th.add_argument("--eval-examples", type=int, default=64)
+        if kind == "medusa":
+            th.add_argument("--num-heads", type=int, default=4)
+        else:
+            th.add_argument("--noise", type=float, default=0.1, help="U(-a, a) feature noise")
+            th.add_argument("--ce-weight", type=float, default=0.1)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -243,6 +302,29 @@ def cmd_train(args: argparse.Namespace) -> None:
             *([tok.eos_token_id] if tok.eos_token_id is not None else []),
         }
     )
+    if args.train in ("medusa", "eagle"):
+        from specdecode.train.heads import HeadTrainConfig, train_eagle, train_medusa
+
+        extra = (
+            {"num_heads": args.num_heads}
+            if args.train == "medusa"
+            else {"noise": args.noise, "ce_weight": args.ce_weight}
+        )
+        hcfg = HeadTrainConfig(
+            draft_vocab=args.draft_vocab,
+            steps=args.steps,
+            batch_tokens=args.batch_tokens,
+            max_len=args.max_len,
+            lr=args.lr,
+            eval_examples=args.eval_examples,
+            **extra,
+        )
+        fn = train_medusa if args.train == "medusa" else train_eagle
+        loaded.model.requires_grad_(False)
+        history = fn(loaded.model, Path(args.data), Path(args.out), hcfg, eos)
+        keys = ("before", "after", "train_seconds", "draft_vocab_coverage", "train_answer_tokens")
+        print(json.dumps({k: history[k] for k in keys}, indent=2))
+        return
     cfg = DraftTrainConfig(
         num_layers=args.num_layers,
         draft_vocab=args.draft_vocab,

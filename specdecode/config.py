@@ -126,7 +126,7 @@ class EngineConfig:
     kernels: str = "auto"  # "auto": packed weights + C++ layer loop on capable CPUs; "off"
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle")
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,11 @@ class SpeculativeConfig:
     # Static draft tree as a choice list (vLLM's key; a JSON string or a list), e.g.
     # [[0], [1], [0, 0], [1, 0], [0, 0, 0]]: top-2 children of the root, then chains below.
     speculative_token_tree: Any = None
+    # EAGLE-2 dynamic tree (SGLang's --speculative-eagle-topk / --speculative-num-draft-tokens;
+    # its --speculative-num-steps is num_speculative_tokens): children expanded per node and
+    # nodes kept, the root included. topk 1 drafts a chain. None: the method's default.
+    topk: int | None = None
+    num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         from specdecode.errors import InvalidRequestError
@@ -169,6 +174,12 @@ class SpeculativeConfig:
             )
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise InvalidRequestError("num_speculative_tokens must be a positive integer")
+        if self.topk is not None and (not isinstance(self.topk, int) or self.topk < 1):
+            raise InvalidRequestError("topk must be a positive integer")
+        if self.num_draft_tokens is not None and (
+            not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 2
+        ):
+            raise InvalidRequestError("num_draft_tokens must be an integer >= 2 (root included)")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 

@@ -20,4 +20,12 @@ def build_drafter(config: SpeculativeConfig, engine: LLMEngine) -> Drafter:
         from specdecode.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.from_config(config, engine)
+    if config.method == "medusa":
+        from specdecode.drafters.medusa import MedusaDrafter
+
+        return MedusaDrafter.from_config(config, engine)
+    if config.method == "eagle":
+        from specdecode.drafters.eagle import EagleDrafter
+
+        return EagleDrafter.from_config(config, engine)
     raise ValueError(f"no drafter for method {config.method!r}")

@@ -1,0 +1,303 @@
+"""EAGLE drafting: a chain (EAGLE-1 style, `topk` 1) or an EAGLE-2 dynamic draft tree.
+
+The head keeps its own one-layer paged KV cache per sequence. Entry i holds (target feature at
+position i, token i+1); entries fed from the target's real features are *committed*, those fed
+while drafting (predicted features) are dropped before the next step. Every step:
+
+1. catch up: the target features of the tokens it committed last step (`observe`), paired with
+   the token after each, are appended; the prediction at the last one gives the root's children;
+2. draft:
+   - chain: feed back (predicted feature, argmax token) `k - 1` times;
+   - EAGLE-2 (Li et al. 2024b): at each of `num_steps` depths expand the frontier's top-`topk`
+     children (scores = cumulative log-probabilities under the head), keep the global top
+     `topk` as the next frontier (fed to the head together, with a tree mask), then rerank every
+     generated node and keep the best `num_draft_tokens - 1`. Scores fall along a path, so the
+     kept set contains every kept node's parent (ties go to the node generated first).
+Drafts are deterministic (top-k), verified with the deterministic-drafts rule: lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdecode.cache import BlockManager, KVCache, SeqBlocks
+from specdecode.core import Sequence
+from specdecode.drafters.base import Drafter, DraftProposal
+from specdecode.models.attention import build_metadata
+from specdecode.models.heads import EagleHead
+from specdecode.tree import TreeShape
+
+if TYPE_CHECKING:
+    from specdecode.config import SpeculativeConfig
+    from specdecode.engine.engine import LLMEngine
+
+
+@dataclass
+class _HeadState:
+    blocks: SeqBlocks = field(default_factory=SeqBlocks)
+    committed: int = 0  # head entries built from real target features
+    pending: list[torch.Tensor] = field(default_factory=list)  # features not yet fed
+    seen: int = 0  # target positions whose features arrived (committed + pending rows)
+    broken: bool = False  # a gap in the features: this sequence gets no drafts
+
+
+@dataclass
+class _Node:
+    token: int
+    score: float
+    parent: int  # index into the pool, -1 = the root
+    depth: int
+    feature: torch.Tensor | None = None  # predicted feature *after* this node (once fed)
+
+
+class EagleDrafter(Drafter):
+    feature_layers = ()  # the target's final feature
+
+    def __init__(
+        self,
+        head: EagleHead,
+        kv_memory_gb: float,
+        block_size: int = 16,
+        topk: int = 1,
+        num_draft_tokens: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if topk < 1:
+            raise ValueError("topk must be at least 1")
+        self.head = head
+        self.topk = topk
+        self.num_draft_tokens = num_draft_tokens
+        self.device = torch.device(device)
+        cfg = head.config
+        num_blocks = KVCache.num_blocks_for(cfg, torch.float32, kv_memory_gb, block_size)
+        self.manager = BlockManager(num_blocks, block_size)
+        self.cache = KVCache(cfg, num_blocks, block_size, torch.float32, self.device)
+        self._state: dict[int, _HeadState] = {}
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig, engine: LLMEngine) -> EagleDrafter:
+        from specdecode.models.head_io import load_head_for
+
+        head = load_head_for(config, engine, kind="eagle")
+        topk = config.topk or 1
+        return cls(
+            head,
+            engine.config.kv_cache_memory_gb / 8,
+            engine.config.block_size,
+            topk=topk,
+            num_draft_tokens=config.num_draft_tokens,
+            device=engine.model.norm.weight.device,
+        )
+
+    @property
+    def is_tree(self) -> bool:
+        return self.topk > 1
+
+    def max_nodes(self, k: int) -> int:
+        if not self.is_tree:
+            return k
+        return self._tree_size(k) - 1
+
+    def _tree_size(self, depth: int) -> int:
+        """Nodes kept (root included): `num_draft_tokens`, at most what `depth` levels hold."""
+        most = 1 + self.topk + (depth - 1) * self.topk * self.topk
+        return min(self.num_draft_tokens or 1 + depth * self.topk, most)
+
+    # ---- features ------------------------------------------------------------------------------
+
+    def observe(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None:
+        for seq, f in zip(seqs, features, strict=True):
+            start = seq.blocks.length - f.shape[0]
+            st = self._state.get(seq.seq_id)
+            if st is None or start == 0:
+                if st is not None:
+                    self.manager.free(st.blocks)
+                st = self._state[seq.seq_id] = _HeadState()
+                st.broken = start != 0  # first seen mid-sequence: its past is unknown
+            if start != st.seen:
+                st.broken = True
+            st.seen = start + f.shape[0]
+            if not st.broken:
+                st.pending.append(f)
+
+    def release(self, seq: Sequence) -> None:
+        st = self._state.pop(seq.seq_id, None)
+        if st is not None:
+            self.manager.free(st.blocks)
+
+    # ---- drafting ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        out = [DraftProposal.empty(s.last_token) for s in seqs]
+        states = [self._state.get(s.seq_id) for s in seqs]
+        active = [
+            i
+            for i, (s, st, k) in enumerate(zip(seqs, states, budgets, strict=True))
+            if k > 0 and st is not None and not st.broken and st.seen == s.num_tokens - 1
+        ]
+        for i in active:  # drop last step's draft entries
+            self.manager.truncate(states[i].blocks, states[i].committed)
+        # draft entries: k - 1 fed for a chain, `topk` per expanded level for a tree
+        room = [states[i].seen + (budgets[i] - 1) * self.topk for i in active]
+        if not all(
+            self.manager.allocate(states[i].blocks, n) for i, n in zip(active, room, strict=True)
+        ):
+            return out  # out of head cache: no drafts this step (still lossless)
+        if not active:
+            return out
+        # 1. catch up on the real features; the last prediction drafts the root's children
+        feats, ids, positions, nums = [], [], [], []
+        for i in active:
+            st, seq = states[i], seqs[i]
+            f = torch.cat(st.pending)
+            st.pending = []
+            feats.append(f)
+            ids += seq.token_ids(st.committed + 1, st.committed + 1 + f.shape[0])
+            positions += range(st.committed, st.committed + f.shape[0])
+            nums.append(f.shape[0])
+        pred = self._forward(
+            [states[i].blocks for i in active], nums, ids, torch.cat(feats), positions
+        )
+        last = torch.tensor(nums).cumsum(0) - 1
+        root_feat = pred[last]
+        for i in active:
+            states[i].committed = states[i].blocks.length
+        sub_seqs = [seqs[i] for i in active]
+        sub_states = [states[i] for i in active]
+        sub_budgets = [budgets[i] for i in active]
+        if self.is_tree:
+            proposals = self._tree(sub_seqs, sub_states, sub_budgets, root_feat)
+        else:
+            proposals = self._chain(sub_seqs, sub_states, sub_budgets, root_feat)
+        for i, p in zip(active, proposals, strict=True):
+            out[i] = p
+        return out
+
+    def _forward(self, blocks, nums, ids, feats, positions, masks=None) -> torch.Tensor:
+        """Append entries (ids, feats) at `positions` (`nums[i]` for sequence i, causal or with
+        `masks`); return the predicted features [sum(nums), H]."""
+        meta = build_metadata(self.cache.kv, self.manager, blocks, nums, masks)
+        pred = self.head(
+            torch.tensor(ids, device=self.device),
+            feats,
+            torch.tensor(positions, device=self.device),
+            meta,
+        )
+        for b, n in zip(blocks, nums, strict=True):
+            b.length += n
+        return pred
+
+    def _tokens(self, idx: torch.Tensor) -> list:
+        vocab = self.head.vocab_ids
+        return (vocab[idx] if vocab is not None else idx).tolist()
+
+    def _chain(self, seqs, states, budgets, root_feat) -> list[DraftProposal]:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        feat = root_feat
+        rows = list(range(len(seqs)))
+        step = 0
+        while True:
+            toks = self._tokens(self.head.logits(feat).argmax(-1))
+            for r, i in enumerate(rows):
+                drafts[i].append(toks[r])
+            step += 1
+            keep = [r for r, i in enumerate(rows) if step < budgets[i]]
+            if not keep:
+                break
+            rows = [rows[r] for r in keep]
+            feat = feat[keep]
+            positions = [states[i].committed + step - 1 for i in rows]
+            feat = self._forward(
+                [states[i].blocks for i in rows],
+                [1] * len(rows),
+                [drafts[i][-1] for i in rows],
+                feat,
+                positions,
+            )
+        return [
+            DraftProposal(TreeShape.chain(len(d)), [s.last_token] + d)
+            for s, d in zip(seqs, drafts, strict=True)
+        ]
+
+    def _tree(self, seqs, states, budgets, root_feat) -> list[DraftProposal]:
+        k = self.topk
+        pools: list[list[_Node]] = [[] for _ in seqs]
+        frontiers: list[list[int]] = [[] for _ in seqs]
+        fed: list[list[int]] = [[] for _ in seqs]  # pool indices in head-cache order
+        logp = self.head.logits(root_feat).log_softmax(-1)
+        top = logp.topk(k, dim=-1)
+        for i in range(len(seqs)):
+            for s, t in zip(top.values[i].tolist(), self._tokens(top.indices[i]), strict=True):
+                pools[i].append(_Node(t, s, -1, 1, None))
+            frontiers[i] = list(range(k))
+        parent_feat = [root_feat[i : i + 1].expand(k, -1) for i in range(len(seqs))]
+        depth = 1
+        while True:
+            rows = [i for i in range(len(seqs)) if depth < budgets[i]]
+            if not rows:
+                break
+            # feed the frontier: each node's entry is (its parent's predicted feature, its token)
+            ids, positions, masks = [], [], []
+            for i in rows:
+                front = frontiers[i]
+                ids += [pools[i][j].token for j in front]
+                positions += [states[i].committed + depth - 1] * len(front)
+                masks.append(self._level_mask(pools[i], fed[i], front))
+                fed[i] += front
+            feats = torch.cat([parent_feat[i] for i in rows])
+            nums = [len(frontiers[i]) for i in rows]
+            pred = self._forward(
+                [states[i].blocks for i in rows], nums, ids, feats, positions, masks
+            )
+            logp = self.head.logits(pred).log_softmax(-1)
+            top = logp.topk(k, dim=-1)
+            values, tokens = top.values, self._tokens(top.indices)
+            r = 0
+            for i in rows:
+                front, pool = frontiers[i], pools[i]
+                base = len(pool)
+                for j in front:
+                    pool[j].feature = pred[r]
+                    for c in range(k):
+                        score = pool[j].score + float(values[r, c])
+                        pool.append(_Node(tokens[r][c], score, j, depth + 1))
+                    r += 1
+                children = range(base, len(pool))
+                best = sorted(children, key=lambda c: (-pool[c].score, c))[:k]
+                frontiers[i] = best
+                parent_feat[i] = torch.stack([pool[pool[c].parent].feature for c in best])
+            depth += 1
+        return [
+            self._select(seq.last_token, pool, self._tree_size(b))
+            for seq, pool, b in zip(seqs, pools, budgets, strict=True)
+        ]
+
+    @staticmethod
+    def _level_mask(pool: list[_Node], fed: list[int], front: list[int]) -> torch.Tensor:
+        """[len(front), len(fed) + len(front)]: each new entry sees its fed ancestors and itself."""
+        where = {j: n for n, j in enumerate(fed)}
+        mask = torch.zeros(len(front), len(fed) + len(front), dtype=torch.bool)
+        for row, j in enumerate(front):
+            mask[row, len(fed) + row] = True
+            p = pool[j].parent
+            while p >= 0:
+                mask[row, where[p]] = True
+                p = pool[p].parent
+        return mask
+
+    @staticmethod
+    def _select(root: int, pool: list[_Node], size: int) -> DraftProposal:
+        """The best `size - 1` nodes by score, as a tree in level order."""
+        chosen = sorted(range(len(pool)), key=lambda j: (-pool[j].score, j))[: size - 1]
+        chosen.sort(key=lambda j: (pool[j].depth, j))
+        index = {j: n + 1 for n, j in enumerate(chosen)}
+        parents, tokens = [-1], [root]
+        for j in chosen:
+            p = pool[j].parent
+            parents.append(0 if p < 0 else index[p])  # a parent scores at least its child
+            tokens.append(pool[j].token)
+        return DraftProposal(TreeShape(tuple(parents)), tokens)

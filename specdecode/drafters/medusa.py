@@ -1,0 +1,87 @@
+"""Medusa-1 drafting: K heads on the target's last feature give candidates for K positions at
+once (no draft forward per depth), arranged as a static tree.
+
+A node at depth d with rank r holds the r-th best candidate of head d-1 whatever its parent
+(Medusa's Cartesian tree). Drafts are deterministic, verified with the deterministic-drafts
+rule (lossless). Medusa's own "typical acceptance" is lossy and is not offered.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdecode.core import Sequence
+from specdecode.drafters.base import Drafter, DraftProposal
+from specdecode.models.heads import MedusaHeads
+from specdecode.tree import TreeShape
+
+if TYPE_CHECKING:
+    from specdecode.config import SpeculativeConfig
+    from specdecode.engine.engine import LLMEngine
+
+# The default tree for 4 heads: 16 drafts, wide where the heads are sure and narrow deeper
+# (the top candidates of the first heads carry most of the accepted length).
+DEFAULT_TREE = [
+    [0], [1], [2], [3],
+    [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0],
+    [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0],
+    [0, 0, 0, 0], [0, 0, 0, 1],
+]  # fmt: skip
+
+
+class MedusaDrafter(Drafter):
+    feature_layers = ()  # the target's final feature
+
+    def __init__(self, heads: MedusaHeads, tree: TreeShape) -> None:
+        depth = max(tree.depths)
+        if depth > heads.num_heads:
+            raise ValueError(f"the tree is {depth} deep but there are only {heads.num_heads} heads")
+        self.heads = heads
+        self.tree = tree
+        self._last: dict[int, torch.Tensor] = {}  # seq id -> the last committed token's feature
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig, engine: LLMEngine) -> MedusaDrafter:
+        from specdecode.models.head_io import load_head_for
+
+        heads = load_head_for(config, engine, kind="medusa")
+        choices = config.speculative_token_tree
+        if choices is None:
+            depth = min(heads.num_heads, config.num_speculative_tokens)
+            choices = [c for c in DEFAULT_TREE if len(c) <= depth]
+        return cls(heads, TreeShape.from_choices(choices))
+
+    def max_nodes(self, k: int) -> int:
+        return sum(1 for d in self.tree.depths if 0 < d <= k)
+
+    def observe(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None:
+        for seq, f in zip(seqs, features, strict=True):
+            self._last[seq.seq_id] = f[-1]
+
+    def release(self, seq: Sequence) -> None:
+        self._last.pop(seq.seq_id, None)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        out = [DraftProposal.empty(s.last_token) for s in seqs]
+        active = [i for i, (s, k) in enumerate(zip(seqs, budgets, strict=True))
+                  if k > 0 and s.seq_id in self._last]  # fmt: skip
+        if not active:
+            return out
+        feats = torch.stack([self._last[seqs[i].seq_id] for i in active])
+        logits = self.heads(feats.float())  # [B, K, Vd]
+        width = max(self.tree.ranks) + 1
+        cand = logits.topk(width, dim=-1).indices  # [B, K, width]
+        vocab = self.heads.vocab_ids
+        if vocab is not None:
+            cand = vocab[cand]
+        cand = cand.tolist()
+        depths, ranks = self.tree.depths, self.tree.ranks
+        for r, i in enumerate(active):
+            n = sum(1 for d in depths if d <= budgets[i])  # level order: a prefix
+            shape = TreeShape(self.tree.parents[:n], self.tree.ranks[:n])
+            tokens = [seqs[i].last_token] + [cand[r][depths[j] - 1][ranks[j]] for j in range(1, n)]
+            out[i] = DraftProposal(shape, tokens)
+        return out

@@ -1,0 +1,205 @@
+"""Saving and loading draft heads (safetensors + config.json), and wiring them to a target.
+
+Layouts (a directory each):
+- Medusa: config.json with Medusa's keys (`medusa_num_heads`, `medusa_num_layers`) plus a
+  `specdecode_head` section; model.safetensors with `medusa_head.{k}.{l}.linear.{weight,bias}`
+  and `vocab_ids` (the draft vocabulary; the projection rows are the target's LM head).
+- EAGLE: a Llama-style config.json of the one-layer head plus `specdecode_head`; tensors
+  `fc.{weight,bias}` and `layers.0.*` with unfused q/k/v and gate/up (SafeAILab's names),
+  and `vocab_ids`.
+The target's embeddings and LM head are never stored: heads attach to the target at load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdecode.config import ModelConfig
+from specdecode.errors import InvalidRequestError
+from specdecode.models.heads import EagleHead, MedusaHeads
+from specdecode.models.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from specdecode.config import SpeculativeConfig
+    from specdecode.engine.engine import LLMEngine
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def _unfused(module: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """State dict with q/k/v and gate/up split under Hugging Face names."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    out = {}
+    for name, t in module.state_dict().items():
+        t = t.detach().contiguous()
+        if "qkv_proj" in name:
+            for part, (a, b) in zip(
+                "qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv)), strict=True
+            ):
+                out[name.replace("qkv_proj", f"{part}_proj")] = t[a:b].clone()
+        elif "gate_up_proj" in name:
+            out[name.replace("gate_up_proj", "gate_proj")] = t[:inter].clone()
+            out[name.replace("gate_up_proj", "up_proj")] = t[inter:].clone()
+        else:
+            out[name] = t
+    return out
+
+
+def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> None:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    c = target_config
+    if isinstance(head, MedusaHeads):
+        tensors = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+        config = {
+            "architectures": ["MedusaModel"],
+            "medusa_num_heads": head.num_heads,
+            "medusa_num_layers": len(head.medusa_head[0]),
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+        }
+        kind = "medusa"
+    else:
+        tensors = _unfused(head, head.config)
+        config = {
+            "architectures": ["EagleLlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope.theta,
+            "max_position_embeddings": c.max_position_embeddings,
+            "vocab_size": c.vocab_size,
+            "attention_bias": c.attention_bias,
+            "tie_word_embeddings": False,
+        }
+        kind = head.kind
+    if head.vocab_ids is not None:
+        tensors["vocab_ids"] = head.vocab_ids.detach().cpu().to(torch.int64)
+    config["specdecode_head"] = {
+        "kind": kind,
+        "draft_vocab_size": int(head.vocab_ids.numel()) if head.vocab_ids is not None else None,
+        **info,
+    }
+    save_file(
+        {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()},
+        str(out_dir / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def head_kind(path: Path) -> str | None:
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return None
+    return json.loads(cfg.read_text()).get("specdecode_head", {}).get("kind")
+
+
+def load_head(path: Path, target: LlamaModel):
+    """A head saved by `save_head`, attached to `target` (its embeddings and LM head rows)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise InvalidRequestError(
+            f"{path} is not a head directory (config.json, model.safetensors)"
+        )
+    raw = json.loads((path / "config.json").read_text())
+    kind = raw.get("specdecode_head", {}).get("kind")
+    tc = target.config
+    if raw.get("hidden_size") != tc.hidden_size or raw.get("vocab_size") != tc.vocab_size:
+        raise InvalidRequestError(f"{path} was trained for a different target model")
+    tensors = load_file(str(path / "model.safetensors"))
+    vocab_ids = tensors.pop("vocab_ids", None)
+    device = target.norm.weight.device
+    if kind == "medusa":
+        head = MedusaHeads(tc.hidden_size, raw["medusa_num_heads"], raw["medusa_num_layers"])
+        head.load_state_dict({k: v.float() for k, v in tensors.items()})
+    elif kind == "eagle":
+        head = EagleHead(tc)
+        _load_layer_weights(head, tensors)
+    else:
+        raise InvalidRequestError(f"{path}: unknown head kind {kind!r}")
+    head = head.to(device)
+    if vocab_ids is not None:
+        vocab_ids = vocab_ids.long().to(device)
+    if kind == "medusa":
+        head.attach(target.lm_head.weight, vocab_ids)
+    else:
+        head.attach(target.embed_tokens, target.lm_head.weight, vocab_ids)
+    return head.eval().requires_grad_(False)
+
+
+def _load_layer_weights(head: EagleHead, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill the fused projections from unfused names; every parameter must be covered."""
+    params = dict(head.named_parameters())
+    cfg = head.config
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    fused = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", q),
+        "v_proj": ("qkv_proj", q + kv),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", cfg.intermediate_size),
+    }
+    filled: dict[str, int] = {}
+    for name, t in tensors.items():
+        target, offset = name, None
+        for part, (into, off) in fused.items():
+            if f".{part}." in name:
+                target, offset = name.replace(part, into), off
+        if target not in params:
+            raise InvalidRequestError(f"unexpected tensor {name!r} in the head checkpoint")
+        p = params[target].data
+        dst = p if offset is None else p.narrow(0, offset, t.shape[0])
+        if dst.shape != t.shape:
+            raise InvalidRequestError(
+                f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}"
+            )
+        dst.copy_(t)
+        filled[target] = filled.get(target, 0) + t.shape[0]
+    for name, p in params.items():
+        if filled.get(name, 0) != p.shape[0]:
+            raise InvalidRequestError(f"the head checkpoint lacks (part of) {name!r}")
+
+
+def default_head_path(kind: str, engine: LLMEngine) -> Path:
+    """The head shipped for the default target (made by `specdecode train medusa|eagle`)."""
+    from specdecode.models.loader import DEFAULT_MODEL
+
+    shipped = ASSETS / f"smollm2-135m-{kind}"
+    if engine.model_path.name.startswith(DEFAULT_MODEL) and shipped.is_dir():
+        return shipped
+    raise InvalidRequestError(
+        f"method {kind!r} needs a head directory ('model' in the speculative config, or "
+        f"--speculative-draft-model-path); heads are shipped only for the default target"
+    )
+
+
+def load_head_for(config: SpeculativeConfig, engine: LLMEngine, kind: str):
+    path = Path(config.model) if config.model else default_head_path(kind, engine)
+    if not path.is_dir():
+        raise InvalidRequestError(f"head directory {path} does not exist")
+    found = head_kind(path)
+    if found != kind:
+        raise InvalidRequestError(f"{path} holds a {found or 'non-specdecode'} head, not {kind!r}")
+    head = load_head(path, engine.model)
+    if engine.config.kernels == "auto":
+        dtype = engine.model.norm.weight.dtype
+        dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        if kind == "medusa":
+            head.proj.pack(dtype)
+        else:
+            head.accelerate(dtype)
+    return head

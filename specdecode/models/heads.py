@@ -1,0 +1,255 @@
+"""Draft heads that read the frozen target's features: Medusa-1 and EAGLE-1 (drafted as
+EAGLE-2 dynamic trees).
+
+Both are small: everything large (embeddings, LM head) is the target's own, frozen and shared.
+Both predict over a *draft vocabulary*: `vocab_ids` [Vd], a subset of the target's tokens (the
+most frequent in the training data), whose LM-head rows are the target's. A draft restricted to
+fewer tokens only ever proposes those; verification stays lossless, and on a small target the
+full-vocabulary projection would otherwise cost more than the rest of the head (SmolLM2: 28M of
+its 135M parameters are the LM head).
+
+Medusa-1 (Cai et al. 2024): K heads read the target's final feature h_t (the LM head's input,
+which predicts token t+1); head k predicts token t+2+k. Each head is its own residual block
+h + SiLU(W h + b), zero-initialised so it starts as the identity, followed by the (shared,
+frozen) vocabulary projection.
+
+EAGLE-1 (Li et al. 2024): autoregression at the feature level. The entry at position t is
+fc([embed(x_{t+1}); f_t]) where f_t is the target's final feature at t; one decoder layer (no
+input norm) over the entries so far predicts f_{t+1}, whose projection gives the distribution of
+x_{t+2}. Drafting feeds its own predicted features back.
+
+Tensor names follow the public checkpoints (Medusa `medusa_head.{k}.0.linear.*`; SafeAILab
+EAGLE `fc.*`, `layers.0.*`), so the loaders of issue 5 map them directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.config import ModelConfig
+from specdecode.models.attention import AttentionMetadata
+from specdecode.models.llama import DecoderLayer, rope_inv_freq
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(Linear(x)), starting as the identity."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class VocabProjection(nn.Module):
+    """The target's LM head restricted to `vocab_ids` (frozen rows; a buffer, never saved with
+    a head). On CPU it is packed for the small-M kernels."""
+
+    def __init__(self, lm_weight: torch.Tensor, vocab_ids: torch.Tensor | None) -> None:
+        super().__init__()
+        w = lm_weight.detach() if vocab_ids is None else lm_weight.detach()[vocab_ids]
+        self.register_buffer("weight", w.contiguous(), persistent=False)
+        self.packed = None
+
+    def pack(self, dtype: torch.dtype) -> None:
+        from specdecode import kernels
+
+        self.packed = kernels.pack(self.weight, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and not torch.is_grad_enabled():
+            from specdecode import kernels
+
+            return kernels.linear(x.float(), self.packed)
+        return F.linear(x, self.weight.to(x.dtype)).float()
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, num_layers: int = 1) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.medusa_head = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)])
+            for _ in range(num_heads)
+        )
+        self.proj: VocabProjection | None = None  # attach()
+        self.vocab_ids: torch.Tensor | None = None
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.medusa_head)
+
+    def attach(self, lm_weight: torch.Tensor, vocab_ids: torch.Tensor | None) -> None:
+        self.proj = VocabProjection(lm_weight, vocab_ids)
+        self.vocab_ids = vocab_ids
+
+    def features(self, h: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., K, H]
+        return torch.stack([head(h) for head in self.medusa_head], dim=-2)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., K, Vd] fp32 logits
+        return self.proj(self.features(h))
+
+
+class _PackedLinear(nn.Module):
+    """An inference-only stand-in for nn.Linear on the CPU small-M kernels."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        from specdecode import kernels
+
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        self.p = kernels.pack(linear.weight.detach(), bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from specdecode import kernels
+
+        return kernels.linear(x, self.p)
+
+
+class EagleHead(nn.Module):
+    """EAGLE-1/2 head: fc over [embedding; feature], one decoder layer without input norm."""
+
+    kind = "eagle"
+
+    def __init__(self, cfg: ModelConfig, feature_size: int | None = None) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.config = replace(cfg, num_layers=1)
+        self.feature_size = feature_size or h
+        self.fc = nn.Linear(h + self.feature_size, h, bias=True)
+        self.layers = nn.ModuleList([DecoderLayer(self.config, 0)])
+        self.layers[0].input_layernorm = nn.Identity()
+        self._embed: list[nn.Embedding] = []  # the target's (not a submodule: never saved)
+        self.proj: VocabProjection | None = None
+        self.vocab_ids: torch.Tensor | None = None
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ---- wiring to the target ----------------------------------------------------------------
+
+    def attach(
+        self, embed: nn.Embedding, lm_weight: torch.Tensor, vocab_ids: torch.Tensor | None
+    ) -> None:
+        self._embed = [embed]
+        self.proj = VocabProjection(lm_weight, vocab_ids)
+        self.vocab_ids = vocab_ids
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._embed[0](ids)
+
+    def accelerate(self, dtype: torch.dtype) -> None:
+        """Pack every projection for the CPU kernels (inference only)."""
+        from specdecode import kernels
+
+        if not kernels.available() or self.fc.weight.device.type != "cpu":
+            return
+        self.fc = _PackedLinear(self.fc, dtype)
+        layer = self.layers[0]
+        layer.self_attn.qkv_proj = _PackedLinear(layer.self_attn.qkv_proj, dtype)
+        layer.self_attn.o_proj = _PackedLinear(layer.self_attn.o_proj, dtype)
+        layer.mlp.gate_up_proj = _PackedLinear(layer.mlp.gate_up_proj, dtype)
+        layer.mlp.down_proj = _PackedLinear(layer.mlp.down_proj, dtype)
+        self.proj.pack(dtype)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] in fp32 for these positions."""
+        if self._rope is None or self._rope[0].device != positions.device:
+            cfg = self.config
+            inv = rope_inv_freq(cfg.rope, cfg.head_dim)
+            t = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
+            emb = torch.cat([torch.outer(t, inv)] * 2, dim=-1)
+            self._rope = (
+                emb.cos().float().to(positions.device),
+                emb.sin().float().to(positions.device),
+            )
+        return self._rope[0][positions].unsqueeze(-2), self._rope[1][positions].unsqueeze(-2)
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def _inputs(self, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        dtype = feats.dtype if feats.is_floating_point() else torch.float32
+        return self.fc(torch.cat([self.embed(ids).to(dtype), feats], -1))
+
+    def _output(self, h: torch.Tensor) -> torch.Tensor:
+        return h  # EAGLE-1 predicts the target's (already normalised) feature directly
+
+    def forward(
+        self,
+        ids: torch.Tensor,  # [T] token after each feature
+        feats: torch.Tensor,  # [T, F] target (or predicted) features
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H] predicted next features
+        h = self._inputs(ids, feats.float())
+        cos, sin = self.rope(positions)
+        return self._output(self.layers[0](h, cos, sin, meta))
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, Vd] fp32
+        return self.proj(predicted)
+
+    def forward_dense(self, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """Training: ids [B, T] (x_{t+1}), feats [B, T, F] (f_t) -> predicted f_{t+1} [B, T, H]
+        with causal attention over the T entries."""
+        t = ids.shape[1]
+        h = self._inputs(ids, feats)
+        cos, sin = self.rope(torch.arange(t, device=ids.device))
+        return self._output(self.layers[0].forward_dense(h, cos.to(h.dtype), sin.to(h.dtype)))
+
+    def forward_unrolled(
+        self, ids: torch.Tensor, feats: torch.Tensor, steps: int
+    ) -> list[torch.Tensor]:
+        """Training-time test (EAGLE-3) and per-position evaluation: `steps` draft steps
+        unrolled over every position at once, each step fed the previous step's predictions.
+
+        Step j (0-based) at origin t is the entry (prediction of step j-1 at t, x_{t+j+1}) at
+        position t+j. It attends to the true entries 0..t (step 0), to the entries of earlier
+        steps at the same origin t, and to itself: exactly what it would see when drafting
+        j+1 tokens after position t. ids [B, T + steps - 1] (x_1...), feats [B, T, F].
+        Returns one [B, T, H] prediction per step (step j predicts f_{t+j+1}).
+        """
+        b, t = feats.shape[:2]
+        layer = self.layers[0]
+        attn = layer.self_attn
+        keys, values, outs = [], [], []
+        x = feats
+        for j in range(steps):
+            h = self._inputs(ids[:, j : j + t], x)
+            cos, sin = self.rope(torch.arange(j, j + t, device=ids.device))
+            cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+            q, k, v = attn._project(layer.input_layernorm(h), cos, sin)  # [B, T, heads, D]
+            keys.append(k.transpose(1, 2))
+            values.append(v.transpose(1, 2))
+            out = _ttt_attention(q.transpose(1, 2), keys, values, attn.num_heads)
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(b, t, attn.q_size))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            pred = self._output(h)
+            outs.append(pred)
+            x = self._next_input(pred)
+        return outs
+
+    def _next_input(self, predicted: torch.Tensor) -> torch.Tensor:
+        return predicted  # EAGLE-1: the predicted feature stands in for the target's
+
+
+def _ttt_attention(q, keys, values, num_heads):
+    """q [B, Hq, T, D]; keys/values: per step [B, Hkv, T, D]. Causal over step 0's keys,
+    diagonal (same origin) over later steps'."""
+    b, _, t, d = q.shape
+    rep = num_heads // keys[0].shape[1]
+    ks = [k.repeat_interleave(rep, 1) for k in keys]
+    vs = [v.repeat_interleave(rep, 1) for v in values]
+    scale = d**-0.5
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    scores = [(q @ ks[0].transpose(-1, -2)).masked_fill(~causal, float("-inf")) * scale]
+    scores += [(q * k).sum(-1, keepdim=True) * scale for k in ks[1:]]  # [B, H, T, 1]
+    probs = torch.cat(scores, -1).softmax(-1)
+    out = probs[..., :t] @ vs[0]
+    for i, v in enumerate(vs[1:]):
+        out = out + probs[..., t + i : t + i + 1] * v
+    return out

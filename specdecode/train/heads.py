@@ -1,0 +1,315 @@
+"""`specdecode train medusa | eagle`: train draft heads on a frozen target's own generations.
+
+Input: shards from `specdecode data generate` with the target's features (its final feature at
+every token, plus EAGLE-3's layer inputs); the target is needed only for its embeddings and LM
+head (its layers never run here). Targets are soft: the target's next-token distribution,
+restricted to the draft vocabulary and renormalised (self-distillation). Only positions whose
+predicted token is one the target generated (an answer token) are trained.
+
+- Medusa-1: head k at position t predicts token t+2+k from f_t; loss = sum_k 0.8^k x soft CE.
+- EAGLE-1: entry t = fc([embed(x_{t+1}); f_t + noise]) -> f'_{t+1}; loss = smooth-L1(f', f)
+  + 0.1 x soft CE (Li et al. 2024), noise ~ U(-0.1, 0.1).
+Held-out metrics (the last `eval_examples` conversations): loss, and top-1 agreement with the
+target's full-vocabulary argmax per draft position (Medusa: per head; EAGLE: unrolled k steps,
+each fed the previous step's prediction, as when drafting).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.models.head_io import save_head
+from specdecode.models.heads import EagleHead, MedusaHeads
+from specdecode.models.llama import LlamaModel
+from specdecode.train.datagen import Example, iter_examples, shard_metadata
+from specdecode.train.draft import frequent_tokens
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HeadTrainConfig:
+    draft_vocab: int = 16384  # 0: the full vocabulary
+    steps: int = 1000
+    batch_tokens: int = 4096
+    max_len: int = 768
+    lr: float = 1e-3
+    warmup: int = 50
+    eval_examples: int = 64
+    eval_positions: int = 4
+    seed: int = 0
+    # Medusa
+    num_heads: int = 4
+    # EAGLE
+    noise: float = 0.1
+    ce_weight: float = 0.1
+
+
+@dataclass
+class _Batch:
+    feats: torch.Tensor  # [B, L, F] target features at positions 0..L-1
+    nxt: torch.Tensor  # [B, L + extra] token at position t+1
+    valid: torch.Tensor  # [B, L + extra] bool: position t+1 exists and is an answer token
+    rows: torch.Tensor  # [B] feature rows per example
+
+
+def _collate(examples: list[Example], max_len: int, extra: int) -> _Batch:
+    rows = [min(max_len, ex.features.shape[0]) for ex in examples]
+    b, n = len(examples), max(rows)
+    feats = torch.zeros(b, n, examples[0].features.shape[1])
+    nxt = torch.zeros(b, n + extra, dtype=torch.long)
+    valid = torch.zeros(b, n + extra, dtype=torch.bool)
+    for i, (ex, r) in enumerate(zip(examples, rows, strict=True)):
+        feats[i, :r] = ex.features[:r].float()
+        nxt[i, :r] = torch.tensor(ex.input_ids[1 : r + 1])
+        valid[i, :r] = torch.tensor(ex.loss_mask[1 : r + 1], dtype=torch.bool)
+    return _Batch(feats, nxt, valid, torch.tensor(rows))
+
+
+class _Trainer:
+    """What Medusa and EAGLE training share: data, draft vocabulary, soft targets, the loop."""
+
+    def __init__(self, target: LlamaModel, data_dir: Path, cfg: HeadTrainConfig, eos_ids):
+        self.target, self.cfg = target, cfg
+        meta = shard_metadata(data_dir)
+        if "feature_layers" not in meta:
+            raise ValueError(
+                f"{data_dir} has no target features; regenerate it with "
+                "`specdecode data generate --features eagle3` (the default)"
+            )
+        self.hidden = target.config.hidden_size
+        examples = [e for e in iter_examples(data_dir) if e.features is not None]
+        examples = [e for e in examples if len(e.input_ids) >= 4]
+        if len(examples) <= cfg.eval_examples:
+            raise ValueError(
+                f"{data_dir} holds {len(examples)} usable examples; need more than "
+                f"{cfg.eval_examples} (the last ones are held out)"
+            )
+        self.train, self.held = examples[: -cfg.eval_examples], examples[-cfg.eval_examples :]
+        self.vocab_ids = (
+            frequent_tokens(self.train, cfg.draft_vocab, list(eos_ids))
+            if cfg.draft_vocab and cfg.draft_vocab < target.config.vocab_size
+            else None
+        )
+        lm = target.lm_head.weight.detach().float()
+        self.lm_full = lm
+        self.lm_rows = lm if self.vocab_ids is None else lm[self.vocab_ids]
+        self.train_tokens = sum(sum(e.loss_mask) for e in self.train)
+        self.coverage = _coverage(self.held, self.vocab_ids)
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.extra = max(cfg.num_heads, cfg.eval_positions) + 1  # label look-ahead padding
+        self._order: list[int] = []
+
+    def final(self, feats: torch.Tensor) -> torch.Tensor:
+        """The final feature (the last H columns; EAGLE-3 layer inputs come first)."""
+        return feats[..., -self.hidden :]
+
+    @torch.no_grad()
+    def soft_targets(self, final: torch.Tensor) -> torch.Tensor:
+        """Target distribution over the draft vocabulary at these features [..., Vd]."""
+        return F.linear(final, self.lm_rows).softmax(-1)
+
+    @torch.no_grad()
+    def target_top1(self, final: torch.Tensor) -> torch.Tensor:
+        return F.linear(final, self.lm_full).argmax(-1)
+
+    def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx if self.vocab_ids is None else self.vocab_ids[idx]
+
+    def next_batch(self, extra: int) -> _Batch:
+        picked, tokens = [], 0
+        while tokens < self.cfg.batch_tokens:
+            if not self._order:
+                self._order = torch.randperm(len(self.train), generator=self.gen).tolist()
+            ex = self.train[self._order.pop()]
+            picked.append(ex)
+            tokens += min(self.cfg.max_len, ex.features.shape[0])
+        return _collate(picked, self.cfg.max_len, extra)
+
+    def held_batches(self):
+        for i in range(0, len(self.held), 8):
+            yield _collate(self.held[i : i + 8], self.cfg.max_len, self.extra)
+
+    def run(self, module, loss_fn, evaluate, out_dir: Path, kind: str, info: dict) -> dict:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        params = [p for p in module.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt,
+            lambda s: (
+                min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))
+            ),
+        )
+        history = {"before": evaluate()}
+        t0 = time.perf_counter()
+        bar = tqdm(range(cfg.steps), desc=f"training {kind}", unit="step")
+        for step in bar:
+            loss, metrics = loss_fn(self.next_batch(extra=self.extra))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            sched.step()
+            bar.set_postfix(
+                loss=f"{loss.item():.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()}
+            )
+            if (step + 1) % 200 == 0:
+                log.info("step %d: loss %.4f %s", step + 1, loss.item(), metrics)
+        history["train_seconds"] = round(time.perf_counter() - t0, 1)
+        history["after"] = evaluate()
+        history.update(
+            train_examples=len(self.train),
+            train_answer_tokens=self.train_tokens,
+            held_out_examples=len(self.held),
+            draft_vocab_coverage=round(self.coverage, 4),
+            config=asdict(cfg),
+            **info,
+        )
+        save_head(module, out_dir, self.target.config, {"training": history})
+        (out_dir / "training.json").write_text(json.dumps(history, indent=2))
+        return history
+
+
+def _coverage(examples: list[Example], vocab_ids: torch.Tensor | None) -> float:
+    if vocab_ids is None:
+        return 1.0
+    allowed = set(vocab_ids.tolist())
+    toks = [t for ex in examples for t, m in zip(ex.input_ids, ex.loss_mask, strict=True) if m]
+    return sum(t in allowed for t in toks) / max(1, len(toks))
+
+
+def _soft_ce(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    return -(p * logits.log_softmax(-1)).sum(-1)
+
+
+# ---- Medusa -------------------------------------------------------------------------------------
+
+
+def train_medusa(
+    target: LlamaModel, data_dir: Path, out_dir: Path, cfg: HeadTrainConfig, eos_ids
+) -> dict:
+    torch.manual_seed(cfg.seed)
+    tr = _Trainer(target, data_dir, cfg, eos_ids)
+    heads = MedusaHeads(tr.hidden, cfg.num_heads)
+    heads.attach(tr.lm_rows, None)  # rows already restricted
+    heads.vocab_ids = tr.vocab_ids
+    k = cfg.num_heads
+
+    extra = tr.extra
+
+    def outputs(batch: _Batch):
+        """Per head j: (logits [N, Vd] at its trained positions, the target's final features
+        [N, H] that give the matching labels)."""
+        final = tr.final(batch.feats)
+        n = final.shape[1]
+        fpad = F.pad(final, (0, 0, 0, extra))
+        t = torch.arange(n)[None]
+        for j in range(k):
+            # head j at t predicts token t+2+j, whose distribution is the target's at t+1+j
+            s = 1 + j
+            sel = batch.valid[:, s : n + s] & (t + s < batch.rows[:, None])
+            x = heads.medusa_head[j](final[sel])
+            yield j, heads.proj(x), fpad[:, s : n + s][sel]
+
+    def loss_fn(batch: _Batch):
+        total, metrics = 0.0, {}
+        for j, lg, tf in outputs(batch):
+            if lg.shape[0] == 0:
+                continue
+            p = tr.soft_targets(tf)
+            total = total + 0.8**j * _soft_ce(lg, p).mean()
+            if j == 0:
+                metrics["top1_h0"] = (lg.argmax(-1) == p.argmax(-1)).float().mean().item()
+        return total, metrics
+
+    @torch.no_grad()
+    def evaluate() -> dict:
+        hits, counts, loss = [0.0] * k, [0] * k, 0.0
+        for batch in tr.held_batches():
+            for j, lg, tf in outputs(batch):
+                if lg.shape[0] == 0:
+                    continue
+                loss += 0.8**j * _soft_ce(lg, tr.soft_targets(tf)).sum().item()
+                want = tr.target_top1(tf)
+                hits[j] += (tr.to_target_ids(lg.argmax(-1)) == want).sum().item()
+                counts[j] += lg.shape[0]
+        return {
+            "loss": round(loss / max(1, counts[0]), 4),
+            "top1_per_head": [round(h / max(1, c), 4) for h, c in zip(hits, counts, strict=True)],
+        }
+
+    return tr.run(heads, loss_fn, evaluate, out_dir, "medusa", {"num_heads": k})
+
+
+# ---- EAGLE --------------------------------------------------------------------------------------
+
+
+def train_eagle(
+    target: LlamaModel, data_dir: Path, out_dir: Path, cfg: HeadTrainConfig, eos_ids
+) -> dict:
+    torch.manual_seed(cfg.seed)
+    tr = _Trainer(target, data_dir, cfg, eos_ids)
+    head = EagleHead(target.config)
+    with torch.no_grad():  # start the layer from the target's last layer (same shapes)
+        src = target.layers[-1]
+        dst = head.layers[0]
+        dst.self_attn.load_state_dict(src.self_attn.state_dict())
+        dst.mlp.load_state_dict(src.mlp.state_dict())
+        dst.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
+    head = head.float()
+    head.attach(target.embed_tokens, tr.lm_rows, None)
+    head.vocab_ids = tr.vocab_ids
+    target.embed_tokens.requires_grad_(False)
+
+    def loss_fn(batch: _Batch):
+        final = tr.final(batch.feats)
+        n = final.shape[1]
+        noisy = final + (torch.rand_like(final) * 2 - 1) * cfg.noise
+        pred = head.forward_dense(batch.nxt[:, :n], noisy)  # [B, L, H]: f'_{t+1}
+        # trained where f_{t+1} exists and token t+2 is an answer token
+        sel = batch.valid[:, 1 : n + 1] & (torch.arange(n)[None] + 1 < batch.rows[:, None])
+        p_pred = pred[sel]
+        p_true = F.pad(final, (0, 0, 0, 1))[:, 1 : n + 1][sel]
+        reg = F.smooth_l1_loss(p_pred, p_true)
+        p = tr.soft_targets(p_true)
+        logits = head.logits(p_pred)
+        ce = _soft_ce(logits, p).mean()
+        top1 = (logits.argmax(-1) == p.argmax(-1)).float().mean().item()
+        return reg + cfg.ce_weight * ce, {"reg": reg.item(), "ce": ce.item(), "top1": top1}
+
+    @torch.no_grad()
+    def evaluate() -> dict:
+        steps = cfg.eval_positions
+        hits, counts, ce_sum = [0.0] * steps, [0] * steps, 0.0
+        for batch in tr.held_batches():
+            final = tr.final(batch.feats)
+            n = final.shape[1]
+            preds = head.forward_unrolled(batch.nxt, final, steps)
+            fpad = F.pad(final, (0, 0, 0, tr.extra))
+            t = torch.arange(n)[None]
+            for j, pred in enumerate(preds):
+                # step j at origin t predicts f_{t+j+1} (the distribution of token t+j+2)
+                s = j + 1
+                sel = batch.valid[:, s : n + s] & (t + s < batch.rows[:, None])
+                tf = fpad[:, s : n + s][sel]
+                lg = head.logits(pred[sel])
+                if j == 0:
+                    ce_sum += _soft_ce(lg, tr.soft_targets(tf)).sum().item()
+                hits[j] += (tr.to_target_ids(lg.argmax(-1)) == tr.target_top1(tf)).sum().item()
+                counts[j] += lg.shape[0]
+        return {
+            "ce": round(ce_sum / max(1, counts[0]), 4),
+            "top1_per_step": [round(h / max(1, c), 4) for h, c in zip(hits, counts, strict=True)],
+        }
+
+    return tr.run(head, loss_fn, evaluate, out_dir, "eagle", {})

@@ -1,0 +1,104 @@
+"""Heads end to end on a tiny model: self-distillation data with features -> `train medusa` /
+`train eagle` -> speculative decoding with the trained heads, token-identical to plain greedy
+decoding (fp32) at batch 1 and batched, chain and EAGLE-2 tree; sampled outputs stay seeded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdecode import LLM, SamplingParams
+from specdecode.errors import InvalidRequestError
+from specdecode.train.datagen import generate
+from specdecode.train.heads import HeadTrainConfig, train_eagle, train_medusa
+
+PROMPTS = ["say 3 1 9", "abcabc", "xyz", "hello 42"]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="module")
+def heads(plain, tiny_llama_dir, tmp_path_factory):
+    from specdecode.models.loader import load_model
+
+    root = tmp_path_factory.mktemp("heads")
+    convs = [
+        (f"c{i}", [{"role": "user", "content": f"say {i % 7} {i % 5} {i}"}]) for i in range(40)
+    ]
+    generate(plain, convs, root / "data", shard_size=16, max_tokens=24, feature_layers=(1,))
+    target = load_model(tiny_llama_dir).model.requires_grad_(False)
+    cfg = HeadTrainConfig(draft_vocab=64, steps=30, batch_tokens=512, lr=3e-3, eval_examples=8)
+    out = {}
+    out["medusa"] = train_medusa(target, root / "data", root / "medusa", cfg, [2])
+    out["eagle"] = train_eagle(target, root / "data", root / "eagle", cfg, [2])
+    return root, out
+
+
+def test_training_improves_the_held_out_loss(heads):
+    _, history = heads
+    assert history["medusa"]["after"]["loss"] < history["medusa"]["before"]["loss"]
+    assert history["eagle"]["after"]["ce"] < history["eagle"]["before"]["ce"]
+    assert len(history["eagle"]["after"]["top1_per_step"]) == 4
+    assert len(history["medusa"]["after"]["top1_per_head"]) == 4
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+CONFIGS = [
+    ("medusa", {"num_speculative_tokens": 3}),
+    ("medusa", {"speculative_token_tree": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]}),
+    ("eagle", {"num_speculative_tokens": 4}),  # chain
+    ("eagle", {"num_speculative_tokens": 3, "topk": 3, "num_draft_tokens": 8}),  # EAGLE-2
+]
+
+
+@pytest.mark.parametrize("method,extra", CONFIGS)
+def test_greedy_equals_plain(plain, tiny_llama_dir, heads, method, extra):
+    root, _ = heads
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={"method": method, "model": str(root / method), **extra},
+    )
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(30))] == want
+    for prompt, w in zip(PROMPTS, want, strict=True):  # batch 1
+        assert spec.generate(prompt, greedy(30))[0].outputs[0].token_ids == w
+    stats = spec.engine.spec_stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens > 0, "the test must exercise accepted drafts"
+
+
+def test_sampled_outputs_are_seeded_and_in_support(tiny_llama_dir, heads):
+    root, _ = heads
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={"method": "eagle", "model": str(root / "eagle"), "topk": 2},
+    )
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=20, seed=7, ignore_eos=True)
+    a = spec.generate(PROMPTS, params)
+    b = spec.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_wrong_head_kind_and_missing_head_are_clear_errors(tiny_llama_dir, heads, tmp_path):
+    root, _ = heads
+    with pytest.raises(InvalidRequestError, match="not 'eagle'"):
+        LLM(
+            str(tiny_llama_dir),
+            speculative_config={"method": "eagle", "model": str(root / "medusa")},
+        )
+    with pytest.raises(InvalidRequestError, match="does not exist"):
+        LLM(
+            str(tiny_llama_dir),
+            speculative_config={"method": "medusa", "model": str(tmp_path / "x")},
+        )
+    with pytest.raises(InvalidRequestError, match="needs a head directory"):
+        LLM(str(tiny_llama_dir), speculative_config={"method": "medusa"})
+    cfg = json.loads((root / "eagle" / "config.json").read_text())
+    assert cfg["specdecode_head"]["kind"] == "eagle" and cfg["num_hidden_layers"] == 1

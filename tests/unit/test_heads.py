@@ -1,0 +1,214 @@
+"""Draft heads: shapes, Medusa's identity start, EAGLE's cached forward against its dense and
+unrolled (training-time test) forwards, checkpoint round trips, and the EAGLE-2 tree expansion
+on hand-checked cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.cache import BlockManager, KVCache, SeqBlocks
+from specdecode.config import ModelConfig
+from specdecode.drafters.eagle import EagleDrafter, _Node
+from specdecode.models.attention import build_metadata
+from specdecode.models.head_io import load_head, save_head
+from specdecode.models.heads import EagleHead, MedusaHeads
+from specdecode.models.llama import LlamaModel
+
+CFG = ModelConfig.from_hf(
+    dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+    )
+)
+
+
+@pytest.fixture
+def target():
+    torch.manual_seed(0)
+    return LlamaModel(CFG).eval()
+
+
+def eagle(target, vocab=None, seed=1) -> EagleHead:
+    torch.manual_seed(seed)
+    head = EagleHead(CFG)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    head.attach(target.embed_tokens, target.lm_head.weight, vocab)
+    return head.eval()
+
+
+def test_medusa_heads_start_as_identity_and_are_separate(target):
+    heads = MedusaHeads(32, num_heads=3)
+    vocab = torch.tensor([0, 5, 7, 90])
+    heads.attach(target.lm_head.weight, vocab)
+    h = torch.randn(5, 32)
+    assert torch.equal(heads.features(h), h[:, None].expand(5, 3, 32))
+    logits = heads(h)
+    assert logits.shape == (5, 3, 4)
+    torch.testing.assert_close(logits[:, 0], h @ target.lm_head.weight[vocab].T)
+    blocks = [b[0].linear.weight for b in heads.medusa_head]
+    assert len({id(w) for w in blocks}) == 3  # not one module shared across heads
+    assert sum(p.numel() for p in heads.parameters()) == 3 * (32 * 32 + 32)  # the LM head is not
+
+
+def _paged(head: EagleHead, ids, feats, positions, blocks, manager, cache, mask=None):
+    meta = build_metadata(
+        cache.kv, manager, [blocks], [len(ids)], [mask] if mask is not None else None
+    )
+    out = head(torch.tensor(ids), feats, torch.tensor(positions), meta)
+    blocks.length += len(ids)
+    return out
+
+
+def test_eagle_cached_forward_equals_dense_and_unrolled(target):
+    head = eagle(target)
+    t = 10
+    ids = torch.randint(0, 96, (1, t + 3))
+    feats = torch.randn(1, t, 32)
+    with torch.no_grad():
+        dense = head.forward_dense(ids[:, :t], feats)
+        unrolled = head.forward_unrolled(ids, feats, steps=3)
+        torch.testing.assert_close(unrolled[0], dense, atol=1e-5, rtol=1e-5)
+        manager = BlockManager(16, 4)
+        cache = KVCache(head.config, 16, 4)
+        # drafting after origin 5: true entries 0..5, then two fed-back steps
+        blocks = SeqBlocks()
+        manager.allocate(blocks, 8)
+        out = _paged(
+            head, ids[0, :6].tolist(), feats[0, :6], list(range(6)), blocks, manager, cache
+        )
+        torch.testing.assert_close(out, dense[0, :6], atol=1e-5, rtol=1e-5)
+        step1 = _paged(head, [int(ids[0, 6])], out[5:6], [6], blocks, manager, cache)
+        torch.testing.assert_close(step1[0], unrolled[1][0, 5], atol=1e-5, rtol=1e-5)
+        step2 = _paged(head, [int(ids[0, 7])], step1, [7], blocks, manager, cache)
+        torch.testing.assert_close(step2[0], unrolled[2][0, 5], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_head_checkpoint_round_trip(target, tmp_path, kind):
+    vocab = torch.tensor([1, 2, 3, 50, 60])
+    if kind == "medusa":
+        head = MedusaHeads(32, num_heads=2)
+        for p in head.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        head.attach(target.lm_head.weight, vocab)
+        x = (torch.randn(3, 32),)
+    else:
+        head = eagle(target, vocab)
+        x = (torch.randint(0, 96, (1, 4)), torch.randn(1, 4, 32))
+    with torch.no_grad():  # checkpoints are bf16
+        for p in head.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    save_head(head, tmp_path, CFG, {"note": "test"})
+    loaded = load_head(tmp_path, target)
+    assert torch.equal(loaded.vocab_ids, vocab)
+    with torch.no_grad():
+        if kind == "medusa":
+            torch.testing.assert_close(loaded(*x), head(*x))
+        else:
+            torch.testing.assert_close(loaded.forward_dense(*x), head.forward_dense(*x))
+
+
+def test_head_for_another_target_is_refused(target, tmp_path):
+    from specdecode.errors import InvalidRequestError
+
+    save_head(MedusaHeads(32, 2), tmp_path, CFG, {})
+    from dataclasses import replace
+
+    other = LlamaModel(replace(CFG, vocab_size=100))
+    with pytest.raises(InvalidRequestError, match="different target"):
+        load_head(tmp_path, other)
+
+
+# ---- EAGLE-2 tree expansion ---------------------------------------------------------------------
+
+
+def test_select_keeps_the_best_nodes_as_a_level_ordered_tree():
+    import math
+
+    lp = math.log
+    pool = [
+        _Node(10, lp(0.6), -1, 1),  # 0
+        _Node(11, lp(0.3), -1, 1),  # 1
+        _Node(12, lp(0.6 * 0.9), 0, 2),  # 2
+        _Node(13, lp(0.6 * 0.05), 0, 2),  # 3
+        _Node(14, lp(0.3 * 0.8), 1, 2),  # 4
+        _Node(15, lp(0.3 * 0.1), 1, 2),  # 5
+        _Node(16, lp(0.6 * 0.9 * 0.9), 2, 3),  # 6
+    ]
+    # scores: 0 .6, 2 .54, 6 .486, 1 .3, 4 .24, 3 .03, 5 .03
+    prop = EagleDrafter._select(99, pool, size=6)
+    assert prop.tokens == [99, 10, 11, 12, 14, 16]
+    assert prop.shape.parents == (-1, 0, 0, 1, 2, 3)
+    prop = EagleDrafter._select(99, pool, size=4)  # 0, 2, 6: a chain
+    assert prop.tokens == [99, 10, 12, 16] and prop.shape.is_chain()
+
+
+def test_level_mask_sees_fed_ancestors_only():
+    pool = [
+        _Node(1, -0.1, -1, 1),
+        _Node(2, -0.2, -1, 1),
+        _Node(3, -0.3, 0, 2),
+        _Node(4, -0.4, 1, 2),
+    ]
+    pool.append(_Node(5, -0.5, 2, 3))
+    mask = EagleDrafter._level_mask(pool, fed=[0, 1], front=[2, 3])
+    assert mask.tolist() == [[True, False, True, False], [False, True, False, True]]
+    mask = EagleDrafter._level_mask(pool, fed=[0, 1, 2, 3], front=[4])
+    assert mask.tolist() == [[True, False, True, False, True]]
+
+
+class _ScriptedHead:
+    """A stand-in head whose next-token log-probabilities depend only on the last token fed
+    (carried in the 'feature'), to hand-check the dynamic tree."""
+
+    vocab_ids = None
+    config = CFG
+
+    def __init__(self, table: dict[int, dict[int, float]]):
+        self.table = table
+
+    def __call__(self, ids, feats, positions, meta):
+        return torch.nn.functional.one_hot(ids, 96).float()
+
+    def logits(self, feat):
+        out = torch.full((feat.shape[0], 96), -30.0)
+        for r, tok in enumerate(feat.argmax(-1).tolist()):
+            for t, p in self.table.get(tok, {}).items():
+                out[r, t] = torch.tensor(p).log()
+        return out
+
+
+def test_dynamic_tree_expands_global_topk_and_reranks():
+    table = {
+        7: {1: 0.7, 2: 0.2, 3: 0.1},  # the root's children
+        1: {4: 0.9, 5: 0.1},
+        2: {6: 0.55, 8: 0.45},
+        4: {9: 0.99},
+        6: {10: 1.0},
+        8: {11: 1.0},
+    }
+    head = _ScriptedHead(table)
+    drafter = EagleDrafter.__new__(EagleDrafter)
+    drafter.head, drafter.topk, drafter.num_draft_tokens = head, 2, 6
+    drafter.device = torch.device("cpu")
+    drafter.manager = BlockManager(16, 4)
+    drafter.cache = KVCache(CFG, 16, 4)
+    st = type("S", (), {})()
+    st.blocks, st.committed = SeqBlocks(), 0
+    drafter.manager.allocate(st.blocks, 32)
+    seq = type("Q", (), {"last_token": 7})()
+    root_feat = torch.nn.functional.one_hot(torch.tensor([7]), 96).float()
+    [prop] = drafter._tree([seq], [st], [3], root_feat)
+    # depth 1: 1 (.7), 2 (.2); depth 2 from {1, 2}: 4 (.63), 5 (.07), 6 (.11), 8 (.09): keep 4, 6;
+    # depth 3: 9 (.6237), 10 (.11); rerank top 5: 1 .7, 4 .63, 9 .6237, 2 .2, 6 (.11, before 10)
+    assert prop.tokens == [7, 1, 2, 4, 6, 9]
+    assert prop.shape.parents == (-1, 0, 0, 1, 2, 3)
