@@ -7,9 +7,13 @@
 //   q_norm, k_norm
 // followed by the final norm. The attention inputs mirror models/attention.py.
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 
+#include <cmath>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -51,6 +55,100 @@ void rope_inplace(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   }
 }
 
+// Attention of several sequences straight from their cache slots (no gather of the padded
+// context): one task per (sequence, kv head) reads each key and value row once for all the
+// queries of its head group. q [T, H, D] fp32; caches [Hkv, S, D]; kv_slots [B, L]; query_index /
+// query_valid [B, N]; mask [B, 1, N, L] (True = may attend). Returns [T, H * D].
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache_k,
+                           const at::Tensor& cache_v, const at::Tensor& kv_slots,
+                           const at::Tensor& query_index, const at::Tensor& query_valid,
+                           const at::Tensor& mask) {
+  const at::Tensor q = q_in.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = cache_k.size(0), B = kv_slots.size(0), L = kv_slots.size(1);
+  const int64_t N = query_index.size(1), G = H / Hkv;
+  TORCH_CHECK(cache_k.stride(2) == 1 && cache_v.stride(2) == 1, "cache rows must be contiguous");
+  TORCH_CHECK(mask.numel() == B * N * L, "paged attention needs the [B, 1, N, L] mask");
+  at::Tensor out = at::empty({T, H * D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = cache_k.data_ptr<float>();
+  const float* vp = cache_v.data_ptr<float>();
+  const int64_t ks = cache_k.stride(1), kh = cache_k.stride(0);
+  const int64_t vs = cache_v.stride(1), vh = cache_v.stride(0);
+  const int64_t* slots = kv_slots.contiguous().data_ptr<int64_t>();
+  const at::Tensor qi_t = query_index.contiguous(), qv_t = query_valid.contiguous();
+  const at::Tensor mask_t = mask.contiguous();
+  const int64_t* qidx = qi_t.data_ptr<int64_t>();
+  const bool* qvalid = qv_t.data_ptr<bool>();
+  const bool* mk = mask_t.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, hk = task % Hkv;
+      int64_t n = 0;
+      while (n < N && qvalid[b * N + n]) ++n;
+      if (n == 0) continue;
+      // The context ends after the last column any query may see.
+      int64_t ctx = 0;
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = L - 1; j >= ctx; --j)
+          if (mk[(b * N + i) * L + j]) {
+            ctx = j + 1;
+            break;
+          }
+      const int64_t R = n * G;  // query rows of this task: (i, g)
+      scores.assign(R * ctx, -std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < ctx; ++j) {
+        const float* krow = kp + hk * kh + slots[b * L + j] * ks;
+        for (int64_t i = 0; i < n; ++i) {
+          if (!mk[(b * N + i) * L + j]) continue;
+          const int64_t t = qidx[b * N + i];
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qr = qp + (t * H + hk * G + g) * D;
+            float acc = 0.f;
+            for (int64_t d = 0; d < D; ++d) acc += qr[d] * krow[d];
+            scores[(i * G + g) * ctx + j] = acc * scale;
+          }
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float* s = scores.data() + r * ctx;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < ctx; ++j) mx = s[j] > mx ? s[j] : mx;
+        float sum = 0.f;
+        for (int64_t j = 0; j < ctx; ++j) {
+          s[j] = std::exp(s[j] - mx);
+          sum += s[j];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j < ctx; ++j) s[j] *= inv;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = qidx[b * N + i];
+        for (int64_t g = 0; g < G; ++g) {
+          float* o = op + t * H * D + (hk * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+        }
+      }
+      for (int64_t j = 0; j < ctx; ++j) {
+        const float* vrow = vp + hk * vh + slots[b * L + j] * vs;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t t = qidx[b * N + i];
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[(i * G + g) * ctx + j];
+            if (p == 0.f) continue;
+            float* o = op + t * H * D + (hk * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) o[d] += p * vrow[d];
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& cache_k, const at::Tensor& cache_v,
                      const at::Tensor& slot_mapping, int64_t kv_start, int64_t kv_end,
@@ -68,17 +166,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                                               false, std::nullopt, true);
     return o.select(0, 0).transpose(0, 1).reshape({T, H * D});
   }
-  auto keys = cache_k.index_select(1, kv_slots.flatten())
-                  .view({cache_k.size(0), kv_slots.size(0), kv_slots.size(1), D})
-                  .transpose(0, 1);
-  auto vals = cache_v.index_select(1, kv_slots.flatten())
-                  .view({cache_v.size(0), kv_slots.size(0), kv_slots.size(1), D})
-                  .transpose(0, 1);
-  auto qq = q.index_select(0, query_index.flatten())
-                .view({query_index.size(0), query_index.size(1), H, D})
-                .transpose(1, 2);
-  auto o = at::scaled_dot_product_attention(qq, keys, vals, m, 0.0, false, std::nullopt, true);
-  return o.transpose(1, 2).reshape({-1, H * D}).index({query_valid.flatten()});
+  return paged_attention(q, cache_k, cache_v, kv_slots, query_index, query_valid, mask);
 }
 
 }  // namespace
