@@ -50,9 +50,10 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     sg.add_argument(
         "--speculative-algorithm",
         type=str.upper,
-        choices=["EAGLE", "MEDUSA", "NGRAM", "STANDALONE"],
+        choices=["EAGLE", "EAGLE3", "MEDUSA", "NGRAM", "STANDALONE"],
         default=None,
-        help="EAGLE (EAGLE-2 dynamic tree), MEDUSA, NGRAM, STANDALONE (a draft model)",
+        help="EAGLE (EAGLE-1 head, EAGLE-2 dynamic tree), EAGLE3, MEDUSA, NGRAM, STANDALONE "
+        "(a draft model)",
     )
     sg.add_argument("--speculative-draft-model-path", default=None, help="head or draft model")
     sg.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth")
@@ -80,6 +81,7 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
     if algorithm:
         cfg["method"] = {
             "EAGLE": "eagle",
+            "EAGLE3": "eagle3",
             "MEDUSA": "medusa",
             "NGRAM": "ngram",
             "STANDALONE": "draft_model",
@@ -186,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     for kind, what in (
         ("medusa", "Medusa-1 heads on the target's last feature"),
         ("eagle", "an EAGLE head (feature-level autoregression; drafted as EAGLE-2 trees)"),
+        ("eagle3", "an EAGLE-3 head (low/mid/high features, training-time test)"),
     ):
         th = tsub.add_parser(kind, help=f"train {what} on a frozen target")
         add_engine_args(th)
@@ -203,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
         th.add_argument("--eval-examples", type=int, default=64)
         if kind == "medusa":
             th.add_argument("--num-heads", type=int, default=4)
+        elif kind == "eagle3":
+            th.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled")
         else:
             th.add_argument("--noise", type=float, default=0.1, help="U(-a, a) feature noise")
             th.add_argument("--ce-weight", type=float, default=0.1)
@@ -302,14 +307,14 @@ def cmd_train(args: argparse.Namespace) -> None:
             *([tok.eos_token_id] if tok.eos_token_id is not None else []),
         }
     )
-    if args.train in ("medusa", "eagle"):
-        from specdecode.train.heads import HeadTrainConfig, train_eagle, train_medusa
+    if args.train in ("medusa", "eagle", "eagle3"):
+        from specdecode.train.heads import HeadTrainConfig, train_eagle, train_eagle3, train_medusa
 
-        extra = (
-            {"num_heads": args.num_heads}
-            if args.train == "medusa"
-            else {"noise": args.noise, "ce_weight": args.ce_weight}
-        )
+        extra = {
+            "medusa": lambda: {"num_heads": args.num_heads},
+            "eagle": lambda: {"noise": args.noise, "ce_weight": args.ce_weight},
+            "eagle3": lambda: {"ttt_steps": args.ttt_steps},
+        }[args.train]()
         hcfg = HeadTrainConfig(
             draft_vocab=args.draft_vocab,
             steps=args.steps,
@@ -319,7 +324,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             eval_examples=args.eval_examples,
             **extra,
         )
-        fn = train_medusa if args.train == "medusa" else train_eagle
+        fn = {"medusa": train_medusa, "eagle": train_eagle, "eagle3": train_eagle3}[args.train]
         loaded.model.requires_grad_(False)
         history = fn(loaded.model, Path(args.data), Path(args.out), hcfg, eos)
         keys = ("before", "after", "train_seconds", "draft_vocab_coverage", "train_answer_tokens")

@@ -126,7 +126,7 @@ class EngineConfig:
     kernels: str = "auto"  # "auto": packed weights + C++ layer loop on capable CPUs; "off"
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""EAGLE drafting: a chain (EAGLE-1 style, `topk` 1) or an EAGLE-2 dynamic draft tree.
+"""EAGLE drafting (EAGLE-1 and EAGLE-3 heads): a chain (`topk` 1) or an EAGLE-2 dynamic tree.
 
 The head keeps its own one-layer paged KV cache per sequence. Entry i holds (target feature at
 position i, token i+1); entries fed from the target's real features are *committed*, those fed
@@ -27,7 +27,7 @@ from specdecode.cache import BlockManager, KVCache, SeqBlocks
 from specdecode.core import Sequence
 from specdecode.drafters.base import Drafter, DraftProposal
 from specdecode.models.attention import build_metadata
-from specdecode.models.heads import EagleHead
+from specdecode.models.heads import Eagle3Head, EagleHead
 from specdecode.tree import TreeShape
 
 if TYPE_CHECKING:
@@ -68,6 +68,12 @@ class EagleDrafter(Drafter):
         if topk < 1:
             raise ValueError("topk must be at least 1")
         self.head = head
+        if isinstance(head, Eagle3Head):  # reads the low/mid/high layer inputs (first 3H)
+            self.feature_layers = head.aux_layers
+            self._cols = slice(0, head.feature_size)
+        else:  # EAGLE-1 reads the final feature
+            self.feature_layers = ()
+            self._cols = slice(None)
         self.topk = topk
         self.num_draft_tokens = num_draft_tokens
         self.device = torch.device(device)
@@ -81,7 +87,7 @@ class EagleDrafter(Drafter):
     def from_config(cls, config: SpeculativeConfig, engine: LLMEngine) -> EagleDrafter:
         from specdecode.models.head_io import load_head_for
 
-        head = load_head_for(config, engine, kind="eagle")
+        head = load_head_for(config, engine, kind=config.method)
         topk = config.topk or 1
         return cls(
             head,
@@ -121,7 +127,7 @@ class EagleDrafter(Drafter):
                 st.broken = True
             st.seen = start + f.shape[0]
             if not st.broken:
-                st.pending.append(f)
+                st.pending.append(f[:, self._cols])
 
     def release(self, seq: Sequence) -> None:
         st = self._state.pop(seq.seq_id, None)

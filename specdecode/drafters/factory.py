@@ -24,7 +24,7 @@ def build_drafter(config: SpeculativeConfig, engine: LLMEngine) -> Drafter:
         from specdecode.drafters.medusa import MedusaDrafter
 
         return MedusaDrafter.from_config(config, engine)
-    if config.method == "eagle":
+    if config.method in ("eagle", "eagle3"):
         from specdecode.drafters.eagle import EagleDrafter
 
         return EagleDrafter.from_config(config, engine)

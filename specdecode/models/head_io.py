@@ -20,7 +20,7 @@ import torch
 
 from specdecode.config import ModelConfig
 from specdecode.errors import InvalidRequestError
-from specdecode.models.heads import EagleHead, MedusaHeads
+from specdecode.models.heads import Eagle3Head, EagleHead, MedusaHeads
 from specdecode.models.llama import LlamaModel
 
 if TYPE_CHECKING:
@@ -67,8 +67,16 @@ def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> No
         kind = "medusa"
     else:
         tensors = _unfused(head, head.config)
+        eagle3 = isinstance(head, Eagle3Head)
+        if eagle3:  # SafeAILab's EAGLE-3 names: the layer is `midlayer`, the map is d2t / t2d
+            tensors = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
+            vocab = head.vocab_ids.detach().cpu().long()
+            tensors["d2t"] = vocab - torch.arange(vocab.numel())
+            t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+            t2d[vocab] = True
+            tensors["t2d"] = t2d
         config = {
-            "architectures": ["EagleLlamaForCausalLM"],
+            "architectures": ["LlamaForCausalLMEagle3" if eagle3 else "EagleLlamaForCausalLM"],
             "model_type": "llama",
             "hidden_size": c.hidden_size,
             "intermediate_size": c.intermediate_size,
@@ -83,8 +91,11 @@ def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> No
             "attention_bias": c.attention_bias,
             "tie_word_embeddings": False,
         }
+        if eagle3:
+            config["draft_vocab_size"] = int(head.lm_head.out_features)
+            config["eagle_aux_hidden_state_layer_ids"] = list(head.aux_layers)
         kind = head.kind
-    if head.vocab_ids is not None:
+    if head.vocab_ids is not None and kind != "eagle3":
         tensors["vocab_ids"] = head.vocab_ids.detach().cpu().to(torch.int64)
     config["specdecode_head"] = {
         "kind": kind,
@@ -129,6 +140,8 @@ def load_head(path: Path, target: LlamaModel):
     elif kind == "eagle":
         head = EagleHead(tc)
         _load_layer_weights(head, tensors)
+    elif kind == "eagle3":
+        head, vocab_ids = _load_eagle3(raw, tensors, tc)
     else:
         raise InvalidRequestError(f"{path}: unknown head kind {kind!r}")
     head = head.to(device)
@@ -136,9 +149,32 @@ def load_head(path: Path, target: LlamaModel):
         vocab_ids = vocab_ids.long().to(device)
     if kind == "medusa":
         head.attach(target.lm_head.weight, vocab_ids)
+    elif kind == "eagle3":
+        head.attach(target.embed_tokens, vocab_ids)
     else:
         head.attach(target.embed_tokens, target.lm_head.weight, vocab_ids)
     return head.eval().requires_grad_(False)
+
+
+def _load_eagle3(raw: dict, tensors: dict[str, torch.Tensor], tc: ModelConfig):
+    """SafeAILab (`midlayer.*`) or speculators (`layers.0.*`) names; d2t gives the vocabulary."""
+    tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
+    tensors = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+    tensors.pop("embed_tokens.weight", None)  # some checkpoints carry the target's copy
+    d2t = tensors.pop("d2t", None)
+    t2d = tensors.pop("t2d", None)
+    vocab_n = raw.get("draft_vocab_size") or tensors["lm_head.weight"].shape[0]
+    layers = raw.get("eagle_aux_hidden_state_layer_ids")
+    head = Eagle3Head(tc, int(vocab_n), tuple(int(x) for x in layers) if layers else None)
+    vocab_ids = None
+    if d2t is not None:
+        vocab_ids = torch.arange(d2t.numel()) + d2t.long()
+        if t2d is not None and int(t2d.sum()) != vocab_ids.numel():
+            raise InvalidRequestError("the checkpoint's d2t and t2d disagree")
+    elif vocab_n != tc.vocab_size:
+        raise InvalidRequestError("a reduced-vocabulary EAGLE-3 checkpoint needs d2t")
+    _load_layer_weights(head, tensors)
+    return head, vocab_ids
 
 
 def _load_layer_weights(head: EagleHead, tensors: dict[str, torch.Tensor]) -> None:

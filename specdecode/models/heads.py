@@ -32,7 +32,7 @@ from torch import nn
 
 from specdecode.config import ModelConfig
 from specdecode.models.attention import AttentionMetadata
-from specdecode.models.llama import DecoderLayer, rope_inv_freq
+from specdecode.models.llama import DecoderLayer, RMSNorm, rope_inv_freq
 
 
 class ResBlock(nn.Module):
@@ -172,34 +172,42 @@ class EagleHead(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------
 
-    def _inputs(self, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        dtype = feats.dtype if feats.is_floating_point() else torch.float32
-        return self.fc(torch.cat([self.embed(ids).to(dtype), feats], -1))
+    def _attn_input(self, ids: torch.Tensor, feats: torch.Tensor):
+        """(input of q/k/v, residual stream) for entries (token, feature)."""
+        h = self.fc(torch.cat([self.embed(ids).to(feats.dtype), feats], -1))
+        return h, h  # EAGLE-1: no input norm
 
-    def _output(self, h: torch.Tensor) -> torch.Tensor:
-        return h  # EAGLE-1 predicts the target's (already normalised) feature directly
+    def _body(self, x, residual, cos, sin, meta=None):
+        """The decoder layer on a prepared attention input: paged (meta) or dense causal."""
+        layer = self.layers[0]
+        attn = layer.self_attn
+        if meta is None:
+            h = residual + attn.forward_dense(x, cos, sin)
+        else:
+            h = residual + attn(x, cos, sin, meta)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def forward(
         self,
         ids: torch.Tensor,  # [T] token after each feature
-        feats: torch.Tensor,  # [T, F] target (or predicted) features
+        feats: torch.Tensor,  # [T, F] target features, or [T, H] the head's own predictions
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H] predicted next features
-        h = self._inputs(ids, feats.float())
+    ) -> torch.Tensor:  # [T, H] predictions, fed back as `feats` for the next draft step
+        x, residual = self._attn_input(ids, feats.float())
         cos, sin = self.rope(positions)
-        return self._output(self.layers[0](h, cos, sin, meta))
+        return self._body(x, residual, cos, sin, meta)
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, Vd] fp32
-        return self.proj(predicted)
+        return self.proj(predicted)  # EAGLE-1 predicts the target's final feature itself
 
     def forward_dense(self, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        """Training: ids [B, T] (x_{t+1}), feats [B, T, F] (f_t) -> predicted f_{t+1} [B, T, H]
+        """Training: ids [B, T] (x_{t+1}), feats [B, T, F] (f_t) -> predictions [B, T, H]
         with causal attention over the T entries."""
         t = ids.shape[1]
-        h = self._inputs(ids, feats)
+        x, residual = self._attn_input(ids, feats)
         cos, sin = self.rope(torch.arange(t, device=ids.device))
-        return self._output(self.layers[0].forward_dense(h, cos.to(h.dtype), sin.to(h.dtype)))
+        return self._body(x, residual, cos.to(x.dtype), sin.to(x.dtype))
 
     def forward_unrolled(
         self, ids: torch.Tensor, feats: torch.Tensor, steps: int
@@ -210,8 +218,9 @@ class EagleHead(nn.Module):
         Step j (0-based) at origin t is the entry (prediction of step j-1 at t, x_{t+j+1}) at
         position t+j. It attends to the true entries 0..t (step 0), to the entries of earlier
         steps at the same origin t, and to itself: exactly what it would see when drafting
-        j+1 tokens after position t. ids [B, T + steps - 1] (x_1...), feats [B, T, F].
-        Returns one [B, T, H] prediction per step (step j predicts f_{t+j+1}).
+        j+1 tokens after position t. ids [B, T + steps] (x_1...), feats [B, T, F].
+        Returns one [B, T, H] prediction per step (step j predicts the distribution of token
+        t+j+2).
         """
         b, t = feats.shape[:2]
         layer = self.layers[0]
@@ -219,22 +228,18 @@ class EagleHead(nn.Module):
         keys, values, outs = [], [], []
         x = feats
         for j in range(steps):
-            h = self._inputs(ids[:, j : j + t], x)
+            inp, residual = self._attn_input(ids[:, j : j + t], x)
             cos, sin = self.rope(torch.arange(j, j + t, device=ids.device))
-            cos, sin = cos.to(h.dtype), sin.to(h.dtype)
-            q, k, v = attn._project(layer.input_layernorm(h), cos, sin)  # [B, T, heads, D]
+            cos, sin = cos.to(inp.dtype), sin.to(inp.dtype)
+            q, k, v = attn._project(inp, cos, sin)  # [B, T, heads, D]
             keys.append(k.transpose(1, 2))
             values.append(v.transpose(1, 2))
             out = _ttt_attention(q.transpose(1, 2), keys, values, attn.num_heads)
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(b, t, attn.q_size))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            pred = self._output(h)
+            h = residual + attn.o_proj(out.transpose(1, 2).reshape(b, t, attn.q_size))
+            pred = h + layer.mlp(layer.post_attention_layernorm(h))
             outs.append(pred)
-            x = self._next_input(pred)
+            x = pred
         return outs
-
-    def _next_input(self, predicted: torch.Tensor) -> torch.Tensor:
-        return predicted  # EAGLE-1: the predicted feature stands in for the target's
 
 
 def _ttt_attention(q, keys, values, num_heads):
@@ -253,3 +258,76 @@ def _ttt_attention(q, keys, values, num_heads):
     for i, v in enumerate(vs[1:]):
         out = out + probs[..., t + i : t + i + 1] * v
     return out
+
+
+def eagle3_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, mid and high layers: the residual streams entering layers 2, N//2, N-3
+    (distinct layers of a smaller model's own span when it has fewer than 6)."""
+    n = num_layers
+    return (2, n // 2, n - 3) if n >= 6 else tuple(sorted({0, n // 2, n - 1}))
+
+
+class Eagle3Head(EagleHead):
+    """EAGLE-3 (Li et al. 2025): fc maps the target's concatenated low/mid/high layer inputs
+    (3H) to H; the layer's attention reads [input_norm(embedding); hidden_norm(hidden)] (2H) with
+    the hidden state as residual; logits = lm_head(norm(output)) over the draft vocabulary with
+    its own (trained) LM head. Later draft steps feed the head's own pre-norm output back as the
+    hidden state (no fc). Draft token i maps to target token `vocab_ids[i]` (checkpoints store
+    d2t = vocab_ids - arange, and t2d, as SafeAILab and vLLM do)."""
+
+    kind = "eagle3"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        draft_vocab_size: int,
+        aux_layers: tuple[int, ...] | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        h = cfg.hidden_size
+        self.config = replace(cfg, num_layers=1)
+        # the target layers whose inputs are the low/mid/high features, ascending
+        self.aux_layers = tuple(sorted(aux_layers or eagle3_aux_layers(cfg.num_layers)))
+        self.feature_size = len(self.aux_layers) * h
+        self.fc = nn.Linear(self.feature_size, h, bias=False)
+        layer = DecoderLayer(self.config, 0)
+        attn = layer.self_attn
+        attn.qkv_proj = nn.Linear(2 * h, attn.q_size + 2 * attn.kv_size, bias=cfg.attention_bias)
+        layer.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([layer])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
+        self._embed = []
+        self.proj = None
+        self.vocab_ids = None
+        self._rope = None
+        self._packed_head = None
+
+    def attach(self, embed: nn.Embedding, vocab_ids: torch.Tensor | None) -> None:  # type: ignore[override]
+        if vocab_ids is not None and vocab_ids.numel() != self.lm_head.out_features:
+            raise ValueError("the draft vocabulary does not match the LM head")
+        self._embed = [embed]
+        self.vocab_ids = vocab_ids
+
+    def accelerate(self, dtype: torch.dtype) -> None:
+        from specdecode import kernels
+
+        if not kernels.available() or self.fc.weight.device.type != "cpu":
+            return
+        lm = self.lm_head
+        self.fc = _PackedLinear(self.fc, dtype)
+        layer = self.layers[0]
+        layer.self_attn.qkv_proj = _PackedLinear(layer.self_attn.qkv_proj, dtype)
+        layer.self_attn.o_proj = _PackedLinear(layer.self_attn.o_proj, dtype)
+        layer.mlp.gate_up_proj = _PackedLinear(layer.mlp.gate_up_proj, dtype)
+        layer.mlp.down_proj = _PackedLinear(layer.mlp.down_proj, dtype)
+        self.lm_head = _PackedLinear(lm, dtype)
+
+    def _attn_input(self, ids: torch.Tensor, feats: torch.Tensor):
+        h = self.fc(feats) if feats.shape[-1] == self.feature_size else feats
+        layer = self.layers[0]
+        e = layer.input_layernorm(self.embed(ids).to(h.dtype))
+        return torch.cat([e, layer.hidden_norm(h)], -1), h
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(predicted)).float()

@@ -111,8 +111,10 @@ def rank_and_world() -> tuple[int, int]:
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low, mid and high layers: the residual streams entering layers 2, N//2, N-3."""
-    return (2, num_layers // 2, num_layers - 3) if num_layers >= 6 else (0, num_layers // 2)
+    """EAGLE-3's low, mid and high layers (the final feature is always stored too)."""
+    from specdecode.models.heads import eagle3_aux_layers
+
+    return eagle3_aux_layers(num_layers)
 
 
 class _FeatureRecorder:

@@ -9,6 +9,7 @@ predicted token is one the target generated (an answer token) are trained.
 - Medusa-1: head k at position t predicts token t+2+k from f_t; loss = sum_k 0.8^k x soft CE.
 - EAGLE-1: entry t = fc([embed(x_{t+1}); f_t + noise]) -> f'_{t+1}; loss = smooth-L1(f', f)
   + 0.1 x soft CE (Li et al. 2024), noise ~ U(-0.1, 0.1).
+- EAGLE-3: training-time test over the low/mid/high features (see `train_eagle3`).
 Held-out metrics (the last `eval_examples` conversations): loss, and top-1 agreement with the
 target's full-vocabulary argmax per draft position (Medusa: per head; EAGLE: unrolled k steps,
 each fed the previous step's prediction, as when drafting).
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.models.head_io import save_head
-from specdecode.models.heads import EagleHead, MedusaHeads
+from specdecode.models.heads import Eagle3Head, EagleHead, MedusaHeads
 from specdecode.models.llama import LlamaModel
 from specdecode.train.datagen import Example, iter_examples, shard_metadata
 from specdecode.train.draft import frequent_tokens
@@ -51,6 +52,8 @@ class HeadTrainConfig:
     # EAGLE
     noise: float = 0.1
     ce_weight: float = 0.1
+    # EAGLE-3
+    ttt_steps: int = 4
 
 
 @dataclass
@@ -105,7 +108,8 @@ class _Trainer:
         self.train_tokens = sum(sum(e.loss_mask) for e in self.train)
         self.coverage = _coverage(self.held, self.vocab_ids)
         self.gen = torch.Generator().manual_seed(cfg.seed)
-        self.extra = max(cfg.num_heads, cfg.eval_positions) + 1  # label look-ahead padding
+        # label look-ahead padding
+        self.extra = max(cfg.num_heads, cfg.eval_positions, cfg.ttt_steps) + 1
         self._order: list[int] = []
 
     def final(self, feats: torch.Tensor) -> torch.Tensor:
@@ -287,22 +291,31 @@ def train_eagle(
         top1 = (logits.argmax(-1) == p.argmax(-1)).float().mean().item()
         return reg + cfg.ce_weight * ce, {"reg": reg.item(), "ce": ce.item(), "top1": top1}
 
+    evaluate = _unrolled_evaluation(tr, head, tr.final)
+    return tr.run(head, loss_fn, evaluate, out_dir, "eagle", {})
+
+
+def _unrolled_steps(tr: _Trainer, head, batch: _Batch, inputs, steps: int):
+    """Per unrolled draft step j: (logits [N, Vd], the target's final features [N, H] whose
+    distribution is the label). Step j at origin t predicts token t+j+2 (from f_{t+j+1})."""
+    final = tr.final(batch.feats)
+    n = final.shape[1]
+    preds = head.forward_unrolled(batch.nxt, inputs(batch.feats), steps)
+    fpad = F.pad(final, (0, 0, 0, tr.extra))
+    t = torch.arange(n)[None]
+    for j, pred in enumerate(preds):
+        s = j + 1
+        sel = batch.valid[:, s : n + s] & (t + s < batch.rows[:, None])
+        yield j, head.logits(pred[sel]), fpad[:, s : n + s][sel]
+
+
+def _unrolled_evaluation(tr: _Trainer, head, inputs):
     @torch.no_grad()
     def evaluate() -> dict:
-        steps = cfg.eval_positions
+        steps = tr.cfg.eval_positions
         hits, counts, ce_sum = [0.0] * steps, [0] * steps, 0.0
         for batch in tr.held_batches():
-            final = tr.final(batch.feats)
-            n = final.shape[1]
-            preds = head.forward_unrolled(batch.nxt, final, steps)
-            fpad = F.pad(final, (0, 0, 0, tr.extra))
-            t = torch.arange(n)[None]
-            for j, pred in enumerate(preds):
-                # step j at origin t predicts f_{t+j+1} (the distribution of token t+j+2)
-                s = j + 1
-                sel = batch.valid[:, s : n + s] & (t + s < batch.rows[:, None])
-                tf = fpad[:, s : n + s][sel]
-                lg = head.logits(pred[sel])
+            for j, lg, tf in _unrolled_steps(tr, head, batch, inputs, steps):
                 if j == 0:
                     ce_sum += _soft_ce(lg, tr.soft_targets(tf)).sum().item()
                 hits[j] += (tr.to_target_ids(lg.argmax(-1)) == tr.target_top1(tf)).sum().item()
@@ -312,4 +325,58 @@ def train_eagle(
             "top1_per_step": [round(h / max(1, c), 4) for h, c in zip(hits, counts, strict=True)],
         }
 
-    return tr.run(head, loss_fn, evaluate, out_dir, "eagle", {})
+    return evaluate
+
+
+# ---- EAGLE-3 ------------------------------------------------------------------------------------
+
+
+def train_eagle3(
+    target: LlamaModel, data_dir: Path, out_dir: Path, cfg: HeadTrainConfig, eos_ids
+) -> dict:
+    """Training-time test: `ttt_steps` draft steps unrolled (each fed the previous step's
+    output, attending to the earlier steps' keys at the same origin), loss = sum_j 0.8^j x soft
+    CE against the target's distribution over the draft vocabulary; no regression loss."""
+    torch.manual_seed(cfg.seed)
+    tr = _Trainer(target, data_dir, cfg, eos_ids)
+    layers = tuple(json.loads(shard_metadata(data_dir)["feature_layers"]))
+    if len(layers) < 2:
+        raise ValueError(
+            f"{data_dir} stores features of layers {list(layers)}; EAGLE-3 needs the low/mid/high "
+            "layer inputs (`specdecode data generate --features eagle3`)"
+        )
+    vocab = tr.vocab_ids if tr.vocab_ids is not None else torch.arange(target.config.vocab_size)
+    head = Eagle3Head(target.config, vocab.numel(), layers)
+    h = tr.hidden
+    with torch.no_grad():  # a warm start from the target's last layer, final norm and LM head
+        src, dst = target.layers[-1], head.layers[0]
+        dst.self_attn.o_proj.load_state_dict(src.self_attn.o_proj.state_dict())
+        dst.self_attn.qkv_proj.weight[:, h:] = src.self_attn.qkv_proj.weight
+        dst.self_attn.qkv_proj.weight[:, :h].normal_(0, 0.02)
+        if src.self_attn.qkv_proj.bias is not None:
+            dst.self_attn.qkv_proj.bias.copy_(src.self_attn.qkv_proj.bias)
+        dst.mlp.load_state_dict(src.mlp.state_dict())
+        dst.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
+        head.norm.load_state_dict(target.norm.state_dict())
+        head.lm_head.weight.copy_(tr.lm_rows)
+    head = head.float()
+    head.attach(target.embed_tokens, vocab)
+    target.embed_tokens.requires_grad_(False)
+    nfeat = head.feature_size
+
+    def inputs(feats: torch.Tensor) -> torch.Tensor:
+        return feats[..., :nfeat]
+
+    def loss_fn(batch: _Batch):
+        total, metrics = 0.0, {}
+        for j, lg, tf in _unrolled_steps(tr, head, batch, inputs, cfg.ttt_steps):
+            if lg.shape[0] == 0:
+                continue
+            p = tr.soft_targets(tf)
+            total = total + 0.8**j * _soft_ce(lg, p).mean()
+            if j in (0, cfg.ttt_steps - 1):
+                metrics[f"top1_s{j}"] = (lg.argmax(-1) == p.argmax(-1)).float().mean().item()
+        return total, metrics
+
+    evaluate = _unrolled_evaluation(tr, head, inputs)
+    return tr.run(head, loss_fn, evaluate, out_dir, "eagle3", {"aux_layers": list(layers)})

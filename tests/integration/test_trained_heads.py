@@ -11,7 +11,7 @@ import pytest
 from specdecode import LLM, SamplingParams
 from specdecode.errors import InvalidRequestError
 from specdecode.train.datagen import generate
-from specdecode.train.heads import HeadTrainConfig, train_eagle, train_medusa
+from specdecode.train.heads import HeadTrainConfig, train_eagle, train_eagle3, train_medusa
 
 PROMPTS = ["say 3 1 9", "abcabc", "xyz", "hello 42"]
 
@@ -29,12 +29,13 @@ def heads(plain, tiny_llama_dir, tmp_path_factory):
     convs = [
         (f"c{i}", [{"role": "user", "content": f"say {i % 7} {i % 5} {i}"}]) for i in range(40)
     ]
-    generate(plain, convs, root / "data", shard_size=16, max_tokens=24, feature_layers=(1,))
+    generate(plain, convs, root / "data", shard_size=16, max_tokens=24, feature_layers=(0, 1))
     target = load_model(tiny_llama_dir).model.requires_grad_(False)
     cfg = HeadTrainConfig(draft_vocab=64, steps=30, batch_tokens=512, lr=3e-3, eval_examples=8)
     out = {}
     out["medusa"] = train_medusa(target, root / "data", root / "medusa", cfg, [2])
     out["eagle"] = train_eagle(target, root / "data", root / "eagle", cfg, [2])
+    out["eagle3"] = train_eagle3(target, root / "data", root / "eagle3", cfg, [2])
     return root, out
 
 
@@ -42,6 +43,7 @@ def test_training_improves_the_held_out_loss(heads):
     _, history = heads
     assert history["medusa"]["after"]["loss"] < history["medusa"]["before"]["loss"]
     assert history["eagle"]["after"]["ce"] < history["eagle"]["before"]["ce"]
+    assert history["eagle3"]["after"]["ce"] < history["eagle3"]["before"]["ce"]
     assert len(history["eagle"]["after"]["top1_per_step"]) == 4
     assert len(history["medusa"]["after"]["top1_per_head"]) == 4
 
@@ -55,6 +57,8 @@ CONFIGS = [
     ("medusa", {"speculative_token_tree": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]}),
     ("eagle", {"num_speculative_tokens": 4}),  # chain
     ("eagle", {"num_speculative_tokens": 3, "topk": 3, "num_draft_tokens": 8}),  # EAGLE-2
+    ("eagle3", {"num_speculative_tokens": 4}),
+    ("eagle3", {"num_speculative_tokens": 4, "topk": 2, "num_draft_tokens": 6}),
 ]
 
 
