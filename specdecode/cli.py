@@ -212,6 +212,20 @@ def build_parser() -> argparse.ArgumentParser:
             th.add_argument("--noise", type=float, default=0.1, help="U(-a, a) feature noise")
             th.add_argument("--ce-weight", type=float, default=0.1)
 
+    exp = sub.add_parser(
+        "export", help="write a trained head in the layout vLLM, SGLang or speculators loads"
+    )
+    exp.add_argument("head", help="head directory (`specdecode train ...` or an imported one)")
+    exp.add_argument("--format", required=True, choices=["vllm", "sglang", "speculators"])
+    exp.add_argument("--out", required=True)
+    exp.add_argument(
+        "--target-name",
+        default=None,
+        help="the target's name on the serving side (Hugging Face id or path); default: "
+        "the default model's Hub id for the embedded model",
+    )
+    add_engine_args(exp)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     lat = bsub.add_parser("latency", help="plain decoding tok/s vs transformers, and the floor")
@@ -347,6 +361,23 @@ def cmd_train(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from specdecode.export import export_head, serve_command
+    from specdecode.models.head_io import head_kind
+    from specdecode.models.loader import load_model
+
+    loaded = load_model(args.model)
+    name = args.target_name or (
+        "HuggingFaceTB/SmolLM2-135M-Instruct" if args.model is None else str(loaded.path)
+    )
+    kind = head_kind(Path(args.head))
+    export_head(Path(args.head), loaded.model, args.format, Path(args.out), name)
+    print(f"wrote {args.out}; serve it with:")
+    print("  " + serve_command(args.format, kind or "eagle3", name, str(args.out)))
+
+
 def cmd_models(args: argparse.Namespace) -> None:
     from specdecode.models.registry import REGISTRY, gguf_path, pull
 
@@ -369,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd_generate(args)
         elif args.command == "models":
             cmd_models(args)
+        elif args.command == "export":
+            cmd_export(args)
         elif args.command == "data":
             cmd_data(args)
         elif args.command == "train":

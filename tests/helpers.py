@@ -74,3 +74,25 @@ def path_to(parents: list[int], i: int) -> list[int]:
 #    / \          |
 #   3   4         5
 PARENTS = [-1, 0, 0, 1, 1, 2]
+
+
+def _head_target_config():
+    from specdecode.config import ModelConfig
+
+    return ModelConfig.from_hf(
+        dict(
+            architectures=["LlamaForCausalLM"],
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            rms_norm_eps=1e-6,
+        )
+    )
+
+
+# A tiny target configuration for head unit tests (random weights built by the tests).
+HEAD_TARGET_CONFIG = _head_target_config()

@@ -90,6 +90,7 @@ def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> No
             "vocab_size": c.vocab_size,
             "attention_bias": c.attention_bias,
             "tie_word_embeddings": False,
+            "bias": getattr(head.fc, "bias", None) is not None,
         }
         if eagle3:
             config["draft_vocab_size"] = int(head.lm_head.out_features)
@@ -110,40 +111,88 @@ def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> No
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def head_kind(path: Path) -> str | None:
+def _read_config(path: Path) -> dict:
     cfg = path / "config.json"
     if not cfg.is_file():
+        raise InvalidRequestError(f"{path} has no config.json: not a head directory")
+    raw = json.loads(cfg.read_text())
+    # speculators nests the layer's shape under transformer_layer_config
+    return {**raw.get("transformer_layer_config", {}), **raw}
+
+
+def _weight_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    return sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
+
+
+def head_kind(path: Path) -> str | None:
+    """medusa | eagle | eagle3 for our heads and for SafeAILab, speculators and Medusa
+    checkpoints; None if unrecognised."""
+    if not (path / "config.json").is_file():
         return None
-    return json.loads(cfg.read_text()).get("specdecode_head", {}).get("kind")
+    raw = _read_config(path)
+    if "specdecode_head" in raw:
+        return raw["specdecode_head"].get("kind")
+    spec = raw.get("speculators_model_type")
+    if spec in ("eagle3", "eagle"):
+        return spec
+    arch = " ".join(raw.get("architectures") or [])
+    if "medusa_num_heads" in raw or "Medusa" in arch or raw.get("model_type") == "medusa":
+        return "medusa"
+    if "Eagle3" in arch or "draft_vocab_size" in raw:
+        return "eagle3"
+    if raw.get("num_hidden_layers") == 1 or "Eagle" in arch:
+        return "eagle"
+    return None
 
 
-def load_head(path: Path, target: LlamaModel):
-    """A head saved by `save_head`, attached to `target` (its embeddings and LM head rows)."""
+def _load_tensors(path: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    files = _weight_files(path)
+    if not files:
+        raise InvalidRequestError(f"{path} holds no weights (*.safetensors)")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            tensors.update(load_file(str(f)))
+        elif not allow_pickle:
+            raise InvalidRequestError(
+                f"{f.name} is a pickle checkpoint, which can run code; convert it to safetensors "
+                "or pass --allow-pickle"
+            )
+        else:
+            tensors.update(torch.load(str(f), map_location="cpu", weights_only=True))
+    return tensors
+
+
+def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
+    """A head directory (ours, SafeAILab EAGLE-1/EAGLE-3, speculators, or Medusa), attached to
+    `target` (its embeddings and, unless the head has its own, its LM head rows)."""
     path = Path(path)
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise InvalidRequestError(
-            f"{path} is not a head directory (config.json, model.safetensors)"
-        )
-    raw = json.loads((path / "config.json").read_text())
-    kind = raw.get("specdecode_head", {}).get("kind")
+    raw = _read_config(path)
+    kind = head_kind(path)
     tc = target.config
-    if raw.get("hidden_size") != tc.hidden_size or raw.get("vocab_size") != tc.vocab_size:
+    if raw.get("hidden_size") != tc.hidden_size or raw.get("vocab_size", tc.vocab_size) != (
+        tc.vocab_size
+    ):
         raise InvalidRequestError(f"{path} was trained for a different target model")
-    tensors = load_file(str(path / "model.safetensors"))
+    tensors = _load_tensors(path, allow_pickle)
     vocab_ids = tensors.pop("vocab_ids", None)
     device = target.norm.weight.device
     if kind == "medusa":
-        head = MedusaHeads(tc.hidden_size, raw["medusa_num_heads"], raw["medusa_num_layers"])
-        head.load_state_dict({k: v.float() for k, v in tensors.items()})
+        head = _load_medusa(raw, tensors, tc)
     elif kind == "eagle":
-        head = EagleHead(tc)
+        tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
+        tensors.pop("embed_tokens.weight", None)  # SafeAILab stores the target's copy
+        head = EagleHead(tc, fc_bias="fc.bias" in tensors)
         _load_layer_weights(head, tensors)
     elif kind == "eagle3":
         head, vocab_ids = _load_eagle3(raw, tensors, tc)
     else:
-        raise InvalidRequestError(f"{path}: unknown head kind {kind!r}")
+        raise InvalidRequestError(f"{path}: not a Medusa, EAGLE or EAGLE-3 head")
     head = head.to(device)
     if vocab_ids is not None:
         vocab_ids = vocab_ids.long().to(device)
@@ -156,6 +205,43 @@ def load_head(path: Path, target: LlamaModel):
     return head.eval().requires_grad_(False)
 
 
+def _load_medusa(raw: dict, tensors: dict[str, torch.Tensor], tc: ModelConfig) -> MedusaHeads:
+    """Ours (`medusa_head.{i}.{j}.linear.*`), FasterDecoding (`{i}.{j}.linear.*`, vocabulary
+    projection `{i}.{L}.weight`) or vLLM (`blocks.{i}.layers.{j}.*`, `lm_heads.{i}.weight`)."""
+    import re
+
+    heads_n = raw.get("medusa_num_heads") or raw.get("num_heads")
+    layers_n = raw.get("medusa_num_layers") or raw.get("num_hidden_layers") or 1
+    if not heads_n:
+        raise InvalidRequestError("the Medusa config lacks medusa_num_heads / num_heads")
+    state, proj = {}, {}
+    for name, t in tensors.items():
+        name = name.removeprefix("medusa_heads.").removeprefix("medusa_head.")
+        m = re.fullmatch(
+            r"(?:blocks\.)?(\d+)\.(?:layers\.)?(\d+)\.(?:linear\.)?(weight|bias)", name
+        )
+        n = re.fullmatch(r"(?:lm_heads\.)?(\d+)\.?(\d+)?\.?weight", name)
+        if m and int(m.group(2)) < layers_n:
+            state[f"medusa_head.{m.group(1)}.{m.group(2)}.linear.{m.group(3)}"] = t.float()
+        elif m and int(m.group(2)) == layers_n and m.group(3) == "weight":
+            proj[int(m.group(1))] = t.float()
+        elif n and name.startswith("lm_heads."):
+            proj[int(n.group(1))] = t.float()
+        elif name == "lm_head.weight":  # vLLM original_lm_head: the target's, shared
+            continue
+        else:
+            raise InvalidRequestError(f"unexpected tensor {name!r} in the Medusa checkpoint")
+    head = MedusaHeads(tc.hidden_size, int(heads_n), int(layers_n))
+    missing = head.load_state_dict(state, strict=False).missing_keys
+    if missing:
+        raise InvalidRequestError(f"the Medusa checkpoint lacks {missing[0]!r}")
+    if proj:
+        if sorted(proj) != list(range(int(heads_n))):
+            raise InvalidRequestError("the Medusa checkpoint has projections for some heads only")
+        head.own_projections = [proj[i] for i in range(int(heads_n))]
+    return head
+
+
 def _load_eagle3(raw: dict, tensors: dict[str, torch.Tensor], tc: ModelConfig):
     """SafeAILab (`midlayer.*`) or speculators (`layers.0.*`) names; d2t gives the vocabulary."""
     tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
@@ -166,6 +252,9 @@ def _load_eagle3(raw: dict, tensors: dict[str, torch.Tensor], tc: ModelConfig):
     vocab_n = raw.get("draft_vocab_size") or tensors["lm_head.weight"].shape[0]
     layers = raw.get("eagle_aux_hidden_state_layer_ids")
     head = Eagle3Head(tc, int(vocab_n), tuple(int(x) for x in layers) if layers else None)
+    # speculators defaults to normalising the hidden state before the residual
+    default = "speculators_model_type" in raw
+    head.norm_before_residual = bool(raw.get("norm_before_residual", default))
     vocab_ids = None
     if d2t is not None:
         vocab_ids = torch.arange(d2t.numel()) + d2t.long()
@@ -229,8 +318,8 @@ def load_head_for(config: SpeculativeConfig, engine: LLMEngine, kind: str):
         raise InvalidRequestError(f"head directory {path} does not exist")
     found = head_kind(path)
     if found != kind:
-        raise InvalidRequestError(f"{path} holds a {found or 'non-specdecode'} head, not {kind!r}")
-    head = load_head(path, engine.model)
+        raise InvalidRequestError(f"{path} holds a {found or 'unrecognised'} head, not {kind!r}")
+    head = load_head(path, engine.model, engine.config.allow_pickle)
     if engine.config.kernels == "auto":
         dtype = engine.model.norm.weight.dtype
         dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32

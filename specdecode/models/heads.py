@@ -81,6 +81,8 @@ class MedusaHeads(nn.Module):
         )
         self.proj: VocabProjection | None = None  # attach()
         self.vocab_ids: torch.Tensor | None = None
+        # per-head vocabulary projections of imported Medusa checkpoints (else the target's)
+        self.own_projections: list[torch.Tensor] | None = None
 
     @property
     def num_heads(self) -> int:
@@ -94,7 +96,16 @@ class MedusaHeads(nn.Module):
         return torch.stack([head(h) for head in self.medusa_head], dim=-2)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., K, Vd] fp32 logits
-        return self.proj(self.features(h))
+        feats = self.features(h)
+        if self.own_projections is not None:
+            return torch.stack(
+                [
+                    F.linear(feats[..., k, :], w.to(feats.dtype)).float()
+                    for k, w in enumerate(self.own_projections)
+                ],
+                dim=-2,
+            )
+        return self.proj(feats)
 
 
 class _PackedLinear(nn.Module):
@@ -118,12 +129,15 @@ class EagleHead(nn.Module):
 
     kind = "eagle"
 
-    def __init__(self, cfg: ModelConfig, feature_size: int | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, feature_size: int | None = None, fc_bias: bool = False
+    ) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.config = replace(cfg, num_layers=1)
         self.feature_size = feature_size or h
-        self.fc = nn.Linear(h + self.feature_size, h, bias=True)
+        # SafeAILab's EAGLE-1 has an fc bias by default; vLLM's EAGLE loader has none
+        self.fc = nn.Linear(h + self.feature_size, h, bias=fc_bias)
         self.layers = nn.ModuleList([DecoderLayer(self.config, 0)])
         self.layers[0].input_layernorm = nn.Identity()
         self._embed: list[nn.Embedding] = []  # the target's (not a submodule: never saved)
@@ -301,7 +315,8 @@ class Eagle3Head(EagleHead):
         self.proj = None
         self.vocab_ids = None
         self._rope = None
-        self._packed_head = None
+        # speculators' variant: the residual is the normalised hidden state
+        self.norm_before_residual = False
 
     def attach(self, embed: nn.Embedding, vocab_ids: torch.Tensor | None) -> None:  # type: ignore[override]
         if vocab_ids is not None and vocab_ids.numel() != self.lm_head.out_features:
@@ -327,7 +342,8 @@ class Eagle3Head(EagleHead):
         h = self.fc(feats) if feats.shape[-1] == self.feature_size else feats
         layer = self.layers[0]
         e = layer.input_layernorm(self.embed(ids).to(h.dtype))
-        return torch.cat([e, layer.hidden_norm(h)], -1), h
+        hn = layer.hidden_norm(h)
+        return torch.cat([e, hn], -1), (hn if self.norm_before_residual else h)
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(predicted)).float()

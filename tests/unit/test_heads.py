@@ -6,28 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import HEAD_TARGET_CONFIG
 
 from specdecode.cache import BlockManager, KVCache, SeqBlocks
-from specdecode.config import ModelConfig
 from specdecode.drafters.eagle import EagleDrafter, _Node
 from specdecode.models.attention import build_metadata
 from specdecode.models.head_io import load_head, save_head
 from specdecode.models.heads import EagleHead, MedusaHeads
 from specdecode.models.llama import LlamaModel
 
-CFG = ModelConfig.from_hf(
-    dict(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-    )
-)
+CFG = HEAD_TARGET_CONFIG
 
 
 @pytest.fixture

@@ -1,0 +1,214 @@
+"""`specdecode export`: write a trained head in the layout another engine loads.
+
+- eagle3: vllm = LlamaForCausalLMEagle3 with `midlayer.*`, d2t/t2d; sglang = the same with the
+  aux layer ids counted as layer outputs; speculators = Eagle3Speculator (`layers.0.*`).
+- eagle (EAGLE-1): vllm = EagleLlamaForCausalLM (no fc bias); sglang = LlamaForCausalLMEagle.
+- medusa: vllm = MedusaModel (`blocks.*`, the target's LM head as `original_lm_head`).
+
+Layer-id conventions differ: we (and vLLM) name the EAGLE-3 features by the layer they *enter*;
+SGLang names them by the layer whose *output* they are (id - 1). vLLM's speculators path
+defaults `norm_before_residual` to true, so it is always written. Formats after: SafeAILab EAGLE
+(github.com/SafeAILab/EAGLE), vLLM (`llama_eagle3.py`, `medusa.py`), SGLang (`llama_eagle3.py`),
+speculators (github.com/vllm-project/speculators).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import InvalidRequestError
+from specdecode.models.head_io import _unfused, load_head
+from specdecode.models.heads import Eagle3Head, EagleHead, MedusaHeads
+from specdecode.models.llama import LlamaModel
+
+FORMATS = ("vllm", "sglang", "speculators")
+
+
+def _llama_keys(c) -> dict:
+    return {
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope.theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "attention_bias": c.attention_bias,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def export_head(
+    head_dir: Path, target: LlamaModel, fmt: str, out: Path, target_name: str | None = None
+) -> dict:
+    """Write `head_dir` (any layout `load_head` reads) as `fmt` into `out`; return the config."""
+    if fmt not in FORMATS:
+        raise InvalidRequestError(f"unknown export format {fmt!r}; choose from {FORMATS}")
+    head = load_head(head_dir, target)
+    c = target.config
+    if isinstance(head, Eagle3Head):
+        tensors, config = _eagle3(head, target, fmt, target_name)
+    elif isinstance(head, EagleHead):
+        tensors, config = _eagle(head, fmt)
+    elif isinstance(head, MedusaHeads):
+        tensors, config = _medusa(head, target, fmt)
+    else:  # pragma: no cover
+        raise InvalidRequestError("unknown head")
+    config.setdefault("vocab_size", c.vocab_size)
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {
+            k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+            for k, v in tensors.items()
+        },
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in ("training.json",):
+        if (Path(head_dir) / f).is_file():
+            shutil.copy(Path(head_dir) / f, out / f)
+    return config
+
+
+def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | None):
+    c = target.config
+    tensors = _unfused(head, head.config)
+    n_draft = head.lm_head.out_features
+    vocab = head.vocab_ids.cpu() if head.vocab_ids is not None else torch.arange(c.vocab_size)
+    tensors["d2t"] = vocab - torch.arange(vocab.numel())
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[vocab] = True
+    tensors["t2d"] = t2d
+    aux = list(head.aux_layers)
+    if fmt == "speculators":
+        tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach()
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": _llama_keys(c),
+            "draft_vocab_size": n_draft,
+            "norm_before_residual": head.norm_before_residual,
+            "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids": aux,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": 5,
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
+                "default_proposal_method": "greedy",
+                "verifier": {
+                    "name_or_path": target_name,
+                    "architectures": [_target_arch(c)],
+                },
+            },
+        }
+        return tensors, config
+    if head.norm_before_residual:
+        raise InvalidRequestError(
+            "this head normalises before the residual (speculators' variant); export it with "
+            "--format speculators"
+        )
+    tensors = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_llama_keys(c),
+        "draft_vocab_size": n_draft,
+    }
+    if fmt == "vllm":
+        config["eagle_aux_hidden_state_layer_ids"] = aux  # the layers they enter
+        config["norm_before_residual"] = False
+    else:  # SGLang counts a feature as the output of the layer before
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]}
+    return tensors, config
+
+
+def _eagle(head: EagleHead, fmt: str):
+    if fmt == "speculators":
+        raise InvalidRequestError(
+            "vLLM's speculators format carries EAGLE-3 heads; export an EAGLE-1 head with "
+            "--format vllm or sglang"
+        )
+    has_bias = getattr(head.fc, "bias", None) is not None
+    if fmt == "vllm" and has_bias:
+        raise InvalidRequestError(
+            "vLLM's EAGLE-1 loader has no fc bias and this head has one; use --format sglang"
+        )
+    tensors = _unfused(head, head.config)
+    arch = "EagleLlamaForCausalLM" if fmt == "vllm" else "LlamaForCausalLMEagle"
+    config = {"architectures": [arch], **_llama_keys(head.config), "bias": has_bias}
+    return tensors, config
+
+
+def _medusa(head: MedusaHeads, target: LlamaModel, fmt: str):
+    if fmt != "vllm":
+        raise InvalidRequestError("Medusa heads export to vLLM only (--format vllm)")
+    c = target.config
+    tensors = {}
+    for i, blocks in enumerate(head.medusa_head):
+        for j, block in enumerate(blocks):
+            tensors[f"blocks.{i}.layers.{j}.weight"] = block.linear.weight.detach()
+            tensors[f"blocks.{i}.layers.{j}.bias"] = block.linear.bias.detach()
+    if head.own_projections is not None:
+        for i, w in enumerate(head.own_projections):
+            tensors[f"lm_heads.{i}.weight"] = w
+        original = False
+    else:  # ours project with the target's LM head: vLLM's `original_lm_head`
+        tensors["lm_head.weight"] = target.lm_head.weight.detach()
+        original = True
+    config = {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+        "num_heads": head.num_heads,
+        "num_hidden_layers": len(head.medusa_head[0]),
+        "medusa_fc_bias": True,
+        "original_lm_head": original,
+        "truncated_vocab_size": None,
+    }
+    return tensors, config
+
+
+def _target_arch(c) -> str:
+    return {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }.get(c.family, "LlamaForCausalLM")
+
+
+def serve_command(fmt: str, kind: str, target: str, head_dir: str) -> str:
+    """The command that serves an exported head (printed by the CLI, listed in the README)."""
+    if fmt == "sglang":
+        algo = {"eagle3": "EAGLE3", "eagle": "EAGLE"}[kind]
+        return (
+            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algo} "
+            f"--speculative-draft-model-path {head_dir} --speculative-num-steps 5 "
+            "--speculative-eagle-topk 4 --speculative-num-draft-tokens 8"
+        )
+    if fmt == "speculators":
+        return f"vllm serve {head_dir}"
+    method = kind
+    return (
+        f"vllm serve {target} --speculative-config "
+        f"'{{\"method\": \"{method}\", \"model\": \"{head_dir}\", \"num_speculative_tokens\": 5}}'"
+    )

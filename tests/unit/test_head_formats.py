@@ -1,0 +1,214 @@
+"""Checkpoint compatibility, on tiny checkpoints fabricated in each public layout: SafeAILab
+EAGLE-1 and EAGLE-3, vLLM speculators, Medusa (FasterDecoding and vLLM); and `export` to vLLM,
+SGLang and speculators layouts, read back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import HEAD_TARGET_CONFIG as CFG
+from safetensors.torch import save_file
+
+from specdecode.errors import InvalidRequestError
+from specdecode.export import export_head
+from specdecode.models.head_io import _unfused, head_kind, load_head, save_head
+from specdecode.models.heads import Eagle3Head, EagleHead, MedusaHeads
+from specdecode.models.llama import LlamaModel
+
+H, V = CFG.hidden_size, CFG.vocab_size
+LLAMA = dict(
+    hidden_size=H,
+    intermediate_size=CFG.intermediate_size,
+    num_hidden_layers=1,
+    num_attention_heads=CFG.num_heads,
+    num_key_value_heads=CFG.num_kv_heads,
+    rms_norm_eps=CFG.rms_norm_eps,
+    max_position_embeddings=CFG.max_position_embeddings,
+    vocab_size=V,
+)
+
+
+@pytest.fixture
+def target():
+    torch.manual_seed(0)
+    return LlamaModel(CFG).eval()
+
+
+def _randomise(module, seed=3):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_((torch.randn_like(p) * 0.2).to(torch.bfloat16).float())
+    return module
+
+
+def _write(path, config, tensors, name="model.safetensors"):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / name))
+
+
+def _eagle3(target, vocab):
+    head = _randomise(Eagle3Head(CFG, vocab.numel()))
+    head.attach(target.embed_tokens, vocab)
+    return head.eval()
+
+
+def _same_eagle(a, b):
+    ids, feats = torch.randint(0, V, (1, 5)), torch.randn(1, 5, a.feature_size)
+    with torch.no_grad():
+        torch.testing.assert_close(a.forward_dense(ids, feats), b.forward_dense(ids, feats))
+        x = torch.randn(3, H)
+        torch.testing.assert_close(a.logits(x), b.logits(x))
+
+
+def test_safeailab_eagle3_layout(target, tmp_path):
+    vocab = torch.tensor([0, 3, 4, 10, 50, 95])
+    head = _eagle3(target, vocab)
+    tensors = {k.replace("layers.0.", "midlayer."): v for k, v in _unfused(head, CFG).items()}
+    tensors["d2t"] = vocab - torch.arange(6)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[vocab] = True
+    tensors["t2d"] = t2d
+    tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach()
+    _write(
+        tmp_path,
+        {**LLAMA, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 6},
+        tensors,
+    )
+    assert head_kind(tmp_path) == "eagle3"
+    loaded = load_head(tmp_path, target)
+    assert torch.equal(loaded.vocab_ids, vocab) and not loaded.norm_before_residual
+    _same_eagle(head, loaded)
+
+
+def test_speculators_eagle3_layout(target, tmp_path):
+    vocab = torch.tensor([1, 2, 7, 60])
+    head = _eagle3(target, vocab)
+    head.norm_before_residual = True
+    tensors = _unfused(head, CFG)
+    tensors["d2t"] = vocab - torch.arange(4)
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": {**LLAMA, "model_type": "llama"},
+        "draft_vocab_size": 4,
+        "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "x"}},
+    }  # norm_before_residual absent: speculators' default (true) applies
+    _write(tmp_path, config, tensors)
+    loaded = load_head(tmp_path, target)
+    assert loaded.norm_before_residual
+    _same_eagle(head, loaded)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_safeailab_eagle1_layout(target, tmp_path, bias):
+    head = _randomise(EagleHead(CFG, fc_bias=bias))
+    head.attach(target.embed_tokens, target.lm_head.weight, None)
+    tensors = _unfused(head, CFG)
+    assert not any("input_layernorm" in k for k in tensors)  # layer 0 has none
+    tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach()
+    _write(tmp_path, {**LLAMA, "architectures": ["LlamaForCausalLM"], "bias": bias}, tensors)
+    assert head_kind(tmp_path) == "eagle"
+    _same_eagle(head, load_head(tmp_path, target))
+
+
+def test_pickle_checkpoints_need_permission(target, tmp_path):
+    head = _randomise(EagleHead(CFG))
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "config.json").write_text(
+        json.dumps({**LLAMA, "architectures": ["LlamaForCausalLM"]})
+    )
+    torch.save(_unfused(head, CFG), tmp_path / "pytorch_model.bin")
+    with pytest.raises(InvalidRequestError, match="pickle"):
+        load_head(tmp_path, target)
+    head.attach(target.embed_tokens, target.lm_head.weight, None)
+    _same_eagle(head, load_head(tmp_path, target, allow_pickle=True))
+
+
+@pytest.mark.parametrize("layout", ["fasterdecoding", "vllm"])
+def test_medusa_layouts(target, tmp_path, layout):
+    heads = _randomise(MedusaHeads(H, num_heads=2))
+    projs = [torch.randn(V, H).to(torch.bfloat16).float() for _ in range(2)]
+    tensors = {}
+    for i, blocks in enumerate(heads.medusa_head):
+        w, b = blocks[0].linear.weight, blocks[0].linear.bias
+        if layout == "fasterdecoding":
+            tensors |= {
+                f"{i}.0.linear.weight": w,
+                f"{i}.0.linear.bias": b,
+                f"{i}.1.weight": projs[i],
+            }
+        else:
+            tensors |= {
+                f"blocks.{i}.layers.0.weight": w,
+                f"blocks.{i}.layers.0.bias": b,
+                f"lm_heads.{i}.weight": projs[i],
+            }
+    if layout == "fasterdecoding":
+        config = {"medusa_num_heads": 2, "medusa_num_layers": 1, "hidden_size": H, "vocab_size": V}
+        _write(tmp_path, config, tensors, "medusa_lm_head.safetensors")
+    else:
+        config = {
+            "architectures": ["MedusaModel"],
+            "num_heads": 2,
+            "num_hidden_layers": 1,
+            "hidden_size": H,
+            "vocab_size": V,
+        }
+        _write(tmp_path, config, tensors)
+    loaded = load_head(tmp_path, target)
+    x = torch.randn(3, H)
+    with torch.no_grad():
+        want = torch.stack([heads.medusa_head[k](x) @ projs[k].T for k in range(2)], dim=1)
+        torch.testing.assert_close(loaded(x), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_export_eagle3_reads_back(target, tmp_path, fmt):
+    vocab = torch.tensor([0, 5, 9, 40, 41])
+    head = _eagle3(target, vocab)
+    save_head(head, tmp_path / "ours", CFG, {})
+    config = export_head(tmp_path / "ours", target, fmt, tmp_path / fmt, "org/target")
+    names = set(json.loads((tmp_path / fmt / "config.json").read_text()))
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / fmt / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= keys
+    if fmt == "speculators":
+        assert config["speculators_config"]["verifier"]["name_or_path"] == "org/target"
+        assert config["norm_before_residual"] is False
+        assert "layers.0.hidden_norm.weight" in keys and "embed_tokens.weight" in keys
+    else:
+        assert "midlayer.hidden_norm.weight" in keys and "draft_vocab_size" in names
+    if fmt == "sglang":  # SGLang counts the output of the layer before
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+            i - 1 for i in head.aux_layers
+        ]
+    if fmt == "vllm":
+        assert config["eagle_aux_hidden_state_layer_ids"] == list(head.aux_layers)
+    loaded = load_head(tmp_path / fmt, target)
+    assert torch.equal(loaded.vocab_ids, vocab)
+    _same_eagle(head, loaded)
+
+
+def test_export_refusals(target, tmp_path):
+    head = _randomise(EagleHead(CFG, fc_bias=True))
+    head.attach(target.embed_tokens, target.lm_head.weight, None)
+    save_head(head, tmp_path / "e1", CFG, {})
+    with pytest.raises(InvalidRequestError, match="no fc bias"):
+        export_head(tmp_path / "e1", target, "vllm", tmp_path / "x")
+    with pytest.raises(InvalidRequestError, match="speculators"):
+        export_head(tmp_path / "e1", target, "speculators", tmp_path / "x")
+    export_head(tmp_path / "e1", target, "sglang", tmp_path / "sg")
+    _same_eagle(head, load_head(tmp_path / "sg", target))
+    medusa = _randomise(MedusaHeads(H, 2))
+    medusa.attach(target.lm_head.weight, None)
+    save_head(medusa, tmp_path / "m", CFG, {})
+    with pytest.raises(InvalidRequestError, match="vLLM only"):
+        export_head(tmp_path / "m", target, "sglang", tmp_path / "x")
+    config = export_head(tmp_path / "m", target, "vllm", tmp_path / "mv")
+    assert config["original_lm_head"] and config["num_heads"] == 2
