@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     dgen.add_argument("--shard-size", type=int, default=64)
     dgen.add_argument("--max-tokens", type=int, default=256)
     dgen.add_argument("--temperature", type=float, default=0.0)
+    dgen.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=512,
+        help="skip conversations whose first turn is longer (prefill dominates otherwise)",
+    )
     dgen.add_argument("--max-num-seqs", type=int, default=16, help="generation batch size")
     dgen.add_argument(
         "--features",
@@ -300,6 +306,7 @@ def cmd_data(args: argparse.Namespace) -> None:
         args.shard_size,
         args.max_tokens,
         args.temperature,
+        max_prompt_tokens=args.max_prompt_tokens,
         feature_layers=layers,
     )
     print(f"wrote {len(written)} shards to {args.out}")

@@ -210,5 +210,5 @@ def serve_command(fmt: str, kind: str, target: str, head_dir: str) -> str:
     method = kind
     return (
         f"vllm serve {target} --speculative-config "
-        f"'{{\"method\": \"{method}\", \"model\": \"{head_dir}\", \"num_speculative_tokens\": 5}}'"
+        f'\'{{"method": "{method}", "model": "{head_dir}", "num_speculative_tokens": 5}}\''
     )

@@ -52,14 +52,23 @@ def layer_indices(total: int, n: int) -> list[int]:
     return sorted({round(i * (total - 1) / (n - 1)) for i in range(n)})
 
 
-def frequent_tokens(examples: list[Example], k: int, always: list[int]) -> torch.Tensor:
-    """The k most frequent answer tokens (ties by id), always including `always` (EOS...)."""
-    counts: dict[int, int] = {}
+def frequent_tokens(
+    examples: list[Example], k: int, always: list[int], vocab_size: int | None = None
+) -> torch.Tensor:
+    """The k most frequent answer tokens, always including `always` (EOS...). Tokens never seen
+    in an answer are ranked next by their frequency in the prompts (answers often copy from the
+    prompt), then, if `vocab_size` is given, unseen tokens by id (BPE vocabularies put the
+    earliest, most common merges first)."""
+    answer: dict[int, int] = {}
+    prompt: dict[int, int] = {}
     for ex in examples:
         for t, m in zip(ex.input_ids, ex.loss_mask, strict=True):
-            if m:
-                counts[t] = counts.get(t, 0) + 1
-    ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+            counts = answer if m else prompt
+            counts[t] = counts.get(t, 0) + 1
+    seen = set(answer) | set(prompt)
+    ranked = sorted(seen, key=lambda t: (-answer.get(t, 0), -prompt.get(t, 0), t))
+    if vocab_size is not None and len(ranked) < k:
+        ranked += [t for t in range(vocab_size) if t not in seen][: k - len(ranked)]
     chosen = list(dict.fromkeys([*always, *ranked]))[:k]
     return torch.tensor(sorted(chosen), dtype=torch.long)
 

@@ -100,7 +100,7 @@ class _Trainer:
             )
         self.train, self.held = examples[: -cfg.eval_examples], examples[-cfg.eval_examples :]
         self.vocab_ids = (
-            frequent_tokens(self.train, cfg.draft_vocab, list(eos_ids))
+            frequent_tokens(self.train, cfg.draft_vocab, list(eos_ids), target.config.vocab_size)
             if cfg.draft_vocab and cfg.draft_vocab < target.config.vocab_size
             else None
         )
