@@ -243,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculative mode: comma-separated subset of code,sql,json,chat",
     )
     lat.add_argument("--temperatures", default="0,0.7,1.0", help="speculative mode")
+    lat.add_argument(
+        "--compare",
+        default=None,
+        help="speculative mode: a JSON list of further speculative configs measured in the "
+        "same run against the same plain baseline",
+    )
     lat.add_argument("--num-prompts", type=int, default=3, help="speculative mode, per workload")
     lat.add_argument("--max-tokens", type=int, default=64)
     lat.add_argument("--repeats", type=int, default=3)

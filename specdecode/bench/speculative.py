@@ -29,50 +29,52 @@ def _timed(fn) -> tuple[int, float]:
 
 
 def run_speculative(args: argparse.Namespace) -> dict:
-    from specdecode import LLM, SamplingParams
+    """The engine's speculative config, plus any in `--compare` (a JSON list of configs), each
+    against plain decoding measured in the same run on the same prompts."""
+    from specdecode import LLM
     from specdecode.cli import engine_kwargs
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    llm = LLM(args.model, **kwargs)
+    methods = [(_label(llm.engine.spec_config), llm)]
+    for cfg in json.loads(args.compare) if getattr(args, "compare", None) else []:
+        other = LLM(args.model, **{**kwargs, "speculative_config": cfg})
+        methods.append((_label(other.engine.spec_config), other))
     engine = llm.engine
-    spec_cfg = engine.spec_config
-    hf = _HFReference(llm, spec_cfg) if not args.skip_transformers else None
+    hf = _HFReference(llm, engine.spec_config) if not args.skip_transformers else None
     temps = [float(t) for t in args.temperatures.split(",")]
     rows = []
     for name in args.workloads.split(","):
         prompts = [llm._chat_ids(m) for m in workloads.load(name, args.num_prompts)]
         for temp in temps:
-            row = {"workload": name, "temperature": temp, "prompts": len(prompts)}
-            stats_before = _copy_stats(engine)
-            for mode in ("plain", "spec"):
-                engine.speculation_enabled = mode == "spec"
-                total_n, total_t, decode_n, decode_t = 0, 0.0, 0, 0.0
-                for i, ids in enumerate(prompts):
-
-                    def run(n, ids=ids, i=i, temp=temp):
-                        params = SamplingParams(temperature=temp, max_tokens=n, seed=i)
-                        out = llm.generate({"prompt_token_ids": ids}, params)
-                        return len(out[0].outputs[0].token_ids)
-
-                    _, t1 = _timed(lambda: run(1))  # prefill + first token
-                    n, dt = _timed(lambda: run(args.max_tokens))
-                    total_n, total_t = total_n + n, total_t + dt
-                    decode_n, decode_t = decode_n + n - 1, decode_t + dt - t1
-                row[f"{mode}_tok_s"] = total_n / total_t
-                row[f"{mode}_decode_tok_s"] = decode_n / max(decode_t, 1e-9)
-            stats = _diff_stats(engine, stats_before)
-            row.update(
-                speedup=row["spec_tok_s"] / row["plain_tok_s"],
-                decode_speedup=row["spec_decode_tok_s"] / row["plain_decode_tok_s"],
-                acceptance_rate=stats.acceptance_rate,
-                tau=stats.mean_acceptance_length,
-            )
-            if hf is not None:
-                row.update(hf.measure(prompts, temp, args.max_tokens))
-            rows.append(row)
-            _print_row(row)
+            engine.speculation_enabled = False
+            plain = _measure(llm, prompts, temp, args.max_tokens)
+            engine.speculation_enabled = True
+            for label, m in methods:
+                row = {"workload": name, "temperature": temp, "prompts": len(prompts)}
+                row["method"] = label
+                row["plain_tok_s"], row["plain_decode_tok_s"] = plain
+                before = _copy_stats(m.engine)
+                row["spec_tok_s"], row["spec_decode_tok_s"] = _measure(
+                    m, prompts, temp, args.max_tokens
+                )
+                stats = _diff_stats(m.engine, before)
+                row.update(
+                    speedup=row["spec_tok_s"] / row["plain_tok_s"],
+                    decode_speedup=row["spec_decode_tok_s"] / row["plain_decode_tok_s"],
+                    acceptance_rate=stats.acceptance_rate,
+                    tau=stats.mean_acceptance_length,
+                    acceptance_by_position=[
+                        round(a / max(1, stats.num_drafts), 4) for a in stats.accepted_per_position
+                    ],
+                )
+                if hf is not None and m is llm:
+                    row.update(hf.measure(prompts, temp, args.max_tokens))
+                rows.append(row)
+                _print_row(row)
     result = {
         "model": engine.model_path.name,
-        "speculative_config": spec_cfg.__dict__,
+        "speculative_configs": [m.engine.spec_config.__dict__ for _, m in methods],
         "dtype": args.dtype,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}",
@@ -85,6 +87,36 @@ def run_speculative(args: argparse.Namespace) -> dict:
     return result
 
 
+def _label(cfg) -> str:
+    parts = [cfg.method]
+    if cfg.topk and cfg.topk > 1:
+        parts.append(f"tree k{cfg.topk}x{cfg.num_speculative_tokens}/{cfg.num_draft_tokens}")
+    elif cfg.speculative_token_tree:
+        parts.append(f"tree {len(cfg.speculative_token_tree)}")
+    else:
+        parts.append(f"k={cfg.num_speculative_tokens}")
+    return " ".join(parts)
+
+
+def _measure(llm, prompts, temp: float, max_tokens: int) -> tuple[float, float]:
+    """(tok/s including prefill, decode-only tok/s) over the prompts, batch 1."""
+    from specdecode import SamplingParams
+
+    total_n, total_t, decode_n, decode_t = 0, 0.0, 0, 0.0
+    for i, ids in enumerate(prompts):
+
+        def run(n, ids=ids, i=i):
+            params = SamplingParams(temperature=temp, max_tokens=n, seed=i)
+            out = llm.generate({"prompt_token_ids": ids}, params)
+            return len(out[0].outputs[0].token_ids)
+
+        _, t1 = _timed(lambda: run(1))  # prefill + first token
+        n, dt = _timed(lambda: run(max_tokens))
+        total_n, total_t = total_n + n, total_t + dt
+        decode_n, decode_t = decode_n + n - 1, decode_t + dt - t1
+    return total_n / total_t, decode_n / max(decode_t, 1e-9)
+
+
 def _copy_stats(engine):
     from copy import deepcopy
 
@@ -95,17 +127,23 @@ def _diff_stats(engine, before):
     from specdecode.metrics import SpecDecodeStats
 
     now = engine.spec_stats
-    d = SpecDecodeStats(
+
+    def minus(a: list[int], b: list[int]) -> list[int]:
+        return [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
+
+    return SpecDecodeStats(
         now.num_drafts - before.num_drafts,
         now.num_draft_tokens - before.num_draft_tokens,
         now.num_accepted_tokens - before.num_accepted_tokens,
+        minus(now.accepted_per_position, before.accepted_per_position),
+        minus(now.drafted_per_position, before.drafted_per_position),
     )
-    return d
 
 
 def _print_row(r: dict) -> None:
     line = (
-        f"{r['workload']:<5} T={r['temperature']:<4} plain {r['plain_tok_s']:6.1f} tok/s  "
+        f"{r['method']:<24} {r['workload']:<5} T={r['temperature']:<4} "
+        f"plain {r['plain_tok_s']:6.1f} tok/s  "
         f"spec {r['spec_tok_s']:6.1f} tok/s  speedup {r['speedup']:.2f}x "
         f"(decode only: {r['plain_decode_tok_s']:.1f} -> {r['spec_decode_tok_s']:.1f} tok/s, "
         f"{r['decode_speedup']:.2f}x)  accept {100 * r['acceptance_rate']:4.0f}%  "

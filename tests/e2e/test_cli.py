@@ -103,3 +103,54 @@ def test_speculative_flags(tiny_llama_dir):
 def test_bad_speculative_flags(tiny_llama_dir, flags, message):
     r = run("generate", "--model", str(tiny_llama_dir), "--prompt", "hi", *flags)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_sglang_flags_map_to_the_speculative_config():
+    from specdecode.cli import build_parser, speculative_config
+
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "--prompt",
+            "x",
+            "--speculative-algorithm",
+            "eagle",
+            "--speculative-draft-model-path",
+            "heads/e",
+            "--speculative-num-steps",
+            "5",
+            "--speculative-eagle-topk",
+            "4",
+            "--speculative-num-draft-tokens",
+            "8",
+        ]
+    )
+    assert speculative_config(args) == {
+        "method": "eagle",
+        "model": "heads/e",
+        "num_speculative_tokens": 5,
+        "topk": 4,
+        "num_draft_tokens": 8,
+    }
+
+
+def test_bench_compares_methods_in_one_run(tiny_llama_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"  # the tiny model with room for a real prompt (character tokens)
+    shutil.copytree(tiny_llama_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
+    out = tmp_path / "bench.json"
+    r = run(
+        "bench", "latency", "--model", str(model),
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--compare", '[{"method": "ngram", "num_speculative_tokens": 1}]',
+        "--workloads", "code", "--temperatures", "0", "--num-prompts", "1",
+        "--max-tokens", "6", "--skip-transformers", "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["method"] for row in rows] == ["ngram k=3", "ngram k=1"]
+    assert rows[0]["plain_tok_s"] == rows[1]["plain_tok_s"]  # one baseline for both
+    assert all(row["spec_tok_s"] > 0 for row in rows)

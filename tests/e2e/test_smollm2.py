@@ -152,3 +152,43 @@ def test_draft_model_greedy_equals_plain_on_the_real_model(smol, tree):
     spec = LLM(speculative_config=cfg)
     assert [o.outputs[0].token_ids for o in spec.chat(prompts, params)] == want
     assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+SHIPPED_HEADS = [
+    ("medusa", {}),
+    ("eagle", {}),  # the defaults: an EAGLE-2 tree
+    ("eagle", {"topk": 1, "num_speculative_tokens": 4}),  # chain
+    ("eagle3", {}),
+]
+
+
+@pytest.mark.parametrize("method,extra", SHIPPED_HEADS)
+def test_shipped_heads_greedy_equal_plain_on_the_real_model(method, extra):
+    """The heads shipped for the default model are its defaults when no path is given; fp32
+    greedy outputs with them equal plain decoding, batched and at batch 1."""
+    from specdecode import LLM, SamplingParams
+
+    prompts = [
+        [{"role": "user", "content": "Write a Python function that reverses a string."}],
+        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+        [{"role": "user", "content": "List three fruits."}],
+    ]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    want = [o.outputs[0].token_ids for o in _plain().chat(prompts, params)]
+    spec = LLM(speculative_config={"method": method, **extra})
+    assert [o.outputs[0].token_ids for o in spec.chat(prompts, params)] == want
+    assert spec.chat(prompts[0], params)[0].outputs[0].token_ids == want[0]
+    stats = spec.engine.spec_stats
+    # a trained head is right far more often than not on the first draft
+    assert stats.num_accepted_tokens > 0.3 * stats.num_drafts
+
+
+_PLAIN = []
+
+
+def _plain():
+    from specdecode import LLM
+
+    if not _PLAIN:
+        _PLAIN.append(LLM())
+    return _PLAIN[0]
