@@ -209,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         th.add_argument("--batch-tokens", type=int, default=4096)
         th.add_argument("--max-len", type=int, default=768)
         th.add_argument("--lr", type=float, default=1e-3)
+        th.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
         th.add_argument("--eval-examples", type=int, default=64)
         if kind == "medusa":
             th.add_argument("--num-heads", type=int, default=4)
@@ -348,6 +349,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             batch_tokens=args.batch_tokens,
             max_len=args.max_len,
             lr=args.lr,
+            warmup=args.warmup,
             eval_examples=args.eval_examples,
             **extra,
         )

@@ -35,6 +35,13 @@ if TYPE_CHECKING:
     from specdecode.engine.engine import LLMEngine
 
 
+# Defaults when only the method (and head) is given: an EAGLE-2 tree of `num_speculative_tokens`
+# levels, 4 children per expanded node, 8 nodes verified (root included). On this project's CPU
+# target a verification of up to ~8 tokens costs about one decoding step.
+DEFAULT_TOPK = 4
+DEFAULT_DRAFT_TOKENS = 8
+
+
 @dataclass
 class _HeadState:
     blocks: SeqBlocks = field(default_factory=SeqBlocks)
@@ -88,13 +95,12 @@ class EagleDrafter(Drafter):
         from specdecode.models.head_io import load_head_for
 
         head = load_head_for(config, engine, kind=config.method)
-        topk = config.topk or 1
         return cls(
             head,
             engine.config.kv_cache_memory_gb / 8,
             engine.config.block_size,
-            topk=topk,
-            num_draft_tokens=config.num_draft_tokens,
+            topk=config.topk or DEFAULT_TOPK,
+            num_draft_tokens=config.num_draft_tokens or DEFAULT_DRAFT_TOKENS,
             device=engine.model.norm.weight.device,
         )
 

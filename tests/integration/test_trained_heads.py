@@ -55,9 +55,10 @@ def greedy(n: int) -> SamplingParams:
 CONFIGS = [
     ("medusa", {"num_speculative_tokens": 3}),
     ("medusa", {"speculative_token_tree": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]}),
-    ("eagle", {"num_speculative_tokens": 4}),  # chain
+    ("eagle", {"num_speculative_tokens": 4, "topk": 1}),  # chain
+    ("eagle", {}),  # the defaults: an EAGLE-2 tree
     ("eagle", {"num_speculative_tokens": 3, "topk": 3, "num_draft_tokens": 8}),  # EAGLE-2
-    ("eagle3", {"num_speculative_tokens": 4}),
+    ("eagle3", {"num_speculative_tokens": 4, "topk": 1}),
     ("eagle3", {"num_speculative_tokens": 4, "topk": 2, "num_draft_tokens": 6}),
 ]
 
