@@ -31,7 +31,9 @@ def heads(plain, tiny_llama_dir, tmp_path_factory):
     ]
     generate(plain, convs, root / "data", shard_size=16, max_tokens=24, feature_layers=(0, 1))
     target = load_model(tiny_llama_dir).model.requires_grad_(False)
-    cfg = HeadTrainConfig(draft_vocab=64, steps=30, batch_tokens=512, lr=3e-3, eval_examples=8)
+    cfg = HeadTrainConfig(
+        draft_vocab=64, steps=60, batch_tokens=512, lr=3e-3, warmup=5, eval_examples=8
+    )
     out = {}
     out["medusa"] = train_medusa(target, root / "data", root / "medusa", cfg, [2])
     out["eagle"] = train_eagle(target, root / "data", root / "eagle", cfg, [2])
