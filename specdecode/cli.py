@@ -210,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         th.add_argument("--max-len", type=int, default=768)
         th.add_argument("--lr", type=float, default=1e-3)
         th.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
+        th.add_argument("--init", default=None, help="continue training this head")
         th.add_argument("--eval-examples", type=int, default=64)
         if kind == "medusa":
             th.add_argument("--num-heads", type=int, default=4)
@@ -350,6 +351,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             max_len=args.max_len,
             lr=args.lr,
             warmup=args.warmup,
+            init=args.init,
             eval_examples=args.eval_examples,
             **extra,
         )

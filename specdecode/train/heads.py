@@ -54,6 +54,8 @@ class HeadTrainConfig:
     ce_weight: float = 0.1
     # EAGLE-3
     ttt_steps: int = 4
+    # continue from this head (same kind and draft vocabulary) instead of a fresh start
+    init: str | None = None
     # bf16 autocast for the matmuls (about 2x on CPUs with AVX512-BF16; master weights fp32)
     bf16: bool = True
 
@@ -217,6 +219,8 @@ def train_medusa(
     heads = MedusaHeads(tr.hidden, cfg.num_heads)
     heads.attach(tr.lm_rows, None)  # rows already restricted
     heads.vocab_ids = tr.vocab_ids
+    if cfg.init:
+        _continue_from(heads, cfg.init, target, tr.vocab_ids)
     k = cfg.num_heads
 
     def outputs(batch: _Batch, top1: bool = False):
@@ -284,6 +288,8 @@ def train_eagle(
     head = head.float()
     head.attach(target.embed_tokens, tr.lm_rows, None)
     head.vocab_ids = tr.vocab_ids
+    if cfg.init:
+        _continue_from(head, cfg.init, target, tr.vocab_ids)
     target.embed_tokens.requires_grad_(False)
 
     def loss_fn(batch: _Batch):
@@ -376,6 +382,8 @@ def train_eagle3(
         head.norm.load_state_dict(target.norm.state_dict())
         head.lm_head.weight.copy_(tr.lm_rows)
     head = head.float()
+    if cfg.init:
+        _continue_from(head, cfg.init, target, vocab)
     head.attach(target.embed_tokens, vocab)
     target.embed_tokens.requires_grad_(False)
     nfeat = head.feature_size
@@ -395,3 +403,16 @@ def train_eagle3(
 
     evaluate = _unrolled_evaluation(tr, head, inputs)
     return tr.run(head, loss_fn, evaluate, out_dir, "eagle3", {"aux_layers": list(layers)})
+
+
+def _continue_from(head, path: str, target: LlamaModel, vocab: torch.Tensor | None) -> None:
+    """Load the weights of an earlier run of the same head (training continues from them)."""
+    from specdecode.models.head_io import load_head
+
+    prev = load_head(Path(path), target)
+    same_vocab = (prev.vocab_ids is None and vocab is None) or (
+        prev.vocab_ids is not None and vocab is not None and torch.equal(prev.vocab_ids, vocab)
+    )
+    if type(prev) is not type(head) or not same_vocab:
+        raise ValueError(f"{path} is not a head of this kind with this draft vocabulary")
+    head.load_state_dict({k: v.float() for k, v in prev.state_dict().items()})

@@ -109,3 +109,24 @@ def test_wrong_head_kind_and_missing_head_are_clear_errors(tiny_llama_dir, heads
         LLM(str(tiny_llama_dir), speculative_config={"method": "medusa"})
     cfg = json.loads((root / "eagle" / "config.json").read_text())
     assert cfg["specdecode_head"]["kind"] == "eagle" and cfg["num_hidden_layers"] == 1
+
+
+def test_training_continues_from_a_head(heads, tiny_llama_dir, tmp_path):
+    """--init loads an earlier run: the new run starts where the old one ended."""
+    from specdecode.models.loader import load_model
+
+    root, history = heads
+    target = load_model(tiny_llama_dir).model.requires_grad_(False)
+    cfg = HeadTrainConfig(
+        draft_vocab=64,
+        steps=2,
+        batch_tokens=512,
+        warmup=1,
+        eval_examples=8,
+        init=str(root / "eagle"),
+    )
+    again = train_eagle(target, root / "data", tmp_path / "e", cfg, [2])
+    before, after = history["eagle"]["before"], history["eagle"]["after"]
+    assert after["top1_per_step"][0] > before["top1_per_step"][0] + 0.3  # it did learn
+    # (checkpoints are bf16, so the restart is close to, not exactly, where it ended)
+    assert again["before"]["top1_per_step"][0] == pytest.approx(after["top1_per_step"][0], abs=0.1)
