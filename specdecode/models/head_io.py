@@ -21,7 +21,7 @@ import torch
 from specdecode.config import ModelConfig
 from specdecode.errors import InvalidRequestError
 from specdecode.models.heads import Eagle3Head, EagleHead, MedusaHeads
-from specdecode.models.llama import LlamaModel
+from specdecode.models.llama import LlamaModel, unfuse
 
 if TYPE_CHECKING:
     from specdecode.config import SpeculativeConfig
@@ -32,21 +32,9 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 def _unfused(module: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Tensor]:
     """State dict with q/k/v and gate/up split under Hugging Face names."""
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    inter = config.intermediate_size
     out = {}
     for name, t in module.state_dict().items():
-        t = t.detach().contiguous()
-        if "qkv_proj" in name:
-            for part, (a, b) in zip(
-                "qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv)), strict=True
-            ):
-                out[name.replace("qkv_proj", f"{part}_proj")] = t[a:b].clone()
-        elif "gate_up_proj" in name:
-            out[name.replace("gate_up_proj", "gate_proj")] = t[:inter].clone()
-            out[name.replace("gate_up_proj", "up_proj")] = t[inter:].clone()
-        else:
-            out[name] = t
+        out.update(unfuse(name, t.detach().contiguous(), config))
     return out
 
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from specdecode.config import ModelConfig
 from specdecode.models.attention import AttentionMetadata
-from specdecode.models.llama import DecoderLayer, RMSNorm, rope_inv_freq
+from specdecode.models.llama import DecoderLayer, RMSNorm, rope_table
 
 
 class ResBlock(nn.Module):
@@ -163,25 +163,21 @@ class EagleHead(nn.Module):
 
         if not kernels.available() or self.fc.weight.device.type != "cpu":
             return
+        self._pack_layer(dtype)
+        self.proj.pack(dtype)
+
+    def _pack_layer(self, dtype: torch.dtype) -> None:
         self.fc = _PackedLinear(self.fc, dtype)
         layer = self.layers[0]
         layer.self_attn.qkv_proj = _PackedLinear(layer.self_attn.qkv_proj, dtype)
         layer.self_attn.o_proj = _PackedLinear(layer.self_attn.o_proj, dtype)
         layer.mlp.gate_up_proj = _PackedLinear(layer.mlp.gate_up_proj, dtype)
         layer.mlp.down_proj = _PackedLinear(layer.mlp.down_proj, dtype)
-        self.proj.pack(dtype)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D] in fp32 for these positions."""
         if self._rope is None or self._rope[0].device != positions.device:
-            cfg = self.config
-            inv = rope_inv_freq(cfg.rope, cfg.head_dim)
-            t = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
-            emb = torch.cat([torch.outer(t, inv)] * 2, dim=-1)
-            self._rope = (
-                emb.cos().float().to(positions.device),
-                emb.sin().float().to(positions.device),
-            )
+            self._rope = rope_table(self.config, torch.float32, positions.device)
         return self._rope[0][positions].unsqueeze(-2), self._rope[1][positions].unsqueeze(-2)
 
     # ---- forward -----------------------------------------------------------------------------
@@ -329,14 +325,8 @@ class Eagle3Head(EagleHead):
 
         if not kernels.available() or self.fc.weight.device.type != "cpu":
             return
-        lm = self.lm_head
-        self.fc = _PackedLinear(self.fc, dtype)
-        layer = self.layers[0]
-        layer.self_attn.qkv_proj = _PackedLinear(layer.self_attn.qkv_proj, dtype)
-        layer.self_attn.o_proj = _PackedLinear(layer.self_attn.o_proj, dtype)
-        layer.mlp.gate_up_proj = _PackedLinear(layer.mlp.gate_up_proj, dtype)
-        layer.mlp.down_proj = _PackedLinear(layer.mlp.down_proj, dtype)
-        self.lm_head = _PackedLinear(lm, dtype)
+        self._pack_layer(dtype)
+        self.lm_head = _PackedLinear(self.lm_head, dtype)
 
     def _attn_input(self, ids: torch.Tensor, feats: torch.Tensor):
         h = self.fc(feats) if feats.shape[-1] == self.feature_size else feats

@@ -44,6 +44,30 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim
     return torch.where(wavelen > low_wl, inv / factor, torch.where(wavelen < high_wl, inv, mid))
 
 
+def rope_table(cfg: ModelConfig, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_pos, head_dim], computed in float64 and cast once to `dtype`."""
+    inv = rope_inv_freq(cfg.rope, cfg.head_dim)
+    t = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
+    emb = torch.cat([torch.outer(t, inv)] * 2, dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def unfuse(name: str, t: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """A fused qkv_proj / gate_up_proj tensor as the Hugging Face q/k/v or gate/up tensors
+    (any other tensor unchanged)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    if "qkv_proj" in name:
+        parts = zip("qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv)), strict=True)
+        return [(name.replace("qkv_proj", f"{p}_proj"), t[a:b].clone()) for p, (a, b) in parts]
+    if "gate_up_proj" in name:
+        inter = cfg.intermediate_size
+        return [
+            (name.replace("gate_up_proj", "gate_proj"), t[:inter].clone()),
+            (name.replace("gate_up_proj", "up_proj"), t[inter:].clone()),
+        ]
+    return [(name, t)]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D]; cos/sin [T, 1, D]. Half-split rotation (the HF checkpoint convention)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -168,17 +192,8 @@ class LlamaModel(nn.Module):
         """cos, sin [max_pos, head_dim], computed in float64 and cast once to `dtype` (default:
         the model dtype; the fast path asks for fp32)."""
         dtype = dtype or self.norm.weight.dtype
-        device = self.norm.weight.device
         if self._rope_cache is None or self._rope_cache[0].dtype != dtype:
-            cfg = self.config
-            inv = rope_inv_freq(cfg.rope, cfg.head_dim)
-            t = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
-            freqs = torch.outer(t, inv)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._rope_cache = (
-                emb.cos().to(device=device, dtype=dtype),
-                emb.sin().to(device=device, dtype=dtype),
-            )
+            self._rope_cache = rope_table(self.config, dtype, self.norm.weight.device)
         return self._rope_cache
 
     def forward(
@@ -213,27 +228,15 @@ class LlamaModel(nn.Module):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under Hugging Face Llama names (q/k/v and gate/up unfused)."""
         cfg = self.config
-        q, kv, inter = (
-            cfg.num_heads * cfg.head_dim,
-            cfg.num_kv_heads * cfg.head_dim,
-            (cfg.intermediate_size),
-        )
         out = {}
         for name, t in self.state_dict().items():
             t = t.detach().contiguous()
-            if "qkv_proj" in name:
-                for part, (a, b) in zip(
-                    "qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv)), strict=True
-                ):
-                    out["model." + name.replace("qkv_proj", f"{part}_proj")] = t[a:b].clone()
-            elif "gate_up_proj" in name:
-                out["model." + name.replace("gate_up_proj", "gate_proj")] = t[:inter].clone()
-                out["model." + name.replace("gate_up_proj", "up_proj")] = t[inter:].clone()
-            elif name == "lm_head.weight":
+            if name == "lm_head.weight":
                 if not cfg.tie_word_embeddings or self.vocab_ids is not None:
                     out[name] = t
-            else:
-                out["model." + name] = t
+                continue
+            for hf_name, part in unfuse(name, t, cfg):
+                out["model." + hf_name] = part
         return out
 
     def forward_dense(
