@@ -83,6 +83,31 @@ class ModelConfig:
         except KeyError as e:
             raise UnsupportedModelError(f"config.json is missing the field {e.args[0]!r}") from e
 
+    @property
+    def hf_architecture(self) -> str:
+        """The Hugging Face `architectures[0]` of this family."""
+        return next(a for a, f in SUPPORTED_ARCHITECTURES.items() if f == self.family)
+
+    def hf_dict(self, num_layers: int | None = None) -> dict[str, Any]:
+        """The Hugging Face config.json keys of this shape (drafts and heads write these with
+        their own layer count; RoPE scaling is not carried)."""
+        return {
+            "model_type": self.family,  # the Hugging Face model_type of each family
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers if num_layers is None else num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias,
+            "tie_word_embeddings": False,
+        }
+
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")

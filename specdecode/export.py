@@ -22,30 +22,15 @@ import torch
 
 from specdecode.errors import InvalidRequestError
 from specdecode.models.head_io import _unfused, load_head
-from specdecode.models.heads import Eagle3Head, EagleHead, MedusaHeads
+from specdecode.models.heads import Eagle3Head, EagleHead, MedusaHeads, vocab_maps
 from specdecode.models.llama import LlamaModel
 
 FORMATS = ("vllm", "sglang", "speculators")
 
 
 def _llama_keys(c) -> dict:
-    return {
-        "model_type": "llama",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope.theta,
-        "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": c.vocab_size,
-        "attention_bias": c.attention_bias,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
+    # the head's layer is a Llama layer whatever the target's family
+    return {**c.hf_dict(num_layers=1), "model_type": "llama", "torch_dtype": "bfloat16"}
 
 
 def export_head(
@@ -87,11 +72,8 @@ def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | N
     c = target.config
     tensors = _unfused(head, head.config)
     n_draft = head.lm_head.out_features
-    vocab = head.vocab_ids.cpu() if head.vocab_ids is not None else torch.arange(c.vocab_size)
-    tensors["d2t"] = vocab - torch.arange(vocab.numel())
-    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-    t2d[vocab] = True
-    tensors["t2d"] = t2d
+    vocab = head.vocab_ids if head.vocab_ids is not None else torch.arange(c.vocab_size)
+    tensors["d2t"], tensors["t2d"] = vocab_maps(vocab, c.vocab_size)
     aux = list(head.aux_layers)
     if fmt == "speculators":
         tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach()
@@ -116,7 +98,7 @@ def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | N
                 "default_proposal_method": "greedy",
                 "verifier": {
                     "name_or_path": target_name,
-                    "architectures": [_target_arch(c)],
+                    "architectures": [c.hf_architecture],
                 },
             },
         }
@@ -185,15 +167,6 @@ def _medusa(head: MedusaHeads, target: LlamaModel, fmt: str):
         "truncated_vocab_size": None,
     }
     return tensors, config
-
-
-def _target_arch(c) -> str:
-    return {
-        "llama": "LlamaForCausalLM",
-        "mistral": "MistralForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-    }.get(c.family, "LlamaForCausalLM")
 
 
 def serve_command(fmt: str, kind: str, target: str, head_dir: str) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from specdecode.config import ModelConfig
 from specdecode.errors import InvalidRequestError
-from specdecode.models.heads import Eagle3Head, EagleHead, MedusaHeads
+from specdecode.models.heads import Eagle3Head, EagleHead, MedusaHeads, vocab_maps
 from specdecode.models.llama import LlamaModel, unfuse
 
 if TYPE_CHECKING:
@@ -58,26 +58,11 @@ def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> No
         eagle3 = isinstance(head, Eagle3Head)
         if eagle3:  # SafeAILab's EAGLE-3 names: the layer is `midlayer`, the map is d2t / t2d
             tensors = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
-            vocab = head.vocab_ids.detach().cpu().long()
-            tensors["d2t"] = vocab - torch.arange(vocab.numel())
-            t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-            t2d[vocab] = True
-            tensors["t2d"] = t2d
+            tensors["d2t"], tensors["t2d"] = vocab_maps(head.vocab_ids, c.vocab_size)
         config = {
             "architectures": ["LlamaForCausalLMEagle3" if eagle3 else "EagleLlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
-            "num_hidden_layers": 1,
-            "num_attention_heads": c.num_heads,
-            "num_key_value_heads": c.num_kv_heads,
-            "head_dim": c.head_dim,
-            "rms_norm_eps": c.rms_norm_eps,
-            "rope_theta": c.rope.theta,
-            "max_position_embeddings": c.max_position_embeddings,
-            "vocab_size": c.vocab_size,
-            "attention_bias": c.attention_bias,
-            "tie_word_embeddings": False,
+            **c.hf_dict(num_layers=1),
+            "model_type": "llama",  # the head's layer is a Llama layer whatever the target
             "bias": getattr(head.fc, "bias", None) is not None,
         }
         if eagle3:

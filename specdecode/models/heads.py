@@ -270,6 +270,15 @@ def _ttt_attention(q, keys, values, num_heads):
     return out
 
 
+def vocab_maps(vocab_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SafeAILab / vLLM draft-vocabulary maps: d2t [Vd] (target id = draft id + d2t[draft id])
+    and t2d [V] (True for target ids in the draft vocabulary)."""
+    vocab = vocab_ids.detach().cpu().long()
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[vocab] = True
+    return vocab - torch.arange(vocab.numel()), t2d
+
+
 def eagle3_aux_layers(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's low, mid and high layers: the residual streams entering layers 2, N//2, N-3
     (distinct layers of a smaller model's own span when it has fewer than 6)."""

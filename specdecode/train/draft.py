@@ -236,26 +236,8 @@ def save_draft(
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     c = target.config
     config = {
-        "architectures": [
-            "LlamaForCausalLM"
-            if c.family == "llama"
-            else {
-                "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM",
-                "mistral": "MistralForCausalLM",
-            }[c.family]
-        ],
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": draft.config.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope.theta,
-        "max_position_embeddings": c.max_position_embeddings,
-        "tie_word_embeddings": False,
+        "architectures": [c.hf_architecture],
+        **c.hf_dict(num_layers=draft.config.num_layers),
         "specdecode_draft": {
             "embeddings": "shared with the target",
             "draft_vocab_size": int(draft.vocab_ids.numel()),
