@@ -46,6 +46,20 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--num-speculative-tokens", type=int, default=None)
     spec.add_argument("--ngram-prompt-lookup-max", type=int, default=None)
     spec.add_argument("--ngram-prompt-lookup-min", type=int, default=None)
+    spec.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="static policy: no drafts while more requests than this are running",
+    )
+    spec.add_argument(
+        "--speculative-policy",
+        choices=["adaptive", "static", "off"],
+        default=None,
+        help="adaptive (default): the goodput controller picks each request's draft depth every "
+        "step from measured step costs and acceptance; static: always draft "
+        "num_speculative_tokens (vLLM); off: plain decoding",
+    )
     sg = p.add_argument_group("speculative decoding (SGLang flags)")
     sg.add_argument(
         "--speculative-algorithm",
@@ -98,6 +112,7 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
         "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
         "prompt_lookup_max": getattr(args, "ngram_prompt_lookup_max", None),
         "prompt_lookup_min": getattr(args, "ngram_prompt_lookup_min", None),
+        "disable_by_batch_size": getattr(args, "speculative_disable_by_batch_size", None),
     }
     cfg.update({k: v for k, v in legacy.items() if v is not None})
     if getattr(args, "speculative_config", None):
@@ -113,8 +128,9 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
     return cfg or None
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
+def engine_kwargs(args: argparse.Namespace, default_policy: str = "adaptive") -> dict:
     return dict(
+        speculative_policy=getattr(args, "speculative_policy", None) or default_policy,
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,

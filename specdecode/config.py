@@ -148,6 +148,9 @@ class EngineConfig:
     allow_pickle: bool = False
     seed: int = 0  # global seed for requests without their own
     speculative_config: SpeculativeConfig | dict | None = None
+    # adaptive: the goodput controller picks each request's draft depth every step; static:
+    # always num_speculative_tokens (vLLM); off: never draft. See engine/controller.py.
+    speculative_policy: str = "adaptive"
     kernels: str = "auto"  # "auto": packed weights + C++ layer loop on capable CPUs; "off"
 
 
@@ -172,6 +175,9 @@ class SpeculativeConfig:
     # nodes kept, the root included. topk 1 drafts a chain. None: the method's default.
     topk: int | None = None
     num_draft_tokens: int | None = None
+    # vLLM's static switch, used by the static policy: no drafts while more requests than this
+    # are running. None: never.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         from specdecode.errors import InvalidRequestError
@@ -205,6 +211,10 @@ class SpeculativeConfig:
             not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 2
         ):
             raise InvalidRequestError("num_draft_tokens must be an integer >= 2 (root included)")
+        if self.disable_by_batch_size is not None and (
+            not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1
+        ):
+            raise InvalidRequestError("disable_by_batch_size must be a positive integer")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 

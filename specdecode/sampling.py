@@ -7,6 +7,7 @@ draft distribution q always see the same temperature, top-k and top-p.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +92,24 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
+
+
+def position_uniforms(seed: int, positions: list[int]) -> list[float]:
+    """One uniform in [0, 1) per sequence position, a pure function of (seed, position).
+
+    Sampling the token at position t by inverse CDF with this uniform makes the output a function
+    of the seed alone: whether position t was decoded on its own or verified inside a draft tree,
+    in whatever batch, the same p and the same u give the same token (see `verify_choices`)."""
+    return [random.Random((seed << 32) | pos).random() for pos in positions]
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
+    """[N, V] probabilities and N uniforms -> N tokens: the first token whose cumulative
+    probability exceeds u * total (never a zero-probability token)."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)[:, None]
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1).tolist()
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -132,14 +132,22 @@ def verify(
     return VerifyResult(accepted, out_tokens)
 
 
-def verify_greedy(
-    shapes: list[TreeShape], tokens: list[list[int]], target_argmax: list[list[int]]
+def verify_choices(
+    shapes: list[TreeShape], tokens: list[list[int]], target_choice: list[list[int]]
 ) -> VerifyResult:
-    """Greedy verification without probabilities: follow the children that match the target's
-    argmax (`target_argmax[i][node]`) from the root; the first mismatch or a leaf ends the path
-    with the argmax token. Identical to `verify` with one-hot p, minus its vocabulary-wide ops."""
+    """Verification of deterministic drafts by the target's own choice at each node
+    (`target_choice[i][node]`): follow the child whose token the target chose, from the root;
+    the first node with no such child (or a leaf) ends the path with the target's choice.
+
+    - Greedy: the choice is the argmax. Identical to `verify` with one-hot p.
+    - Sampling: the choice is a draw from p at the node, by inverse CDF with the uniform of the
+      node's sequence position (`sampling.position_uniforms`). Every emitted token is then a draw
+      from p at its position, so the output is distributed exactly as the target's; a child is
+      accepted with probability p(child), as in the deterministic rule of `verify`. And because
+      plain decoding draws with the same uniforms, a seeded request gives the same tokens with or
+      without speculation, whatever the batch or the draft depth the controller picked."""
     accepted, emitted = [], []
-    for shape, toks, best in zip(shapes, tokens, target_argmax, strict=True):
+    for shape, toks, best in zip(shapes, tokens, target_choice, strict=True):
         kids = shape.children
         path, node = [], 0
         while True:

@@ -34,7 +34,7 @@ def run_speculative(args: argparse.Namespace) -> dict:
     from specdecode import LLM
     from specdecode.cli import engine_kwargs
 
-    kwargs = engine_kwargs(args)
+    kwargs = engine_kwargs(args, default_policy="static")  # the drafter as configured
     llm = LLM(args.model, **kwargs)
     methods = [(_label(llm.engine.spec_config), llm)]
     for cfg in json.loads(args.compare) if getattr(args, "compare", None) else []:
@@ -47,9 +47,10 @@ def run_speculative(args: argparse.Namespace) -> dict:
     for name in args.workloads.split(","):
         prompts = [llm._chat_ids(m) for m in workloads.load(name, args.num_prompts)]
         for temp in temps:
-            engine.speculation_enabled = False
+            policy = engine.controller.policy
+            engine.set_policy("off")
             plain = _measure(llm, prompts, temp, args.max_tokens)
-            engine.speculation_enabled = True
+            engine.set_policy(policy)
             for label, m in methods:
                 row = {"workload": name, "temperature": temp, "prompts": len(prompts)}
                 row["method"] = label

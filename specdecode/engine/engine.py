@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 
 import torch
 
-from specdecode.cache import BlockManager, KVCache
+from specdecode.cache import BlockManager, KVCache, SeqBlocks
 from specdecode.config import EngineConfig, SpeculativeConfig
 from specdecode.core import Sequence
 from specdecode.drafters.base import Drafter, DraftProposal
+from specdecode.engine.controller import GoodputController
 from specdecode.engine.model_runner import ModelRunner
 from specdecode.engine.output import OutputProcessor
 from specdecode.engine.scheduler import Scheduler
 from specdecode.errors import InvalidRequestError
 from specdecode.metrics import SpecDecodeStats
+from specdecode.models.attention import build_metadata
 from specdecode.models.loader import load_model, load_tokenizer
 from specdecode.sampling import SamplingParams
 
@@ -79,7 +82,30 @@ class LLMEngine:
                 self.runner.feature_layers = self.drafter.feature_layers
                 self.feature_observers.append(self.drafter.observe)
         self.spec_stats = SpecDecodeStats()
-        self.speculation_enabled = True  # False: plain decoding with the same engine
+        depth = self.spec_config.num_speculative_tokens if self.spec_config else 0
+        self.controller = GoodputController(
+            config.speculative_policy if self.drafter else "off",
+            depth,
+            self.drafter.max_nodes if self.drafter else (lambda k: 0),
+            disable_by_batch_size=(
+                self.spec_config.disable_by_batch_size if self.spec_config else None
+            ),
+        )
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    @property
+    def speculation_enabled(self) -> bool:
+        return self.controller.policy != "off"
+
+    def set_policy(self, policy: str) -> None:
+        """Switch `adaptive|static|off` between steps (benchmarks compare them on one engine)."""
+        if policy != "off" and self.drafter is None:
+            raise InvalidRequestError("no speculative method is configured")
+        if policy not in ("adaptive", "static", "off"):
+            raise InvalidRequestError(f"unknown speculative policy {policy!r}")
+        self.controller.policy = policy
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -102,6 +128,7 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         seq = Sequence(list(prompt_token_ids), params, request_id=request_id)
         self.scheduler.add(seq)
+        self.num_prompt_tokens += len(seq.prompt_token_ids)
         return seq
 
     def has_unfinished(self) -> bool:
@@ -109,22 +136,35 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """Run one forward for the scheduled batch; return the sequences that received tokens."""
-        speculate = self.drafter is not None and self.speculation_enabled
-        k = self.spec_config.num_speculative_tokens if speculate else 0
-        lookahead = self.drafter.max_nodes(k) if speculate else 0
+        ctrl = self.controller
+        if ctrl.policy == "adaptive" and not ctrl.step_cost.calibrated:
+            self.calibrate()
+        k = self.spec_config.num_speculative_tokens if ctrl.policy != "off" else 0
+        lookahead = self.drafter.max_nodes(k) if k else 0
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule(num_lookahead=lookahead)
         if not batch.seqs:
             return []
+        t1 = time.perf_counter()
         proposals = self._propose(batch, k)
+        t2 = time.perf_counter()
         samples = self.drafter.samples_drafts if self.drafter else False
         new_tokens = self.runner.run(batch, proposals, samples)
+        t3 = time.perf_counter()
+        spec = [i for i, p in enumerate(proposals) if p is not None]
         if self.drafter:
-            spec = [i for i, p in enumerate(proposals) if p is not None]
             self.drafter.on_verified(
                 [batch.seqs[i] for i in spec],
                 [proposals[i] for i in spec],
                 [self.runner.accepted_nodes[i] for i in spec],
             )
+        for i in spec:
+            ctrl.record_verification(
+                batch.seqs[i],
+                max(proposals[i].shape.depths),
+                len(self.runner.accepted_nodes[i]),
+            )
+        t4 = time.perf_counter()
         if self.runner.features:
             feats = [self.runner.features[i] for i in range(len(batch))]
             for observe in self.feature_observers:
@@ -134,15 +174,24 @@ class LLMEngine:
             self.manager.truncate(seq.blocks, seq.blocks.length)  # unused lookahead slots
             if tokens is None:
                 continue
+            before = len(seq.output_token_ids)
             self.output.append(seq, tokens)
+            self.num_generated_tokens += len(seq.output_token_ids) - before
             if seq.finish_reason is not None:
                 self._finish(seq)
             updated.append(seq)
+        t5 = time.perf_counter()
+        self.num_steps += 1
+        fed = self.runner.num_fed_tokens
+        ctrl.record_step(fed, (t1 - t0) + (t3 - t2) + (t5 - t4))
+        if spec:
+            ctrl.record_draft(sum(self._last_budgets), (t2 - t1) + (t4 - t3))
         return updated
 
     def _propose(self, batch, k: int) -> list[DraftProposal | None]:
         proposals: list[DraftProposal | None] = [None] * len(batch)
-        if not self.drafter or not self.speculation_enabled:
+        self._last_budgets: list[int] = []
+        if not self.drafter or k == 0:
             return proposals
         decoding = [
             i
@@ -152,10 +201,63 @@ class LLMEngine:
         if not decoding:
             return proposals
         seqs = [batch.seqs[i] for i in decoding]
-        budgets = [self._budget(s, k) for s in seqs]
+        plan = self.controller.plan(seqs, sum(batch.num_new), len(batch))
+        budgets = [self._budget(s, b) for s, b in zip(seqs, plan, strict=True)]
+        self._last_budgets = budgets
+        if not any(budgets):
+            return proposals
         for i, prop in zip(decoding, self.drafter.propose(seqs, budgets), strict=True):
             proposals[i] = prop if prop.num_drafts > 0 else None
         return proposals
+
+    @torch.inference_mode()
+    def calibrate(self, time_budget_s: float = 3.0, context: int = 32) -> None:
+        """Time bare forwards (and LM heads) of N tokens, N = 1, 2, 4, ... up to what a step can
+        feed, spread over up to `max_num_seqs` sequences of `context` cached tokens each: the
+        start of the controller's step-cost curve. Stops early when the budget is spent."""
+        k = self.spec_config.num_speculative_tokens if self.spec_config else 0
+        nodes = self.drafter.max_nodes(k) if self.drafter else 0
+        cfg = self.config
+        top = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + nodes))
+        start = time.perf_counter()
+        n = 1
+        while n <= top and time.perf_counter() - start < time_budget_s:
+            b = min(n, cfg.max_num_seqs)
+            nums = [n // b + (1 if i < n % b else 0) for i in range(b)]
+            blocks = [SeqBlocks() for _ in range(b)]
+            try:
+                if not all(
+                    self.manager.allocate(sb, context + m)
+                    for sb, m in zip(blocks, nums, strict=True)
+                ):
+                    break
+                for sb in blocks:
+                    sb.length = context
+                ids = torch.zeros(n, dtype=torch.long, device=self.runner.device)
+                pos = torch.tensor(
+                    [context + j for m in nums for j in range(m)], device=self.runner.device
+                )
+                best = float("inf")
+                for _ in range(3):  # a warm-up and two timed runs
+                    t0 = time.perf_counter()
+                    meta = build_metadata(self.cache.kv, self.manager, blocks, nums)
+                    out = self.model(ids, pos, meta, ())
+                    self.model.compute_logits(out.hidden)
+                    best = min(best, time.perf_counter() - t0)
+                self.controller.step_cost.calibrate(n, best)
+            finally:
+                for sb in blocks:
+                    self.manager.free(sb)
+            n *= 2
+        log.info("calibrated the step-cost curve up to %d tokens", n // 2)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request wherever it is (queued or running) and free its memory."""
+        if seq.finished:
+            return
+        self.scheduler.finish(seq)
+        seq.finish_reason = seq.finish_reason or "abort"
+        self._release(seq)
 
     def _budget(self, seq: Sequence, k: int) -> int:
         """Draft depth worth proposing: none past the context, none past max_tokens."""
@@ -166,7 +268,11 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
         self.runner.release(seq)
+        self.controller.release(seq)
         if self.drafter:
             self.drafter.release(seq)
         self.spec_stats.merge(seq.spec)

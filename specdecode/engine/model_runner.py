@@ -11,8 +11,8 @@ from specdecode.drafters.base import DraftProposal
 from specdecode.engine.scheduler import ScheduledBatch
 from specdecode.models.attention import build_metadata
 from specdecode.models.llama import LlamaModel
-from specdecode.sampling import sample, warp
-from specdecode.verify import DraftBatch, VerifyResult, verify, verify_greedy
+from specdecode.sampling import inverse_cdf, position_uniforms, warp
+from specdecode.verify import DraftBatch, VerifyResult, verify, verify_choices
 
 
 class ModelRunner:
@@ -22,6 +22,7 @@ class ModelRunner:
         self.manager = manager
         self.device = model.norm.weight.device
         self._generators: dict[int, torch.Generator | None] = {}
+        self._seeds: dict[int, int] = {}
         self.accepted_nodes: dict[int, list[int]] = {}
         # Target features, for drafters that read them (Medusa, EAGLE) and for data generation:
         # None = not captured; () = the final feature (input of the LM head); layer indices =
@@ -30,14 +31,25 @@ class ModelRunner:
         # batch index -> [m, F] features of the m tokens this step committed to the cache, in
         # position order (a prefill chunk's tokens, a decode token, or a tree's accepted path)
         self.features: dict[int, torch.Tensor] = {}
+        self.num_fed_tokens = 0  # tokens the last step fed to the model
 
     def generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.seq_id not in self._generators:
             self._generators[seq.seq_id] = seq.params.make_generator(self.device)
         return self._generators[seq.seq_id]
 
+    def sample_seed(self, seq: Sequence) -> int:
+        """The request's seed, or one drawn once from the global RNG (seeded by the engine)."""
+        if seq.seq_id not in self._seeds:
+            seed = seq.params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,)))
+            self._seeds[seq.seq_id] = seed
+        return self._seeds[seq.seq_id]
+
     def release(self, seq: Sequence) -> None:
         self._generators.pop(seq.seq_id, None)
+        self._seeds.pop(seq.seq_id, None)
 
     @torch.inference_mode()
     def run(
@@ -64,6 +76,7 @@ class ModelRunner:
                 positions += [start + d for d in prop.shape.depths]
                 num_new.append(len(prop.tokens))
                 trees.append(None if prop.shape.is_chain() else prop.shape.ancestor_mask())
+        self.num_fed_tokens = len(ids)
         blocks = [s.blocks for s in batch.seqs]
         meta = build_metadata(self.cache.kv, self.manager, blocks, num_new, trees)
         out = self.model(
@@ -125,12 +138,18 @@ class ModelRunner:
         logits: list[torch.Tensor],
         samples_drafts: bool,
     ) -> VerifyResult:
-        if all(s.params.greedy for s in seqs):
-            result = verify_greedy(
-                [p.shape for p in proposals],
-                [p.tokens for p in proposals],
-                [lg.argmax(-1).tolist() for lg in logits],
-            )
+        if not samples_drafts or all(s.params.greedy for s in seqs):
+            # deterministic drafts (or greedy requests): follow the target's choices
+            choices = []
+            for seq, prop, lg in zip(seqs, proposals, logits, strict=True):
+                if seq.params.greedy:
+                    choices.append(lg.argmax(-1).tolist())
+                    continue
+                positions = [seq.num_tokens + d for d in prop.shape.depths]
+                u = position_uniforms(self.sample_seed(seq), positions)
+                choices.append(inverse_cdf(warp(lg, seq.params), u))
+            shapes, tokens = [p.shape for p in proposals], [p.tokens for p in proposals]
+            result = verify_choices(shapes, tokens, choices)
             self._keep_accepted(seqs, proposals, result)
             return result
         probs = [warp(lg, s.params) for s, lg in zip(seqs, logits, strict=True)]
@@ -154,4 +173,5 @@ class ModelRunner:
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         if seq.params.greedy:
             return int(logits.argmax(-1))
-        return int(sample(warp(logits, seq.params), self.generator(seq)))
+        u = position_uniforms(self.sample_seed(seq), [seq.num_tokens])
+        return inverse_cdf(warp(logits, seq.params), u)[0]

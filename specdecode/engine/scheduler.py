@@ -91,7 +91,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
+        """Done or aborted: out of the queue or the batch, its blocks freed."""
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         self.manager.free(seq.blocks)
         seq.status = SequenceStatus.FINISHED

@@ -127,7 +127,10 @@ def test_ngram_greedy_equals_plain_on_the_real_model():
     params = SamplingParams(temperature=0, max_tokens=40)
     plain = LLM()
     want = [o.outputs[0].token_ids for o in plain.chat(prompts, params)]
-    spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    spec = LLM(
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+        speculative_policy="static",
+    )
     assert [o.outputs[0].token_ids for o in spec.chat(prompts, params)] == want  # batched
     assert spec.chat(prompts[1], params)[0].outputs[0].token_ids == want[1]  # batch 1
     assert spec.engine.spec_stats.num_accepted_tokens > 0
@@ -149,7 +152,7 @@ def test_draft_model_greedy_equals_plain_on_the_real_model(smol, tree):
     cfg = {"method": "draft_model", "model": str(loaded.path), "num_speculative_tokens": 3}
     if tree:
         cfg["speculative_token_tree"] = tree
-    spec = LLM(speculative_config=cfg)
+    spec = LLM(speculative_config=cfg, speculative_policy="static")
     assert [o.outputs[0].token_ids for o in spec.chat(prompts, params)] == want
     assert spec.engine.spec_stats.num_accepted_tokens > 0
 
@@ -175,7 +178,7 @@ def test_shipped_heads_greedy_equal_plain_on_the_real_model(method, extra):
     ]
     params = SamplingParams(temperature=0, max_tokens=40)
     want = [o.outputs[0].token_ids for o in _plain().chat(prompts, params)]
-    spec = LLM(speculative_config={"method": method, **extra})
+    spec = LLM(speculative_config={"method": method, **extra}, speculative_policy="static")
     assert [o.outputs[0].token_ids for o in spec.chat(prompts, params)] == want
     assert spec.chat(prompts[0], params)[0].outputs[0].token_ids == want[0]
     stats = spec.engine.spec_stats

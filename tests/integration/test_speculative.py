@@ -19,14 +19,16 @@ def plain(tiny_llama_dir):
 
 
 def spec_llm(path, **cfg):
-    return LLM(str(path), speculative_config={"method": "ngram", **cfg})
+    return LLM(
+        str(path), speculative_config={"method": "ngram", **cfg}, speculative_policy="static"
+    )
 
 
 def draft_llm(target, draft, k: int, tree=None) -> LLM:
     cfg = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
     if tree is not None:
         cfg["speculative_token_tree"] = tree
-    return LLM(str(target), speculative_config=cfg)
+    return LLM(str(target), speculative_config=cfg, speculative_policy="static")
 
 
 def greedy(n: int) -> SamplingParams:
@@ -138,6 +140,7 @@ def test_draft_model_greedy_equals_plain(plain, tiny_llama_dir, other_draft_dir,
             "model": str(path),
             "num_speculative_tokens": k,
         },
+        speculative_policy="static",
     )
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
     got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(30))]
@@ -196,7 +199,7 @@ def test_sampled_tokens_stay_in_the_top_k_support(plain, tiny_llama_dir, other_d
     cfg = {"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 1}
     if method == "draft_model":
         cfg = {"method": method, "model": str(other_draft_dir), "num_speculative_tokens": 4}
-    spec = LLM(str(tiny_llama_dir), speculative_config=cfg)
+    spec = LLM(str(tiny_llama_dir), speculative_config=cfg, speculative_policy="static")
     params = [
         SamplingParams(temperature=1.5, top_k=2, max_tokens=24, ignore_eos=True, seed=s)
         for s in range(8)
@@ -213,3 +216,57 @@ def test_sampled_tokens_stay_in_the_top_k_support(plain, tiny_llama_dir, other_d
         top2 = logits[len(out.prompt_token_ids) - 1 :].topk(2).indices
         for tok, allowed in zip(out.outputs[0].token_ids, top2.tolist(), strict=True):
             assert tok in allowed
+
+
+@pytest.mark.parametrize("policy", ["static", "adaptive"])
+def test_seeded_sampling_gives_the_plain_tokens(plain, tiny_llama_dir, policy):
+    """Deterministic drafts are verified by the target's own position-seeded draw, so a seeded
+    request samples the same tokens with or without speculation, alone or batched."""
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        speculative_policy=policy,
+    )
+    params = [
+        SamplingParams(temperature=t, top_k=k, seed=11 + i, max_tokens=60, ignore_eos=True)
+        for i, (t, k) in enumerate(((0.3, 3), (0.5, 0), (1.0, 2), (0.2, 5)))
+    ]
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == want
+    assert spec.generate(PROMPTS[0], params[0])[0].outputs[0].token_ids == want[0]
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_adaptive_policy_is_lossless_and_decides(plain, tiny_llama_dir):
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    )
+    assert spec.engine.controller.policy == "adaptive"
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(40))]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(40))] == want
+    ctrl = spec.engine.controller
+    assert ctrl.step_cost.calibrated and ctrl.step_cost.measured
+    spec.engine.set_policy("off")
+    before = spec.engine.spec_stats.num_drafts
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(40))] == want
+    assert spec.engine.spec_stats.num_drafts == before  # off means no drafts at all
+    with pytest.raises(InvalidRequestError):
+        spec.engine.set_policy("maybe")
+
+
+def test_abort_frees_memory(tiny_llama_dir):
+    llm = spec_llm(tiny_llama_dir, num_speculative_tokens=3, prompt_lookup_min=1)
+    engine = llm.engine
+    free = engine.manager.num_free_blocks
+    ids = llm.encode("abcabcabcabc")
+    running = engine.add_request(ids, greedy(50))
+    queued = [engine.add_request(ids, greedy(50)) for _ in range(3)]
+    for _ in range(3):
+        engine.step()
+    assert engine.manager.num_free_blocks < free
+    for seq in [running, *queued]:
+        engine.abort(seq)
+        assert seq.finished and seq.finish_reason == "abort"
+    assert not engine.has_unfinished()
+    assert engine.manager.num_free_blocks == free

@@ -79,6 +79,7 @@ def test_train_draft_learns_and_serves_losslessly(llm, tiny_llama_dir, tmp_path)
             "model": str(tmp_path / "draft"),
             "num_speculative_tokens": 3,
         },
+        speculative_policy="static",
     )
     prompts = ["say 3 1 9", "abcabc", "xyz"]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

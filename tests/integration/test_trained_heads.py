@@ -71,6 +71,7 @@ def test_greedy_equals_plain(plain, tiny_llama_dir, heads, method, extra):
     spec = LLM(
         str(tiny_llama_dir),
         speculative_config={"method": method, "model": str(root / method), **extra},
+        speculative_policy="static",
     )
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(30))] == want

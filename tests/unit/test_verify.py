@@ -197,8 +197,8 @@ def test_seeded_verification_is_deterministic():
 
 
 def test_greedy_shortcut_equals_one_hot_verification():
-    """`verify_greedy` must give exactly what `verify` gives with one-hot p, on random trees."""
-    from specdecode.verify import verify_greedy
+    """`verify_choices` must give exactly what `verify` gives with one-hot p, on random trees."""
+    from specdecode.verify import verify_choices
 
     g = torch.Generator().manual_seed(0)
     for shape in SHAPES.values():
@@ -208,5 +208,5 @@ def test_greedy_shortcut_equals_one_hot_verification():
             best = torch.randint(0, 3, (n,), generator=g).tolist()
             p = torch.zeros(1, n, V).scatter_(2, torch.tensor(best)[None, :, None], 1.0)
             full = verify(p, DraftBatch.from_trees([shape], [tokens]))
-            fast = verify_greedy([shape], [tokens], [best])
+            fast = verify_choices([shape], [tokens], [best])
             assert (fast.accepted, fast.tokens) == (full.accepted, full.tokens)

@@ -1,0 +1,340 @@
+"""How much to speculate, decided every step: the goodput controller.
+
+Policies (`--speculative-policy`):
+- `off`: never draft (plain decoding with the same engine).
+- `static`: vLLM's behaviour: every decoding request drafts `num_speculative_tokens`, unless more
+  than `disable_by_batch_size` requests are running (vLLM's `disable_by_batch_size`).
+- `adaptive` (default): each step, for the requests that are decoding, choose a draft depth k_i
+  in 0..K that maximises the expected goodput of the whole step,
+
+      G(k) = sum_i E_i(k_i) / (T_target(N(k)) + T_draft(k)),
+
+  in the spirit of SmartSpec (Liu et al. 2024, "Optimizing Speculative Decoding for Serving
+  Large Language Models Using Goodput"):
+  - E_i(k) = 1 + sum_{j<=k} prod_{d<=j} a_i(d): tokens a step emits for request i, from its
+    per-depth conditional acceptance a_i(d), estimated online (decayed counts of its own
+    verifications, shrunk towards the estimate of its workload: its temperature class);
+  - N(k) = tokens fed to the target: every request's root (and prefill chunks) plus its draft
+    nodes; T_target(N) is a measured step-time curve (`StepCostModel`), calibrated at start-up
+    by timing forwards of N tokens and refined by every step the engine runs;
+  - T_draft = d0 + d1 * (draft depth summed over requests), fitted online from timed proposals.
+  E_i is concave in k and the cost grows with N, so the plan adds draft levels in the order of
+  their expected tokens per fed token and stops when the next level lowers G.
+  Hysteresis: the plan changes only when it beats the previous one (re-scored with today's
+  estimates) by `hysteresis`; a request that has not drafted for `probe_interval` steps drafts
+  one token, so estimates recover when the traffic changes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from specdecode.core import Sequence
+from specdecode.errors import InvalidRequestError
+
+POLICIES = ("adaptive", "static", "off")
+
+
+class _Curve:
+    """A piecewise-linear curve through buckets of (tokens, seconds) points; each bucket (tokens
+    rounded on a geometric grid) keeps an exponential moving average of its points."""
+
+    def __init__(self, smoothing: float) -> None:
+        self.smoothing = smoothing
+        self._points: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds]
+
+    @staticmethod
+    def _bucket(n: int) -> int:
+        if n <= 8:
+            return n
+        b = 8
+        while b * 1.25 < n:
+            b = int(b * 1.25) + 1
+        return b
+
+    def observe(self, num_tokens: float, seconds: float) -> None:
+        b = self._bucket(int(num_tokens))
+        point = self._points.get(b)
+        if point is None:
+            self._points[b] = [float(num_tokens), seconds]
+            return
+        s = self.smoothing
+        point[0] += s * (num_tokens - point[0])
+        point[1] += s * (seconds - point[1])
+
+    def __bool__(self) -> bool:
+        return bool(self._points)
+
+    def span(self) -> tuple[float, float]:
+        xs = [p[0] for p in self._points.values()]
+        return min(xs), max(xs)
+
+    def nearest(self, num_tokens: float) -> tuple[float, float]:
+        return min(self._points.values(), key=lambda p: abs(p[0] - num_tokens))
+
+    def __call__(self, num_tokens: float) -> float:
+        pts = sorted(self._points.values())
+        if not pts:
+            return 0.0
+        xs = [p[0] for p in pts]
+        if len(pts) == 1:
+            x, y = pts[0]
+            return y * num_tokens / x if num_tokens > x else y
+        i = bisect.bisect_left(xs, num_tokens)
+        if i == 0:
+            return pts[0][1]
+        (x0, y0), (x1, y1) = pts[-2:] if i == len(pts) else pts[i - 1 : i + 1]
+        if x1 <= x0:
+            return y1
+        return y0 + max(0.0, (y1 - y0) / (x1 - x0)) * (num_tokens - x0)
+
+
+class StepCostModel:
+    """Step time against tokens fed. Two curves: one calibrated at start-up (bare forwards of N
+    tokens over the grid the engine may reach) and one measured from the engine's own steps
+    (which include scheduling, sampling and verification). Inside the range the engine has
+    visited, the measured curve answers; outside it, the calibrated curve's shape scaled to the
+    nearest measured point."""
+
+    def __init__(self, smoothing: float = 0.2) -> None:
+        self.calibration = _Curve(1.0)
+        self.measured = _Curve(smoothing)
+
+    def calibrate(self, num_tokens: int, seconds: float) -> None:
+        self.calibration.observe(num_tokens, seconds)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0 and seconds > 0:
+            self.measured.observe(num_tokens, seconds)
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.calibration) or bool(self.measured)
+
+    def predict(self, num_tokens: int) -> float:
+        if not self.measured:
+            return self.calibration(num_tokens)
+        lo, hi = self.measured.span()
+        if (lo <= num_tokens <= hi and hi > lo) or not self.calibration:
+            return self.measured(num_tokens)
+        x, y = self.measured.nearest(num_tokens)
+        base = self.calibration(x)
+        return self.calibration(num_tokens) * (y / base) if base > 0 else y
+
+
+class DraftCostModel:
+    """Drafting time = d0 + d1 * depth summed over the drafting requests, by a forgetting
+    least-squares fit over the recent proposals."""
+
+    def __init__(self, window: int = 64) -> None:
+        self._obs: deque[tuple[float, float]] = deque(maxlen=window)
+
+    def observe(self, depth_sum: int, seconds: float) -> None:
+        if depth_sum > 0:
+            self._obs.append((float(depth_sum), seconds))
+
+    def coefficients(self) -> tuple[float, float]:
+        if not self._obs:
+            return 0.0, 0.0
+        n = len(self._obs)
+        mx = sum(x for x, _ in self._obs) / n
+        my = sum(y for _, y in self._obs) / n
+        var = sum((x - mx) ** 2 for x, _ in self._obs)
+        if var < 1e-9:
+            return 0.0, my / mx
+        slope = sum((x - mx) * (y - my) for x, y in self._obs) / var
+        slope = max(slope, 0.0)
+        return max(0.0, my - slope * mx), slope
+
+    def predict(self, depth_sum: int) -> float:
+        if depth_sum <= 0:
+            return 0.0
+        d0, d1 = self.coefficients()
+        return d0 + d1 * depth_sum
+
+
+@dataclass
+class AcceptanceCounts:
+    """Decayed per-depth counts: trials[d] verifications that drafted depth d+1 after
+    accepting depth d, hits[d] of them accepted it."""
+
+    decay: float
+    trials: list[float] = field(default_factory=list)
+    hits: list[float] = field(default_factory=list)
+
+    def record(self, depth: int, accepted: int) -> None:
+        if depth <= 0:
+            return
+        self.trials[:] = [t * self.decay for t in self.trials]
+        self.hits[:] = [h * self.decay for h in self.hits]
+        while len(self.trials) < depth:
+            self.trials.append(0.0)
+            self.hits.append(0.0)
+        for d in range(min(accepted + 1, depth)):
+            self.trials[d] += 1.0
+            self.hits[d] += 1.0 if d < accepted else 0.0
+
+    def rate(self, d: int, prior: float, strength: float) -> float:
+        """Conditional acceptance of depth d+1, shrunk towards `prior` with `strength`."""
+        t = self.trials[d] if d < len(self.trials) else 0.0
+        h = self.hits[d] if d < len(self.hits) else 0.0
+        return (h + strength * prior) / (t + strength)
+
+
+def workload_key(seq: Sequence) -> str:
+    """Requests of one temperature class share an acceptance prior."""
+    t = seq.params.temperature
+    if t == 0:
+        return "greedy"
+    return "t<=0.7" if t <= 0.7 else "t<=1" if t <= 1.0 else "t>1"
+
+
+class GoodputController:
+    def __init__(
+        self,
+        policy: str,
+        max_depth: int,
+        nodes_for_depth,
+        disable_by_batch_size: int | None = None,
+        hysteresis: float = 0.03,
+        probe_interval: int = 32,
+    ) -> None:
+        if policy not in POLICIES:
+            raise InvalidRequestError(
+                f"unknown speculative policy {policy!r}; choose from {', '.join(POLICIES)}"
+            )
+        self.policy = policy
+        self.max_depth = max_depth
+        self.nodes_for_depth = nodes_for_depth  # depth -> draft nodes (the drafter's max_nodes)
+        self.disable_by_batch_size = disable_by_batch_size
+        self.hysteresis = hysteresis
+        self.probe_interval = probe_interval
+        self.step_cost = StepCostModel()
+        self.draft_cost = DraftCostModel()
+        self._requests: dict[int, AcceptanceCounts] = {}
+        self._workloads: dict[str, AcceptanceCounts] = {}
+        self._last_plan: dict[int, int] = {}
+        self._idle_steps: dict[int, int] = {}
+        # what the last step decided, for /metrics and logs
+        self.last_budgets: list[int] = []
+        self.last_predicted_gain: float = 1.0
+
+    # ---- estimates -----------------------------------------------------------------------------
+
+    def acceptance(self, seq: Sequence) -> list[float]:
+        """a(d) for d = 1..max_depth: the request's own counts shrunk towards its workload's,
+        and the workload's towards 0.5 (optimistic enough to try)."""
+        wl = self._workloads.get(workload_key(seq))
+        own = self._requests.get(seq.seq_id)
+        rates = []
+        for d in range(self.max_depth):
+            prior = wl.rate(d, 0.5, 2.0) if wl else 0.5
+            rates.append(own.rate(d, prior, 4.0) if own else prior)
+        return rates
+
+    @staticmethod
+    def expected_tokens(rates: list[float], k: int) -> float:
+        total, run = 1.0, 1.0
+        for a in rates[:k]:
+            run *= a
+            total += run
+        return total
+
+    def goodput(self, base_tokens: int, rates: list[list[float]], plan: list[int]) -> float:
+        tokens = sum(self.expected_tokens(r, k) for r, k in zip(rates, plan, strict=True))
+        fed = base_tokens + sum(self.nodes_for_depth(k) for k in plan if k)
+        t = self.step_cost.predict(fed) + self.draft_cost.predict(sum(plan))
+        return tokens / t if t > 0 else 0.0
+
+    # ---- decisions -----------------------------------------------------------------------------
+
+    def plan(self, seqs: list[Sequence], base_tokens: int, num_running: int) -> list[int]:
+        """Draft depth for each decoding sequence. `base_tokens`: tokens the step feeds without
+        any drafts (roots and prefill chunks); `num_running`: requests in the batch."""
+        if self.policy == "off" or not seqs:
+            budgets = [0] * len(seqs)
+        elif self.policy == "static":
+            limit = self.disable_by_batch_size
+            k = 0 if limit is not None and num_running > limit else self.max_depth
+            budgets = [k] * len(seqs)
+        else:
+            budgets = self._adaptive(seqs, base_tokens)
+        self.last_budgets = budgets
+        for s, k in zip(seqs, budgets, strict=True):
+            self._last_plan[s.seq_id] = k
+            self._idle_steps[s.seq_id] = 0 if k else self._idle_steps.get(s.seq_id, 0) + 1
+        return budgets
+
+    def _adaptive(self, seqs: list[Sequence], base_tokens: int) -> list[int]:
+        if not self.step_cost.calibrated:
+            return [self.max_depth] * len(seqs)
+        rates = [self.acceptance(s) for s in seqs]
+        plan = [0] * len(seqs)
+        # every (request, next level) increment, best expected tokens per fed node first
+        gains = []
+        for i, r in enumerate(rates):
+            run, prev_nodes = 1.0, 0
+            for k in range(1, self.max_depth + 1):
+                run *= r[k - 1]
+                nodes = self.nodes_for_depth(k)
+                gains.append((-(run / max(1, nodes - prev_nodes)), i, k))
+                prev_nodes = nodes
+        gains.sort()
+        best = self.goodput(base_tokens, rates, plan)
+        plain = best
+        for _, i, k in gains:
+            if plan[i] != k - 1:  # levels of one request are added in order
+                continue
+            plan[i] = k
+            g = self.goodput(base_tokens, rates, plan)
+            if g > best:
+                best = g
+            else:
+                plan[i] = k - 1
+        previous = [self._last_plan.get(s.seq_id, p) for s, p in zip(seqs, plan, strict=True)]
+        if previous != plan:
+            kept = self.goodput(base_tokens, rates, previous)
+            if best < kept * (1 + self.hysteresis):
+                plan, best = previous, kept
+        # probes: requests that have not drafted for a while draft one token
+        probes = max(1, len(seqs) // 16)
+        for i, s in enumerate(seqs):
+            if probes and plan[i] == 0 and self._idle_steps.get(s.seq_id, 0) >= self.probe_interval:
+                plan[i] = 1
+                probes -= 1
+        self.last_predicted_gain = best / plain if plain > 0 else 1.0
+        return plan
+
+    # ---- learning ------------------------------------------------------------------------------
+
+    def record_verification(self, seq: Sequence, depth: int, accepted: int) -> None:
+        own = self._requests.setdefault(seq.seq_id, AcceptanceCounts(decay=0.9))
+        own.record(depth, accepted)
+        key = workload_key(seq)
+        self._workloads.setdefault(key, AcceptanceCounts(decay=0.995)).record(depth, accepted)
+
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        self.step_cost.observe(num_tokens, seconds)
+
+    def record_draft(self, depth_sum: int, seconds: float) -> None:
+        self.draft_cost.observe(depth_sum, seconds)
+
+    def release(self, seq: Sequence) -> None:
+        self._requests.pop(seq.seq_id, None)
+        self._last_plan.pop(seq.seq_id, None)
+        self._idle_steps.pop(seq.seq_id, None)
+
+    def summary(self) -> dict:
+        b = self.last_budgets
+        return {
+            "policy": self.policy,
+            "mean_budget": sum(b) / len(b) if b else 0.0,
+            "speculating_fraction": sum(1 for k in b if k) / len(b) if b else 0.0,
+            "predicted_gain": self.last_predicted_gain,
+            "workload_acceptance": {
+                k: [round(v.rate(d, 0.5, 2.0), 3) for d in range(len(v.trials))]
+                for k, v in self._workloads.items()
+            },
+        }

@@ -1,0 +1,124 @@
+"""The goodput controller: cost curves, acceptance estimates, and the decisions they lead to."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode.core import Sequence
+from specdecode.engine.controller import (
+    DraftCostModel,
+    GoodputController,
+    StepCostModel,
+)
+from specdecode.errors import InvalidRequestError
+from specdecode.sampling import SamplingParams
+
+
+def seqs(n: int, temperature: float = 0.0) -> list[Sequence]:
+    return [Sequence([1, 2, 3], SamplingParams(temperature=temperature)) for _ in range(n)]
+
+
+def controller(
+    step_time, acceptance: float | None = None, draft_s: float = 0.0, **kw
+) -> GoodputController:
+    """A chain drafter of depth 4 whose step time is `step_time(tokens)`, calibrated on
+    1..1024 tokens, and whose drafting costs `draft_s` per level; `acceptance`: per-depth
+    acceptance already observed on greedy traffic."""
+    c = GoodputController("adaptive", 4, lambda k: k, **kw)
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        c.step_cost.calibrate(n, step_time(n))
+    for x in (1, 2, 4, 8):
+        c.record_draft(x, x * draft_s)
+    if acceptance is not None:
+        warm = seqs(1)[0]
+        for _ in range(200):  # a greedy workload whose drafts are accepted with `acceptance`
+            accepted = 0
+            while accepted < 4 and (hash((_, accepted)) % 1000) / 1000 < acceptance:
+                accepted += 1
+            c.record_verification(warm, 4, accepted)
+        c.release(warm)
+    return c
+
+
+def memory_bound(n: int) -> float:  # verifying a few tokens costs about one
+    return 0.020 + 0.0001 * n
+
+
+def compute_bound(n: int) -> float:  # every token costs the same
+    return 0.001 * n
+
+
+def test_curves_interpolate_and_prefer_measurements():
+    m = StepCostModel()
+    for n, t in ((1, 1.0), (10, 2.0), (100, 11.0)):
+        m.calibrate(n, t)
+    assert m.predict(1) == pytest.approx(1.0)
+    assert m.predict(55) == pytest.approx(6.5)
+    assert m.predict(200) == pytest.approx(21.0)  # linear past the last point
+    for _ in range(50):  # the engine's real steps cost twice the bare forwards
+        m.observe(10, 4.0)
+    assert m.predict(10) == pytest.approx(4.0, rel=0.01)
+    assert m.predict(100) == pytest.approx(22.0, rel=0.02)  # calibrated shape, measured level
+    d = DraftCostModel()
+    for x in (1, 2, 3, 4, 8):
+        d.observe(x, 0.5 + 0.25 * x)
+    assert d.coefficients() == pytest.approx((0.5, 0.25))
+
+
+def test_high_acceptance_on_a_memory_bound_step_drafts_deep():
+    c = controller(memory_bound, acceptance=0.9)
+    assert c.plan(seqs(4), base_tokens=4, num_running=4) == [4, 4, 4, 4]
+    assert c.last_predicted_gain > 2
+
+
+def test_low_acceptance_turns_speculation_off():
+    c = controller(memory_bound, acceptance=0.0)
+    assert c.plan(seqs(4), base_tokens=4, num_running=4) == [0, 0, 0, 0]
+
+
+def test_compute_bound_batches_do_not_speculate():
+    c = controller(compute_bound, acceptance=0.7)
+    assert c.plan(seqs(64), base_tokens=64, num_running=64) == [0] * 64
+
+
+def test_the_budget_shrinks_as_drafting_gets_expensive():
+    cheap = controller(memory_bound, acceptance=0.6)
+    dear = controller(memory_bound, acceptance=0.6, draft_s=0.010)  # 10 ms per draft level
+    deep = cheap.plan(seqs(1), 1, 1)[0]
+    shallow = dear.plan(seqs(1), 1, 1)[0]
+    assert deep == 4 and shallow < deep
+
+
+def test_requests_learn_their_own_acceptance():
+    c = controller(memory_bound, acceptance=0.9, draft_s=0.005)
+    good, bad = seqs(2)
+    for _ in range(30):
+        c.record_verification(bad, 4, 0)
+        c.record_verification(good, 4, 4)
+    assert c.plan([good, bad], 2, 2) == [4, 0]
+
+
+def test_hysteresis_keeps_a_plan_that_is_nearly_as_good():
+    c = controller(memory_bound, acceptance=0.5, hysteresis=0.5)
+    batch = seqs(2)
+    first = c.plan(batch, 2, 2)
+    for _ in range(3):  # a small shift in the estimates does not flip the plan
+        c.record_verification(batch[0], 4, 1)
+    assert c.plan(batch, 2, 2) == first
+
+
+def test_idle_requests_are_probed():
+    c = controller(memory_bound, acceptance=0.0, draft_s=0.002, probe_interval=5)
+    batch = seqs(1)
+    plans = [c.plan(batch, 1, 1)[0] for _ in range(12)]
+    assert plans[:5] == [0] * 5 and 1 in plans[5:]
+
+
+def test_static_policy_and_its_batch_size_switch():
+    c = GoodputController("static", 3, lambda k: k, disable_by_batch_size=4)
+    assert c.plan(seqs(4), 4, 4) == [3] * 4
+    assert c.plan(seqs(5), 5, 5) == [0] * 5
+    off = GoodputController("off", 3, lambda k: k)
+    assert off.plan(seqs(2), 2, 2) == [0, 0]
+    with pytest.raises(InvalidRequestError, match="policy"):
+        GoodputController("sometimes", 3, lambda k: k)
