@@ -1,4 +1,6 @@
-"""Command line: `specdecode generate | bench latency`. User errors print one line and exit 2."""
+"""Command line: `specdecode generate | serve | bench | data | train | export | models`.
+
+User errors print one line and exit 2."""
 
 from __future__ import annotations
 
@@ -145,6 +147,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(srv)
+    add_speculative_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (or SPECDECODE_API_KEY)",
+    )
+    srv.add_argument("--served-model-name", default=None, help="the model id clients send")
+    srv.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch")
+    srv.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    srv.add_argument(
+        "--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted"
+    )
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_args(gen)
@@ -431,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             cmd_generate(args)
+        elif args.command == "serve":
+            from specdecode.serving.server import run_server
+
+            run_server(args)
         elif args.command == "models":
             cmd_models(args)
         elif args.command == "export":

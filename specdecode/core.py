@@ -43,6 +43,8 @@ class Sequence:
     read_offset: int = 0
     streamed: int = 0  # characters of `text` already handed to a stream consumer
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    # with params.logprobs: per output token (its log-probability, [(token, logprob)] top-n)
+    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

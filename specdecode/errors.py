@@ -20,6 +20,10 @@ class CorruptModelError(SpecDecodeError):
 class InvalidRequestError(SpecDecodeError):
     """Bad sampling values, a prompt longer than the context, an empty prompt."""
 
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # the request field at fault, when known (OpenAI error bodies)
+
 
 class OutOfMemoryError(SpecDecodeError):
     """The KV cache cannot hold a sequence even when it runs alone."""

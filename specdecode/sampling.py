@@ -28,6 +28,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # None: no log-probabilities; n >= 0: the sampled token's log-probability and the n most
+    # likely tokens', from the model's raw distribution (before temperature, top-k, top-p)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +57,10 @@ class SamplingParams:
             raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+        ):
+            raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise bad("stop strings must be non-empty")
 

@@ -63,3 +63,7 @@ class Drafter(ABC):
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was preempted: drop its state."""
+
+    def tracked_ids(self) -> set[int]:
+        """Sequences this drafter holds state for (leak checks)."""
+        return set()

@@ -247,6 +247,9 @@ class DraftModelDrafter(Drafter):
         keep_path(self.manager, self.cache, st.blocks, [0] + fed)
         st.fed_nodes = 0
 
+    def tracked_ids(self) -> set[int]:
+        return set(self._state)
+
     def release(self, seq: Sequence) -> None:
         st = self._state.pop(seq.seq_id, None)
         if st is not None:

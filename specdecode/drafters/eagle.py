@@ -135,6 +135,9 @@ class EagleDrafter(Drafter):
             if not st.broken:
                 st.pending.append(f[:, self._cols])
 
+    def tracked_ids(self) -> set[int]:
+        return set(self._state)
+
     def release(self, seq: Sequence) -> None:
         st = self._state.pop(seq.seq_id, None)
         if st is not None:

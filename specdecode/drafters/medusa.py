@@ -60,6 +60,9 @@ class MedusaDrafter(Drafter):
         for seq, f in zip(seqs, features, strict=True):
             self._last[seq.seq_id] = f[-1]
 
+    def tracked_ids(self) -> set[int]:
+        return set(self._last)
+
     def release(self, seq: Sequence) -> None:
         self._last.pop(seq.seq_id, None)
 

@@ -92,6 +92,7 @@ class LLMEngine:
             ),
         )
         self.num_steps = 0
+        self.last_batch: list[Sequence] = []
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
 
@@ -113,9 +114,10 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def add_request(
+    def make_sequence(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = ""
     ) -> Sequence:
+        """Check a request and wrap it; touches no engine state (any thread may call it)."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -126,10 +128,35 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        seq = Sequence(list(prompt_token_ids), params, request_id=request_id)
+        if len(prompt_token_ids) + 1 > self.manager.capacity_tokens:
+            raise InvalidRequestError(
+                f"a prompt of {len(prompt_token_ids)} tokens does not fit the KV cache "
+                f"({self.manager.capacity_tokens} tokens)"
+            )
+        return Sequence(list(prompt_token_ids), params, request_id=request_id)
+
+    def add_sequence(self, seq: Sequence) -> Sequence:
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(seq.prompt_token_ids)
         return seq
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = ""
+    ) -> Sequence:
+        return self.add_sequence(self.make_sequence(prompt_token_ids, params, request_id))
+
+    def preempt(self, seq: Sequence) -> None:
+        """Send a running request back to the queue; it is recomputed later (nothing is lost)."""
+        if seq in self.scheduler.running:
+            self.scheduler.preempt(seq)
+
+    def num_tracked(self) -> int:
+        """Requests any part of the engine still holds state for (0 when idle: nothing leaks)."""
+        ids = set(self.runner._seeds) | set(self.runner._generators)
+        ids |= set(self.controller._requests) | set(self.controller._last_plan)
+        if self.drafter:
+            ids |= self.drafter.tracked_ids()
+        return len(ids) + len(self.scheduler.waiting) + len(self.scheduler.running)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -143,6 +170,7 @@ class LLMEngine:
         lookahead = self.drafter.max_nodes(k) if k else 0
         t0 = time.perf_counter()
         batch = self.scheduler.schedule(num_lookahead=lookahead)
+        self.last_batch = batch.seqs
         if not batch.seqs:
             return []
         t1 = time.perf_counter()
@@ -159,23 +187,21 @@ class LLMEngine:
                 [self.runner.accepted_nodes[i] for i in spec],
             )
         for i in spec:
-            ctrl.record_verification(
-                batch.seqs[i],
-                max(proposals[i].shape.depths),
-                len(self.runner.accepted_nodes[i]),
-            )
+            depth, accepted = max(proposals[i].shape.depths), len(self.runner.accepted_nodes[i])
+            ctrl.record_verification(batch.seqs[i], depth, accepted)
+            self.spec_stats.record(proposals[i].num_drafts, depth, accepted)
         t4 = time.perf_counter()
         if self.runner.features:
             feats = [self.runner.features[i] for i in range(len(batch))]
             for observe in self.feature_observers:
                 observe(batch.seqs, feats)
         updated = []
-        for seq, tokens in zip(batch.seqs, new_tokens, strict=True):
+        for i, (seq, tokens) in enumerate(zip(batch.seqs, new_tokens, strict=True)):
             self.manager.truncate(seq.blocks, seq.blocks.length)  # unused lookahead slots
             if tokens is None:
                 continue
             before = len(seq.output_token_ids)
-            self.output.append(seq, tokens)
+            self.output.append(seq, tokens, self.runner.logprobs.get(i))
             self.num_generated_tokens += len(seq.output_token_ids) - before
             if seq.finish_reason is not None:
                 self._finish(seq)
@@ -275,7 +301,6 @@ class LLMEngine:
         self.controller.release(seq)
         if self.drafter:
             self.drafter.release(seq)
-        self.spec_stats.merge(seq.spec)
 
     def run_to_completion(self) -> Iterator[list[Sequence]]:
         while self.has_unfinished():

@@ -32,6 +32,8 @@ class ModelRunner:
         # position order (a prefill chunk's tokens, a decode token, or a tree's accepted path)
         self.features: dict[int, torch.Tensor] = {}
         self.num_fed_tokens = 0  # tokens the last step fed to the model
+        # batch index -> per new token (logprob, top-n) for requests that ask for logprobs
+        self.logprobs: dict[int, list] = {}
 
     def generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.seq_id not in self._generators:
@@ -113,8 +115,11 @@ class ModelRunner:
         rows = [offsets[i + 1] - 1 for i in plain]
         rows += [r for i in spec for r in range(offsets[i], offsets[i + 1])]
         logits = self.model.compute_logits(hidden[rows]) if rows else None
+        self.logprobs = {}
         for j, i in enumerate(plain):
             result[i] = [self._sample(batch.seqs[i], logits[j : j + 1])]
+            if batch.seqs[i].params.logprobs is not None:
+                self.logprobs[i] = _logprobs(logits[j : j + 1], result[i], batch.seqs[i])
         for seq, n, prop in zip(batch.seqs, num_new, proposals, strict=True):
             if prop is None:
                 seq.blocks.length += n
@@ -129,6 +134,9 @@ class ModelRunner:
             for j, i in enumerate(spec):
                 result[i] = verified.tokens[j]
                 self.accepted_nodes[i] = verified.accepted[j]
+                if batch.seqs[i].params.logprobs is not None:  # rows that emitted the tokens
+                    rows = spec_logits[j][[0, *verified.accepted[j]]]
+                    self.logprobs[i] = _logprobs(rows, result[i], batch.seqs[i])
         return result
 
     def _verify(
@@ -175,3 +183,17 @@ class ModelRunner:
             return int(logits.argmax(-1))
         u = position_uniforms(self.sample_seed(seq), [seq.num_tokens])
         return inverse_cdf(warp(logits, seq.params), u)[0]
+
+
+def _logprobs(rows: torch.Tensor, tokens: list[int], seq: Sequence) -> list:
+    """Log-probabilities of `tokens` under the raw distributions `rows` [n, V], with the top-n."""
+    logp = rows.float().log_softmax(-1)
+    n = seq.params.logprobs
+    out = []
+    for r, tok in enumerate(tokens):
+        top = []
+        if n:
+            vals, idx = logp[r].topk(n)
+            top = list(zip(idx.tolist(), vals.tolist(), strict=True))
+        out.append((float(logp[r, tok]), top))
+    return out

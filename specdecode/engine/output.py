@@ -15,11 +15,14 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def append(self, seq: Sequence, tokens: list[int]) -> None:
-        """Add `tokens` to `seq` until one of them finishes it; sets `seq.finish_reason`."""
+    def append(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> None:
+        """Add `tokens` (and their `logprobs`, when asked for) to `seq` until one of them
+        finishes it; sets `seq.finish_reason`."""
         params = seq.params
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             seq.output_token_ids.append(tok)
+            if logprobs:
+                seq.output_logprobs.append(logprobs[i])
             self._detokenize(seq)
             if not params.ignore_eos and tok in self.eos_token_ids:
                 seq.finish_reason = "stop"

@@ -61,7 +61,7 @@ class Scheduler:
             extra = num_lookahead if n == seq.num_uncommitted == 1 else 0
             while not self.manager.allocate(seq.blocks, seq.blocks.length + n + extra):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 if victim is seq:
                     break
             if seq in self.running:
@@ -81,7 +81,7 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(seqs, num_new)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.manager.free(seq.blocks)
         self.num_preemptions += 1

@@ -1,0 +1,247 @@
+"""The engine behind the server: one background thread runs `LLMEngine.step()` in a loop while
+requests arrive and leave through thread-safe queues (continuous batching).
+
+- `generate()` is an async iterator of `StreamUpdate`s; if the consumer stops early (a client
+  disconnected, a task was cancelled), the request is aborted and its memory freed.
+- A step that raises fails only the request that caused it: every request of the failed batch is
+  sent back to the queue (recomputed, nothing lost), then they are stepped one at a time; the
+  one that raises alone gets an error, the others carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from specdecode.core import Sequence
+from specdecode.engine.engine import LLMEngine
+from specdecode.engine.output import OutputProcessor
+from specdecode.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamUpdate:
+    text: str  # new text since the last update (stop strings held back until decided)
+    token_ids: list[int]  # new tokens since the last update
+    finish_reason: str | None = None
+    error: str | None = None  # the request failed inside the engine
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # so far
+    logprobs: list = field(default_factory=list)  # one entry per new token when asked for
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class _Stream:
+    def __init__(self, seq: Sequence, loop: asyncio.AbstractEventLoop) -> None:
+        self.seq = seq
+        self.loop = loop
+        self.queue: asyncio.Queue[StreamUpdate] = asyncio.Queue()
+        self.sent_tokens = 0
+        self.first_token_time: float | None = None
+        self.arrival = time.perf_counter()
+
+    def put(self, update: StreamUpdate) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+        except RuntimeError:  # the event loop is gone: nobody is listening any more
+            pass
+
+
+class RequestHandle:
+    def __init__(self, engine: AsyncLLMEngine, seq: Sequence, stream: _Stream) -> None:
+        self._engine, self.seq, self._stream = engine, seq, stream
+        self.done = False
+
+    async def updates(self) -> AsyncIterator[StreamUpdate]:
+        """The request's updates until it finishes; leaving early aborts it."""
+        try:
+            while not self.done:
+                update = await self._stream.queue.get()
+                self.done = update.finished
+                yield update
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Cancel the request if it is still running (idempotent)."""
+        if not self.done:
+            self.done = True
+            self._engine._post("abort", self.seq, None)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: list[tuple[str, Sequence, _Stream | None]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._streams: dict[int, _Stream] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.num_failed_requests = 0
+        self.num_finished_requests = 0
+        self.step_error: str | None = None  # the last exception a step raised
+        # time to first token and inter-token gaps of finished requests, for /metrics
+        self.on_finish: list = []  # callbacks(seq, ttft_s, e2e_s)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = ""
+    ) -> RequestHandle:
+        """Queue a request (raises `InvalidRequestError` at once if it is malformed); read its
+        output with `handle.updates()` inside a running event loop."""
+        seq = self.engine.make_sequence(prompt_token_ids, params, request_id)
+        stream = _Stream(seq, asyncio.get_running_loop())
+        self._post("add", seq, stream)
+        return RequestHandle(self, seq, stream)
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = ""
+    ) -> AsyncIterator[StreamUpdate]:
+        """Stream one request's output (a shortcut for `add(...).updates()`)."""
+        handle = self.add(prompt_token_ids, params, request_id)
+        async for update in handle.updates():
+            yield update
+
+    def _post(self, action: str, seq: Sequence, stream: _Stream | None) -> None:
+        with self._lock:
+            self._inbox.append((action, seq, stream))
+        self._wake.set()
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            try:
+                updated = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - isolate the request that caused it
+                log.exception("a step failed; isolating its requests")
+                self.step_error = f"{type(e).__name__}: {e}"
+                self._isolate(list(self.engine.last_batch))
+                continue
+            for seq in updated:
+                self._emit(seq)
+
+    def _drain(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for action, seq, stream in inbox:
+            if action == "add":
+                try:
+                    self.engine.add_sequence(seq)
+                except Exception as e:  # noqa: BLE001 - report it on the request's own stream
+                    stream.put(StreamUpdate("", [], error=str(e)))
+                    continue
+                self._streams[seq.seq_id] = stream
+            elif action == "abort" and self._streams.pop(seq.seq_id, None) is not None:
+                self.engine.abort(seq)
+
+    def _emit(self, seq: Sequence) -> None:
+        stream = self._streams.get(seq.seq_id)
+        if stream is None:
+            return
+        new = seq.output_token_ids[stream.sent_tokens :]
+        text = OutputProcessor.stream_delta(seq)
+        if not new and not text and not seq.finished:
+            return
+        if stream.first_token_time is None and new:
+            stream.first_token_time = time.perf_counter()
+        logprobs = []
+        if seq.params.logprobs is not None:  # (token, (logprob, top-n)) per new token
+            logprobs = list(zip(new, seq.output_logprobs[stream.sent_tokens :], strict=False))
+        stream.sent_tokens = len(seq.output_token_ids)
+        update = StreamUpdate(
+            text,
+            new,
+            finish_reason=seq.finish_reason if seq.finished else None,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_output_tokens=len(seq.output_token_ids),
+            logprobs=logprobs,
+        )
+        stream.put(update)
+        if seq.finished:
+            self._streams.pop(seq.seq_id, None)
+            self.num_finished_requests += 1
+            now = time.perf_counter()
+            ttft = (stream.first_token_time or now) - stream.arrival
+            for callback in self.on_finish:
+                callback(seq, ttft, now - stream.arrival)
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        self.engine.abort(seq)
+        self.num_failed_requests += 1
+        stream = self._streams.pop(seq.seq_id, None)
+        if stream is not None:
+            stream.put(StreamUpdate("", [], error=message))
+
+    def _isolate(self, suspects: list[Sequence]) -> None:
+        """Re-run the requests of a failed step one at a time; fail the ones that raise alone."""
+        engine, sched = self.engine, self.engine.scheduler
+        suspects = [s for s in suspects if not s.finished]
+        if len(suspects) <= 1:
+            for seq in suspects:
+                self._fail(seq, f"internal error: {self.step_error}")
+            return
+        for seq in suspects:
+            engine.preempt(seq)
+        parked_running = list(sched.running)
+        parked_waiting = [s for s in sched.waiting if s not in suspects]
+        sched.running = []
+        try:
+            for seq in suspects:
+                if seq.finished:
+                    continue
+                sched.waiting.clear()
+                sched.waiting.append(seq)
+                before = len(seq.output_token_ids)
+                try:
+                    for _ in range(64):  # a prompt in chunks, then one token
+                        for s in engine.step():
+                            self._emit(s)
+                        if seq.finished or len(seq.output_token_ids) > before:
+                            break
+                except Exception as e:  # noqa: BLE001
+                    log.warning("request %s fails on its own: %s", seq.request_id, e)
+                    self._fail(seq, f"internal error: {type(e).__name__}: {e}")
+                    continue
+                if not seq.finished:
+                    parked_running += [s for s in sched.running if s not in parked_running]
+                    parked_waiting += [s for s in sched.waiting if s not in parked_waiting]
+                sched.running = []
+        finally:
+            sched.running = parked_running
+            sched.waiting.clear()
+            sched.waiting.extend(parked_waiting)

@@ -1,0 +1,407 @@
+"""`specdecode serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the async engine.
+
+Endpoints: POST /v1/chat/completions and /v1/completions (SSE streaming, usage, n, stop, seed,
+logprobs), GET /v1/models, /health, /metrics (Prometheus; the spec-decode counters under vLLM's
+names). Safe by default: binds 127.0.0.1, optional API key, limits on body size, n, prompt and
+max_tokens; every bad input is a 4xx with an OpenAI-style error body, and the server keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdecode.errors import InvalidRequestError
+from specdecode.sampling import SamplingParams
+from specdecode.serving.async_engine import AsyncLLMEngine, RequestHandle, StreamUpdate
+from specdecode.serving.metrics import ServerMetrics
+from specdecode.serving.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_request_bytes: int = 1 << 20  # 1 MiB of JSON
+    max_n: int = 16
+    max_prompts: int = 64  # prompts in one /v1/completions request
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param)
+
+
+def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url=None)
+    core = engine.engine
+    tokenizer = core.tokenizer
+    metrics = ServerMetrics(engine, config.served_model_name)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return _error(e.status, e.message, e.type, e.param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, e: InvalidRequestError):
+        return _error(400, str(e), "invalid_request_error", e.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error(e.status_code, str(e.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception):
+        log.exception("unhandled error")
+        return _error(500, f"internal error: {type(e).__name__}", "internal_error")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if config.api_key and request.url.path.startswith("/v1/"):
+            got = request.headers.get("authorization", "")
+            if not secrets.compare_digest(got.encode(), f"Bearer {config.api_key}".encode()):
+                return _error(401, "invalid or missing API key", "authentication_error")
+        return await call_next(request)
+
+    async def read_json(request: Request, model_cls):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.max_request_bytes:
+            raise APIError(413, "request body too large", "invalid_request_error")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > config.max_request_bytes:
+                raise APIError(413, "request body too large", "invalid_request_error")
+        try:
+            raw = json.loads(body.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise bad_request("the request body is not valid UTF-8") from e
+        except json.JSONDecodeError as e:
+            raise bad_request(f"the request body is not valid JSON: {e.msg}") from e
+        if not isinstance(raw, dict):
+            raise bad_request("the request body must be a JSON object")
+        try:
+            req = model_cls.model_validate(raw)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err.get("loc", ()))
+            raise bad_request(f"{where}: {err.get('msg')}", where or None) from e
+        if req.model is not None and req.model != config.served_model_name:
+            raise APIError(
+                404, f"the model {req.model!r} does not exist", "not_found_error", "model"
+            )
+        if req.n > config.max_n:
+            raise bad_request(f"n must be at most {config.max_n}", "n")
+        return req
+
+    def check_length(prompt_len: int, max_tokens: int | None) -> int:
+        limit = core.max_model_len
+        if prompt_len >= limit:
+            raise bad_request(
+                f"this model's maximum context length is {limit} tokens; the prompt has "
+                f"{prompt_len}",
+                "messages",
+            )
+        room = limit - prompt_len
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise bad_request(
+                f"this model's maximum context length is {limit} tokens; you requested "
+                f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to "
+                "generate)",
+                "max_tokens",
+            )
+        return max_tokens
+
+    # ---- routes --------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return _error(503, "the engine is not running", "internal_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": config.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "specdecode",
+            "max_model_len": core.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = await read_json(request, ChatCompletionRequest)
+        if not getattr(tokenizer, "chat_template", None):
+            raise bad_request("this model has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # noqa: BLE001 - templates raise on roles they do not accept
+            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
+        ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+        max_tokens = check_length(len(ids), req.requested_max_tokens())
+        params = req.sampling_params(max_tokens, req.requested_logprobs())
+        jobs = [(ids, choice_params(params, j)) for j in range(req.n)]
+        return await respond(request, req, jobs, len(ids), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await read_json(request, CompletionRequest)
+        prompts = req.prompts()
+        if len(prompts) > config.max_prompts:
+            raise bad_request(f"at most {config.max_prompts} prompts per request", "prompt")
+        logprobs = req.requested_logprobs()
+        jobs, prompt_tokens = [], 0
+        for p in prompts:
+            ids = list(tokenizer(p).input_ids) if isinstance(p, str) else list(p)
+            if not ids:
+                raise bad_request("the prompt is empty", "prompt")
+            max_tokens = check_length(len(ids), req.requested_max_tokens())
+            params = req.sampling_params(max_tokens, logprobs)
+            jobs += [(ids, choice_params(params, j)) for j in range(req.n)]
+            prompt_tokens += len(ids)
+        return await respond(request, req, jobs, prompt_tokens, chat=False)
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    def choice_params(params: SamplingParams, j: int) -> SamplingParams:
+        """Choice j of a seeded request uses seed + j, so n > 1 gives n different samples."""
+        return params if params.seed is None or j == 0 else replace(params, seed=params.seed + j)
+
+    async def respond(request: Request, req, jobs, prompt_tokens: int, chat: bool):
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        handles: list[RequestHandle] = []
+        try:
+            for i, (ids, params) in enumerate(jobs):
+                handles.append(engine.add(ids, params, f"{request_id}-{i}"))
+        except InvalidRequestError as e:
+            for h in handles:
+                h.abort()
+            raise bad_request(str(e), e.param) from e
+        meta = (request_id, created, chat, prompt_tokens)
+        if req.stream:
+            body = sse(handles, req.include_usage, meta)
+            return StreamingResponse(body, media_type="text/event-stream")
+        try:
+            return await collect(request, handles, meta)
+        finally:
+            for h in handles:
+                h.abort()
+
+    async def collect(request: Request, handles: list[RequestHandle], meta):
+        request_id, created, chat, prompt_tokens = meta
+
+        async def drain(h: RequestHandle) -> dict:
+            out = {"text": "", "tokens": 0, "logprobs": [], "finish": None}
+            async for u in h.updates():
+                if u.error:
+                    raise APIError(500, u.error, "internal_error")
+                out["text"] += u.text
+                out["tokens"] = u.num_output_tokens
+                out["logprobs"] += u.logprobs
+                out["finish"] = u.finish_reason
+            return out
+
+        task = asyncio.ensure_future(asyncio.gather(*(drain(h) for h in handles)))
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()  # the client left: abort its requests, free their memory
+                return Response(status_code=499)
+        results = task.result()
+        choices = []
+        for i, (h, r) in enumerate(zip(handles, results, strict=True)):
+            choice: dict = {"index": i}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": r["text"]}
+            else:
+                choice["text"] = r["text"]
+            wants = h.seq.params.logprobs is not None
+            choice["logprobs"] = format_logprobs(r["logprobs"], chat) if wants else None
+            choice["finish_reason"] = r["finish"]
+            choices.append(choice)
+        completion = sum(r["tokens"] for r in results)
+        return {
+            "id": request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": config.served_model_name,
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion),
+        }
+
+    def usage(prompt_tokens: int, completion: int) -> dict:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+
+    def format_logprobs(entries: list, chat: bool):
+        """Our (logprob, top) per token -> OpenAI's chat or completions logprobs object."""
+        pieces = []
+        for tok, (lp, top) in entries:
+            pieces.append(
+                (tokenizer.decode([tok]), lp, [(tokenizer.decode([t]), v) for t, v in top])
+            )
+        if chat:
+            return {
+                "content": [
+                    {
+                        "token": s,
+                        "logprob": lp,
+                        "bytes": list(s.encode()),
+                        "top_logprobs": [
+                            {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top
+                        ],
+                    }
+                    for s, lp, top in pieces
+                ]
+            }
+        offsets, pos = [], 0
+        for s, _, _ in pieces:
+            offsets.append(pos)
+            pos += len(s)
+        return {
+            "tokens": [s for s, _, _ in pieces],
+            "token_logprobs": [lp for _, lp, _ in pieces],
+            "top_logprobs": [dict(top) for _, _, top in pieces],
+            "text_offset": offsets,
+        }
+
+    async def sse(handles: list[RequestHandle], include_usage: bool, meta) -> AsyncIterator[str]:
+        request_id, created, chat, prompt_tokens = meta
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, h: RequestHandle) -> None:
+            try:
+                async for u in h.updates():
+                    await queue.put((i, u))
+            except Exception as e:  # noqa: BLE001 - reported on the stream
+                await queue.put((i, StreamUpdate("", [], error=f"{type(e).__name__}: {e}")))
+
+        def chunk(choices: list, usage_=None) -> str:
+            body = {"id": request_id, "object": obj, "created": created,
+                    "model": config.served_model_name, "choices": choices}  # fmt: skip
+            if usage_ is not None:
+                body["usage"] = usage_
+            return f"data: {json.dumps(body)}\n\n"
+
+        tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+        try:
+            if chat:
+                first = {"role": "assistant", "content": ""}
+                yield chunk(
+                    [
+                        {"index": i, "delta": first, "logprobs": None, "finish_reason": None}
+                        for i in range(len(handles))
+                    ]  # fmt: skip
+                )
+            remaining, completion = len(handles), {}
+            while remaining:
+                i, u = await queue.get()
+                if u.error:
+                    err = {"message": u.error, "type": "internal_error", "code": 500}
+                    yield f"data: {json.dumps({'error': err})}\n\n"
+                    remaining -= 1
+                    continue
+                completion[i] = u.num_output_tokens
+                if u.text or u.finished or u.logprobs:
+                    lp = format_logprobs(u.logprobs, chat) if u.logprobs else None
+                    c: dict = {"index": i}
+                    if chat:
+                        c["delta"] = {"content": u.text} if u.text else {}
+                    else:
+                        c["text"] = u.text
+                    c["logprobs"] = lp
+                    c["finish_reason"] = u.finish_reason
+                    yield chunk([c])
+                if u.finished:
+                    remaining -= 1
+            if include_usage:
+                yield chunk([], usage(prompt_tokens, sum(completion.values())))
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            for h in handles:
+                h.abort()
+
+    app.state.metrics = metrics
+    return app
+
+
+def run_server(args) -> None:
+    """`specdecode serve`: load the engine, then serve until interrupted."""
+    import os
+
+    import uvicorn
+
+    from specdecode.cli import engine_kwargs
+    from specdecode.config import EngineConfig
+    from specdecode.engine.engine import LLMEngine
+
+    kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs}
+    core = LLMEngine(EngineConfig(model=args.model, **kwargs))
+    name = args.served_model_name or (
+        "HuggingFaceTB/SmolLM2-135M-Instruct" if args.model is None else args.model
+    )
+    api_key = args.api_key or os.environ.get("SPECDECODE_API_KEY")
+    engine = AsyncLLMEngine(core)
+    engine.start()
+    app = build_app(
+        engine,
+        ServerConfig(
+            served_model_name=name,
+            api_key=api_key,
+            max_request_bytes=args.max_request_bytes,
+            max_n=args.max_n,
+        ),
+    )
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        log.warning(
+            "serving on %s without an API key: anyone who can reach it can use it", args.host
+        )
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.shutdown()

@@ -1,0 +1,342 @@
+"""The OpenAI-compatible server, driven over loopback by the official `openai` client and by raw
+HTTP: outputs equal plain greedy decoding whatever shares the batch, bad input gets a 4xx and
+the server keeps serving, a client that leaves frees its memory, one failing request fails
+alone, and hundreds of concurrent streams lose or duplicate nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+import uvicorn
+
+from specdecode import LLM, SamplingParams
+from specdecode.config import EngineConfig
+from specdecode.engine.engine import LLMEngine
+from specdecode.serving.async_engine import AsyncLLMEngine
+from specdecode.serving.server import ServerConfig, build_app
+
+MODEL = "tiny"
+KEY = "sk-test"
+QUESTIONS = ["abcabcabc", "Hello Hello", "xyz", "1212121212", "count: 1 2 3", "aaaa"]
+
+
+class Served:
+    def __init__(self, engine: AsyncLLMEngine, api_key: str | None) -> None:
+        app = build_app(engine, ServerConfig(MODEL, api_key=api_key, max_request_bytes=20_000))
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, args=([self.sock],), daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    core = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            max_num_seqs=256,
+            speculative_config={
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_min": 1,
+            },  # fmt: skip
+        )
+    )
+    eng = AsyncLLMEngine(core)
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    s = Served(engine, api_key=None)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="none")
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir))
+
+
+def chat_messages(q: str) -> list[dict]:
+    return [{"role": "user", "content": q}]
+
+
+def expected(plain: LLM, q: str, n: int, **params) -> str:
+    p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **params)
+    return plain.chat(chat_messages(q), p)[0].outputs[0].text
+
+
+def raw(port: int, method: str, path: str, body: bytes | None = None, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request(method, path, body=body, headers={"Content-Type": "application/json",
+                                                   **(headers or {})})  # fmt: skip
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, data
+
+
+def idle(engine: AsyncLLMEngine, timeout: float = 10.0) -> bool:
+    """Everything freed: no request state anywhere, every cache block back."""
+    core = engine.engine
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if core.num_tracked() == 0 and core.manager.num_free_blocks == core.manager.num_blocks - 1:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_models_health_and_metrics(served, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert raw(served.port, "GET", "/health")[0] == 200
+    client.chat.completions.create(
+        model=MODEL, messages=chat_messages("abcabcabcabc"), max_tokens=12, temperature=0
+    )
+    status, body = raw(served.port, "GET", "/metrics")
+    text = body.decode()
+    assert status == 200
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total",
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}',
+                 "specdecode:speculative_budget", "vllm:time_to_first_token_seconds_bucket"):  # fmt: skip
+        assert name in text
+    drafts = next(line for line in text.splitlines()
+                  if line.startswith("vllm:spec_decode_num_draft_tokens_total"))  # fmt: skip
+    assert float(drafts.split()[-1]) > 0
+
+
+def test_chat_equals_plain_greedy(client, plain):
+    for q in QUESTIONS[:3]:
+        r = client.chat.completions.create(
+            model=MODEL, messages=chat_messages(q), max_tokens=20, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert r.choices[0].message.content == expected(plain, q, 20)
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 20
+        assert r.usage.total_tokens == r.usage.prompt_tokens + 20
+
+
+def test_streaming_reassembles_with_usage(client, plain):
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=chat_messages("Hello Hello"), max_tokens=24, temperature=0,
+            stream=True, stream_options={"include_usage": True}, n=2,
+            extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    texts = {0: "", 1: ""}
+    finish = {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    want = expected(plain, "Hello Hello", 24)
+    assert texts == {0: want, 1: want}
+    assert finish == {0: "length", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 48
+
+
+def test_completions_prompts_n_seed_stop_and_logprobs(client, plain):
+    kw = dict(model=MODEL, prompt=["abcabc", "xyz"], max_tokens=10, temperature=1.0, n=2, seed=5)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2, 3]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded
+    assert a.choices[0].text != a.choices[1].text or a.choices[2].text != a.choices[3].text
+    want = plain.generate("abcabc", SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    stop = want.text[5:7]
+    r = client.completions.create(
+        model=MODEL, prompt="abcabc", max_tokens=12, temperature=0, stop=[stop], logprobs=2
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.text == want.text[: want.text.index(stop)]
+    assert len(c.logprobs.tokens) == r.usage.completion_tokens
+    assert all(len(top) == 2 for top in c.logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    r = client.chat.completions.create(
+        model=MODEL, messages=chat_messages("xyz"), max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=3,
+    )  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(t.top_logprobs) == 3 for t in content)
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy
+
+
+BAD = [
+    (b"{not json", 400),
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', 400),  # not UTF-8
+    (b"[1, 2]", 400),
+    (json.dumps({"messages": []}).encode(), 400),
+    (json.dumps({"messages": [{"role": "robot", "content": "hi"}]}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 1000}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x" * 400}]}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}).encode(), 404),
+    (json.dumps({"messages": [{"role": "user", "content": "x" * 30_000}]}).encode(), 413),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1}).encode(), 400),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body,status", BAD)
+def test_bad_input_is_a_4xx_and_the_server_keeps_serving(served, client, body, status):
+    got, data = raw(served.port, "POST", "/v1/chat/completions", body)
+    assert got == status, data
+    err = json.loads(data)["error"]
+    assert err["message"] and err["type"] and err["code"] == status
+    ok = client.chat.completions.create(model=MODEL, messages=chat_messages("hi"), max_tokens=3)
+    assert ok.choices[0].message.content is not None
+
+
+def test_bad_completion_prompts_and_routes(served):
+    for body in ({"prompt": []}, {"prompt": [[1, 2], [999999]]}, {"prompt": "a", "echo": True}):
+        got, data = raw(served.port, "POST", "/v1/completions", json.dumps(body).encode())
+        assert got == 400, (body, data)
+    assert raw(served.port, "GET", "/v1/nothing")[0] == 404
+    assert raw(served.port, "GET", "/v1/chat/completions")[0] == 405
+
+
+def test_api_key(engine):
+    s = Served(engine, api_key=KEY)
+    try:
+        body = json.dumps({"messages": chat_messages("hi"), "max_tokens": 2}).encode()
+        assert raw(s.port, "POST", "/v1/chat/completions", body)[0] == 401
+        bad = {"Authorization": "Bearer nope"}
+        assert raw(s.port, "POST", "/v1/chat/completions", body, bad)[0] == 401
+        good = {"Authorization": f"Bearer {KEY}"}
+        assert raw(s.port, "POST", "/v1/chat/completions", body, good)[0] == 200
+        assert raw(s.port, "GET", "/health")[0] == 200
+    finally:
+        s.stop()
+
+
+def test_client_disconnect_mid_stream_frees_the_request(served, engine, monkeypatch):
+    assert idle(engine)
+    core = engine.engine
+    step = core.step
+
+    def slow_step():  # so the request is surely still running when the client leaves
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(core, "step", slow_step)
+    before = core.num_generated_tokens
+    body = json.dumps({"messages": chat_messages("abc"), "max_tokens": 200, "stream": True,
+                       "temperature": 0, "ignore_eos": True})  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=body,
+                 headers={"Content-Type": "application/json"})  # fmt: skip
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.read(6) == b"data: "  # streaming has begun
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    assert idle(engine), "the abandoned request must be aborted and its memory freed"
+    assert 0 < core.num_generated_tokens - before < 200  # it was cut short
+
+
+def test_an_exception_in_one_request_fails_only_that_request(served, engine, client, plain):
+    core = engine.engine
+    real = core.output.append
+
+    def faulty(seq, tokens, logprobs=None):
+        if "BOOM" in core.tokenizer.decode(seq.prompt_token_ids) and seq.output_token_ids:
+            raise RuntimeError("injected fault")
+        return real(seq, tokens, logprobs)
+
+    core.output.append = faulty
+    try:
+
+        async def run():
+            aclient = openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{served.port}/v1", api_key="none", max_retries=0
+            )
+            calls = [
+                aclient.chat.completions.create(
+                    model=MODEL,
+                    messages=chat_messages(q),
+                    max_tokens=15,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                for q in ["BOOM", *QUESTIONS[:4]]
+            ]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        results = asyncio.run(run())
+    finally:
+        core.output.append = real
+    assert isinstance(results[0], openai.InternalServerError)
+    for q, r in zip(QUESTIONS[:4], results[1:], strict=True):
+        assert r.choices[0].message.content == expected(plain, q, 15)
+    assert engine.num_failed_requests >= 1
+    assert idle(engine)
+
+
+def test_load_hundreds_of_concurrent_streams(served, engine, plain):
+    """300 concurrent streaming clients, greedy and seeded sampling mixed in one batch: no
+    errors, every stream equals its plain output token for token, memory back to baseline."""
+    n_clients, max_tokens = 300, 12
+    jobs = [(QUESTIONS[i % len(QUESTIONS)], (i % 3) * 0.5, i) for i in range(n_clients)]
+    want = {}
+    for q, t, seed in jobs:
+        p = SamplingParams(temperature=t, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+        want[seed] = plain.chat(chat_messages(q), p)[0].outputs[0].text
+
+    async def one(aclient, q, t, seed):
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=chat_messages(q), max_tokens=max_tokens, temperature=t,
+            seed=seed, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        text, usage = "", None
+        async for c in stream:
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+            if c.usage:
+                usage = c.usage
+        return seed, text, usage.completion_tokens
+
+    async def run():
+        aclient = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{served.port}/v1", api_key="none", max_retries=0,
+            timeout=300,
+        )  # fmt: skip
+        return await asyncio.gather(*(one(aclient, *j) for j in jobs), return_exceptions=True)
+
+    results = asyncio.run(run())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    for seed, text, completion in results:
+        assert text == want[seed]
+        assert completion == max_tokens
+    assert idle(engine)
