@@ -119,10 +119,15 @@ def test_models_health_and_metrics(served, client):
     status, body = raw(served.port, "GET", "/metrics")
     text = body.decode()
     assert status == 200
-    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-                 "vllm:spec_decode_num_accepted_tokens_total",
-                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}',
-                 "specdecode:speculative_budget", "vllm:time_to_first_token_seconds_bucket"):  # fmt: skip
+    names = (
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}',
+        "specdecode:speculative_budget",
+        "vllm:time_to_first_token_seconds_bucket",
+    )
+    for name in names:
         assert name in text
     drafts = next(line for line in text.splitlines()
                   if line.startswith("vllm:spec_decode_num_draft_tokens_total"))  # fmt: skip
@@ -189,27 +194,34 @@ def test_completions_prompts_n_seed_stop_and_logprobs(client, plain):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy
 
 
+HI = [{"role": "user", "content": "hi"}]
+
+
+def body(**fields) -> bytes:
+    return json.dumps({"messages": HI, **fields}).encode()
+
+
 BAD = [
     (b"{not json", 400),
     (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', 400),  # not UTF-8
     (b"[1, 2]", 400),
-    (json.dumps({"messages": []}).encode(), 400),
-    (json.dumps({"messages": [{"role": "robot", "content": "hi"}]}).encode(), 400),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).encode(), 400),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}).encode(), 400),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}).encode(), 400),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 1000}).encode(), 400),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}).encode(), 400),
-    (json.dumps({"messages": [{"role": "user", "content": "x" * 400}]}).encode(), 400),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}).encode(), 404),
-    (json.dumps({"messages": [{"role": "user", "content": "x" * 30_000}]}).encode(), 413),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1}).encode(), 400),
-]  # fmt: skip
+    (body(messages=[]), 400),
+    (body(messages=[{"role": "robot", "content": "hi"}]), 400),
+    (body(temperature="hot"), 400),
+    (body(max_tokens=-3), 400),
+    (body(max_tokens=10**9), 400),
+    (body(n=1000), 400),
+    (body(top_p=0), 400),
+    (body(messages=[{"role": "user", "content": "x" * 400}]), 400),  # longer than the context
+    (body(model="gpt-9"), 404),
+    (body(messages=[{"role": "user", "content": "x" * 30_000}]), 413),
+    (body(presence_penalty=1), 400),
+]
 
 
-@pytest.mark.parametrize("body,status", BAD)
-def test_bad_input_is_a_4xx_and_the_server_keeps_serving(served, client, body, status):
-    got, data = raw(served.port, "POST", "/v1/chat/completions", body)
+@pytest.mark.parametrize("payload,status", BAD)
+def test_bad_input_is_a_4xx_and_the_server_keeps_serving(served, client, payload, status):
+    got, data = raw(served.port, "POST", "/v1/chat/completions", payload)
     assert got == status, data
     err = json.loads(data)["error"]
     assert err["message"] and err["type"] and err["code"] == status
@@ -218,9 +230,9 @@ def test_bad_input_is_a_4xx_and_the_server_keeps_serving(served, client, body, s
 
 
 def test_bad_completion_prompts_and_routes(served):
-    for body in ({"prompt": []}, {"prompt": [[1, 2], [999999]]}, {"prompt": "a", "echo": True}):
-        got, data = raw(served.port, "POST", "/v1/completions", json.dumps(body).encode())
-        assert got == 400, (body, data)
+    for bad in ({"prompt": []}, {"prompt": [[1, 2], [999999]]}, {"prompt": "a", "echo": True}):
+        got, data = raw(served.port, "POST", "/v1/completions", json.dumps(bad).encode())
+        assert got == 400, (bad, data)
     assert raw(served.port, "GET", "/v1/nothing")[0] == 404
     assert raw(served.port, "GET", "/v1/chat/completions")[0] == 405
 
@@ -228,12 +240,12 @@ def test_bad_completion_prompts_and_routes(served):
 def test_api_key(engine):
     s = Served(engine, api_key=KEY)
     try:
-        body = json.dumps({"messages": chat_messages("hi"), "max_tokens": 2}).encode()
-        assert raw(s.port, "POST", "/v1/chat/completions", body)[0] == 401
+        req = body(max_tokens=2)
+        assert raw(s.port, "POST", "/v1/chat/completions", req)[0] == 401
         bad = {"Authorization": "Bearer nope"}
-        assert raw(s.port, "POST", "/v1/chat/completions", body, bad)[0] == 401
+        assert raw(s.port, "POST", "/v1/chat/completions", req, bad)[0] == 401
         good = {"Authorization": f"Bearer {KEY}"}
-        assert raw(s.port, "POST", "/v1/chat/completions", body, good)[0] == 200
+        assert raw(s.port, "POST", "/v1/chat/completions", req, good)[0] == 200
         assert raw(s.port, "GET", "/health")[0] == 200
     finally:
         s.stop()
