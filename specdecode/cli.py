@@ -291,6 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--repeats", type=int, default=3)
     lat.add_argument("--skip-transformers", action="store_true")
     lat.add_argument("--json", default=None, help="also write the results to this JSON file")
+    srv_bench = bsub.add_parser(
+        "serve", help="concurrency sweep of the serving engine: policies off / static / adaptive"
+    )
+    add_engine_args(srv_bench)
+    add_speculative_args(srv_bench)
+    from specdecode.bench.serve import add_args as add_serve_bench_args
+
+    add_serve_bench_args(srv_bench)
     return parser
 
 
@@ -462,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
             cmd_data(args)
         elif args.command == "train":
             cmd_train(args)
+        elif args.command == "bench" and args.bench == "serve":
+            from specdecode.bench.serve import run_serve_bench
+
+            run_serve_bench(args)
         elif args.command == "bench" and args.bench == "latency":
             if speculative_config(args):
                 from specdecode.bench.speculative import run_speculative

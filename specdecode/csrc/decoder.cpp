@@ -55,6 +55,8 @@ void rope_inplace(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   }
 }
 
+constexpr int64_t kDenseQueries = 16;
+
 // Attention of several sequences straight from their cache slots (no gather of the padded
 // context): one task per (sequence, kv head) reads each key and value row once for all the
 // queries of its head group. q [T, H, D] fp32; caches [Hkv, S, D]; kv_slots [B, L]; query_index /
@@ -89,7 +91,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache_k,
       const int64_t b = task / Hkv, hk = task % Hkv;
       int64_t n = 0;
       while (n < N && qvalid[b * N + n]) ++n;
-      if (n == 0) continue;
+      if (n == 0 || n > kDenseQueries) continue;  // long chunks: dense path below
       // The context ends after the last column any query may see.
       int64_t ctx = 0;
       for (int64_t i = 0; i < n; ++i)
@@ -146,6 +148,24 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache_k,
       }
     }
   });
+  // Sequences with many queries (prefill chunks, large trees): gather their context once and
+  // use the library's attention, which is vectorised; the loop above suits a few queries.
+  const at::Tensor valid_counts = qv_t.sum(1);
+  const int64_t* counts = valid_counts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = counts[b];
+    if (n <= kDenseQueries) continue;
+    const at::Tensor m = mask_t.select(0, b).narrow(1, 0, n);  // [1, n, L]
+    const int64_t ctx = m.any(1).nonzero().max().item<int64_t>() + 1;
+    const at::Tensor idx = kv_slots.select(0, b).narrow(0, 0, ctx);
+    const at::Tensor keys = cache_k.index_select(1, idx).unsqueeze(0);  // [1, Hkv, ctx, D]
+    const at::Tensor vals = cache_v.index_select(1, idx).unsqueeze(0);
+    const at::Tensor rows = query_index.select(0, b).narrow(0, 0, n);
+    const at::Tensor qb = q.index_select(0, rows).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
+    const at::Tensor o = at::scaled_dot_product_attention(
+        qb, keys, vals, m.narrow(2, 0, ctx).unsqueeze(0), 0.0, false, std::nullopt, true);
+    out.index_copy_(0, rows, o.select(0, 0).transpose(0, 1).reshape({n, H * D}));
+  }
   return out;
 }
 

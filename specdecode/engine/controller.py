@@ -220,6 +220,8 @@ class GoodputController:
         # what the last step decided, for /metrics and logs
         self.last_budgets: list[int] = []
         self.last_predicted_gain: float = 1.0
+        self.num_decisions = 0  # (request, step) pairs decided
+        self.num_drafting = 0  # of which drafted
 
     # ---- estimates -----------------------------------------------------------------------------
 
@@ -262,6 +264,8 @@ class GoodputController:
         else:
             budgets = self._adaptive(seqs, base_tokens)
         self.last_budgets = budgets
+        self.num_decisions += len(budgets)
+        self.num_drafting += sum(1 for k in budgets if k)
         for s, k in zip(seqs, budgets, strict=True):
             self._last_plan[s.seq_id] = k
             self._idle_steps[s.seq_id] = 0 if k else self._idle_steps.get(s.seq_id, 0) + 1

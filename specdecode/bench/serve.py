@@ -1,0 +1,254 @@
+"""`specdecode bench serve`: a concurrency sweep of the serving engine for the speculative
+policies off / static / adaptive, on the same prompts, in one run, on one loaded engine.
+
+At each concurrency c, c closed-loop clients keep one request each in flight (a client sends
+its next request when the previous one finishes) until `max(c, --min-requests)` requests are
+done. Each policy runs the same requests. Reported per (c, policy): output throughput (tok/s),
+mean time per output token after the first (TPOT, the inter-token latency a streaming user
+sees), median time to first token, acceptance, and for adaptive the share of decoding steps it
+chose to draft. The engine runs in-process behind the same `AsyncLLMEngine` the HTTP server
+uses, so the numbers are the engine's, not the HTTP stack's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+from specdecode.bench import workloads
+from specdecode.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("off", "static", "adaptive")
+
+
+async def _level(engine, prompts: list[list[int]], concurrency: int, n_requests: int, params):
+    sem = asyncio.Semaphore(concurrency)
+    rows = []
+
+    async def one(ids: list[int]) -> None:
+        async with sem:
+            t0 = time.perf_counter()
+            first, n = None, 0
+            async for u in engine.generate(ids, params):
+                if u.error:
+                    raise RuntimeError(u.error)
+                if u.token_ids and first is None:
+                    first = time.perf_counter()
+                n = u.num_output_tokens
+            rows.append((t0, first or time.perf_counter(), time.perf_counter(), n))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(prompts[i % len(prompts)]) for i in range(n_requests)))
+    wall = time.perf_counter() - start
+    tokens = sum(r[3] for r in rows)
+    tpot = [(end - first) / (n - 1) for _, first, end, n in rows if n > 1]
+    return {
+        "requests": n_requests,
+        "output_tokens": tokens,
+        "seconds": wall,
+        "throughput_tok_s": tokens / wall,
+        "tpot_ms": 1000 * statistics.mean(tpot) if tpot else None,
+        "ttft_p50_ms": 1000 * statistics.median(first - t0 for t0, first, _, _ in rows),
+    }
+
+
+def _stats(core) -> tuple[int, int, int, int, int]:
+    s, c = core.spec_stats, core.controller
+    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, c.num_decisions, c.num_drafting
+
+
+def run_serve_bench(args: argparse.Namespace) -> dict:
+    from specdecode.cli import engine_kwargs, speculative_config
+    from specdecode.config import EngineConfig
+    from specdecode.engine.engine import LLMEngine
+    from specdecode.serving.async_engine import AsyncLLMEngine
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    spec = speculative_config(args) or {"method": "ngram"}
+    kwargs = {**engine_kwargs(args), "speculative_config": spec, "max_num_seqs": max(levels)}
+    core = LLMEngine(EngineConfig(model=args.model, **kwargs))
+    tok = core.tokenizer
+    prompts = []
+    for messages in workloads.load(args.workload, args.num_prompts):
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = list(tok(text, add_special_tokens=False).input_ids)[-args.max_prompt_tokens :]
+        prompts.append(ids)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
+    engine = AsyncLLMEngine(core)
+    engine.start()
+    print(f"calibrating the step-cost curve ({core.spec_config.method}) ...", flush=True)
+    core.calibrate(time_budget_s=20.0)
+    policies = [p for p in args.policies.split(",") if p]
+
+    async def sweep() -> list[dict]:
+        for policy in policies:  # warm-up: kernels, caches, the controller's first estimates
+            core.set_policy(policy)
+            await _level(engine, prompts, 2, 4, params)
+        rows = []
+        for c in levels:
+            n = max(c, args.min_requests)
+            for policy in policies:
+                core.set_policy(policy)
+                before = _stats(core)
+                row = {"concurrency": c, "policy": policy}
+                row.update(await _level(engine, prompts, c, n, params))
+                diff = [a - b for a, b in zip(_stats(core), before, strict=True)]
+                drafts, drafted, accepted, decisions, drafting = diff
+                row["drafting_share"] = drafting / decisions if decisions else None
+                row["acceptance_rate"] = accepted / drafted if drafted else None
+                row["tau"] = 1 + accepted / drafts if drafts else None
+                rows.append(row)
+                _print(row, rows)
+        return rows
+
+    try:
+        rows = asyncio.run(sweep())
+    finally:
+        engine.shutdown()
+    result = {
+        "model": str(core.model_path),
+        "speculative_config": core.spec_config.__dict__,
+        "workload": args.workload,
+        "temperature": args.temperature,
+        "max_tokens": args.max_tokens,
+        "dtype": args.dtype,
+        "rows": rows,
+        "summary": summarize(rows),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve.json").write_text(json.dumps(result, indent=1))
+    (out / "serve.md").write_text(markdown(result))
+    plot(result, out / "serve.png")
+    print(f"wrote {out / 'serve.json'}, {out / 'serve.md'}, {out / 'serve.png'}")
+    print(result["summary"]["text"])
+    return result
+
+
+def _ratio(rows, c, policy) -> float | None:
+    by = {(r["concurrency"], r["policy"]): r for r in rows}
+    if (c, policy) not in by or (c, "off") not in by:
+        return None
+    return by[(c, policy)]["throughput_tok_s"] / by[(c, "off")]["throughput_tok_s"]
+
+
+def _print(row: dict, rows: list[dict]) -> None:
+    r = _ratio(rows, row["concurrency"], row["policy"])
+    vs = f" ({r:.2f}x off)" if r and row["policy"] != "off" else ""
+    acc = f" acc {row['acceptance_rate']:.0%}" if row["acceptance_rate"] is not None else ""
+    print(
+        f"c={row['concurrency']:<4} {row['policy']:<9} {row['throughput_tok_s']:7.1f} tok/s{vs}"
+        f"  tpot {row['tpot_ms'] or 0:6.1f} ms  ttft {row['ttft_p50_ms']:7.0f} ms{acc}",
+        flush=True,
+    )
+
+
+def summarize(rows: list[dict]) -> dict:
+    levels = sorted({r["concurrency"] for r in rows})
+    out: dict = {}
+    lines = []
+    for policy in ("static", "adaptive"):
+        ratios = {c: _ratio(rows, c, policy) for c in levels}
+        ratios = {c: v for c, v in ratios.items() if v is not None}
+        if not ratios:
+            continue
+        out[policy] = ratios
+        worst = min(ratios, key=ratios.get)
+        lines.append(
+            f"{policy}: {ratios[levels[0]]:.2f}x off at concurrency {levels[0]}, worst "
+            f"{ratios[worst]:.2f}x at {worst}"
+        )
+        if policy == "static":
+            negative = [c for c in levels if c in ratios and ratios[c] < 1.0]
+            out["static_negative_from"] = negative[0] if negative else None
+            lines.append(
+                f"static speculation loses to plain decoding from concurrency {negative[0]}"
+                if negative
+                else "static speculation never lost to plain decoding in this sweep"
+            )
+    out["text"] = "\n".join(lines)
+    return out
+
+
+def markdown(result: dict) -> str:
+    rows = result["rows"]
+    levels = sorted({r["concurrency"] for r in rows})
+    by = {(r["concurrency"], r["policy"]): r for r in rows}
+    policies = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    head = "| concurrency | " + " | ".join(f"{p} tok/s" for p in policies)
+    head += " | static vs off | adaptive vs off | TPOT off / adaptive (ms) | adaptive drafted |"
+    lines = [head, "|" + "---|" * (len(policies) + 5)]
+    for c in levels:
+        cells = [f"{by[(c, p)]['throughput_tok_s']:.1f}" for p in policies]
+        s, a = _ratio(rows, c, "static"), _ratio(rows, c, "adaptive")
+        off, ad = by.get((c, "off")), by.get((c, "adaptive"))
+        tpot = f"{off['tpot_ms']:.1f} / {ad['tpot_ms']:.1f}" if off and ad else "-"
+        share = ad.get("drafting_share") if ad else None
+        lines.append(
+            f"| {c} | " + " | ".join(cells) + f" | {s:.2f}x | {a:.2f}x | {tpot} | "
+            f"{'-' if share is None else f'{share:.0%}'} |"
+            if s is not None and a is not None
+            else f"| {c} | " + " | ".join(cells) + " | - | - | - | - |"
+        )
+    cfg = result["speculative_config"]
+    return (
+        f"Workload `{result['workload']}`, temperature {result['temperature']}, "
+        f"{result['max_tokens']} output tokens per request, {result['dtype']}, speculative "
+        f"method `{cfg['method']}` (k={cfg['num_speculative_tokens']}).\n\n"
+        + "\n".join(lines)
+        + "\n\n"
+        + result["summary"]["text"]
+        + "\n"
+    )
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    levels = sorted({r["concurrency"] for r in rows})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy in POLICIES:
+        pts = [(r["concurrency"], r["throughput_tok_s"]) for r in rows if r["policy"] == policy]
+        if pts:
+            ax1.plot(*zip(*pts, strict=True), marker="o", label=policy)
+        ratios = [(c, _ratio(rows, c, policy)) for c in levels]
+        ratios = [(c, v) for c, v in ratios if v is not None]
+        if policy != "off" and ratios:
+            ax2.plot(*zip(*ratios, strict=True), marker="o", label=policy)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax1.set_ylabel("output tokens / s")
+    ax2.set_ylabel("throughput vs off")
+    ax2.axhline(1.0, color="gray", lw=1)
+    ax2.axhline(0.97, color="gray", lw=1, ls="--")
+    cfg = result["speculative_config"]
+    fig.suptitle(f"{cfg['method']} on {result['workload']}, T={result['temperature']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--policies", default="off,static,adaptive")
+    p.add_argument("--workload", default="json", choices=list(workloads.WORKLOADS))
+    p.add_argument("--num-prompts", type=int, default=64, help="distinct prompts, reused")
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--min-requests", type=int, default=8, help="requests per level at least")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--out", default="bench-serve", help="directory for JSON, Markdown, PNG")
