@@ -38,6 +38,9 @@ class Drafter(ABC):
 
     #: True when proposals carry q (sampled drafts); False for deterministic drafts.
     samples_drafts: bool = False
+    #: True when `propose` has no side effects (no state to roll back): the controller may then
+    #: draft in shadow for requests that are not speculating and score the drafts later.
+    stateless: bool = False
     #: Target features this drafter reads (see `ModelRunner.feature_layers`); None: none.
     feature_layers: tuple[int, ...] | None = None
 

@@ -32,6 +32,7 @@ def lookup(context: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
 
 class NgramDrafter(Drafter):
     samples_drafts = False
+    stateless = True
 
     def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:

@@ -21,8 +21,9 @@ Policies (`--speculative-policy`):
   E_i is concave in k and the cost grows with N, so the plan adds draft levels in the order of
   their expected tokens per fed token and stops when the next level lowers G.
   Hysteresis: the plan changes only when it beats the previous one (re-scored with today's
-  estimates) by `hysteresis`; a request that has not drafted for `probe_interval` steps drafts
-  one token, so estimates recover when the traffic changes.
+  estimates) by `hysteresis`. Requests that are not drafting keep being measured (`_explore`):
+  shadow drafts scored against the real output where drafting has no side effects, else a rare
+  one-token probe, so the estimates recover when the traffic changes.
 """
 
 from __future__ import annotations
@@ -199,7 +200,9 @@ class GoodputController:
         nodes_for_depth,
         disable_by_batch_size: int | None = None,
         hysteresis: float = 0.03,
-        probe_interval: int = 32,
+        probe_interval: int = 64,
+        shadow_interval: int = 4,
+        shadow_capable: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise InvalidRequestError(
@@ -211,6 +214,10 @@ class GoodputController:
         self.disable_by_batch_size = disable_by_batch_size
         self.hysteresis = hysteresis
         self.probe_interval = probe_interval
+        self.shadow_interval = shadow_interval
+        self.shadow_capable = shadow_capable  # the drafter's proposals have no side effects
+        self.shadow_requests: list[Sequence] = []  # to draft in shadow this step
+        self._shadows: dict[int, tuple] = {}  # seq_id -> (output length, tokens, children, depth)
         self.step_cost = StepCostModel()
         self.draft_cost = DraftCostModel()
         self._requests: dict[int, AcceptanceCounts] = {}
@@ -263,13 +270,67 @@ class GoodputController:
             budgets = [k] * len(seqs)
         else:
             budgets = self._adaptive(seqs, base_tokens)
-        self.last_budgets = budgets
-        self.num_decisions += len(budgets)
-        self.num_drafting += sum(1 for k in budgets if k)
         for s, k in zip(seqs, budgets, strict=True):
             self._last_plan[s.seq_id] = k
             self._idle_steps[s.seq_id] = 0 if k else self._idle_steps.get(s.seq_id, 0) + 1
+        self.shadow_requests = []
+        if self.policy == "adaptive":
+            budgets = self._explore(seqs, budgets)
+        self.last_budgets = budgets
+        self.num_decisions += len(budgets)
+        self.num_drafting += sum(1 for k in budgets if k)
         return budgets
+
+    def _explore(self, seqs: list[Sequence], plan: list[int]) -> list[int]:
+        """Keep the estimates of requests that are not drafting fresh. With a drafter whose
+        proposals have no side effects (n-gram lookup), a shadow draft every `shadow_interval`
+        idle steps is scored later against the tokens the request really produced: for
+        deterministic drafts that is exactly the verification outcome, at no verification cost.
+        Other drafters get a real one-token probe, one request per step at most."""
+        plan = list(plan)
+        probed = False
+        for i, s in enumerate(seqs):
+            idle = self._idle_steps.get(s.seq_id, 0)
+            if plan[i] or s.seq_id in self._shadows:
+                continue
+            if self.shadow_capable and idle >= self.shadow_interval:
+                self.shadow_requests.append(s)
+                self._idle_steps[s.seq_id] = 0
+            elif not self.shadow_capable and not probed and idle >= self.probe_interval:
+                plan[i] = 1
+                probed = True
+                self._idle_steps[s.seq_id] = 0
+        return plan
+
+    def add_shadow(self, seq: Sequence, tokens: list[int], children: list[list[int]]) -> None:
+        """A draft tree proposed for `seq` but not verified: scored when its tokens are known."""
+        depth, node, stack = 0, 0, [(0, 0)]
+        while stack:  # the tree's depth
+            node, d = stack.pop()
+            depth = max(depth, d)
+            stack += [(c, d + 1) for c in children[node]]
+        if depth:
+            self._shadows[seq.seq_id] = (len(seq.output_token_ids), tokens, children, depth)
+
+    def resolve_shadows(self, seq: Sequence) -> None:
+        """Score `seq`'s shadow draft once the tokens it guessed are known: the accepted length
+        is how far the real output follows the tree (what verification would have kept)."""
+        shadow = self._shadows.get(seq.seq_id)
+        if shadow is None:
+            return
+        start, tokens, children, depth = shadow
+        produced = seq.output_token_ids[start:]
+        if len(produced) < depth and seq.finish_reason is None:
+            return
+        del self._shadows[seq.seq_id]
+        node, accepted = 0, 0
+        for y in produced[:depth]:
+            nxt = next((c for c in children[node] if tokens[c] == y), None)
+            if nxt is None:
+                break
+            node, accepted = nxt, accepted + 1
+        if len(produced) > accepted:  # else the request ended before the draft was decided
+            self.record_verification(seq, depth, accepted)
 
     def _adaptive(self, seqs: list[Sequence], base_tokens: int) -> list[int]:
         if not self.step_cost.calibrated:
@@ -302,12 +363,6 @@ class GoodputController:
             kept = self.goodput(base_tokens, rates, previous)
             if best < kept * (1 + self.hysteresis):
                 plan, best = previous, kept
-        # probes: requests that have not drafted for a while draft one token
-        probes = max(1, len(seqs) // 16)
-        for i, s in enumerate(seqs):
-            if probes and plan[i] == 0 and self._idle_steps.get(s.seq_id, 0) >= self.probe_interval:
-                plan[i] = 1
-                probes -= 1
         self.last_predicted_gain = best / plain if plain > 0 else 1.0
         return plan
 
@@ -329,6 +384,7 @@ class GoodputController:
         self._requests.pop(seq.seq_id, None)
         self._last_plan.pop(seq.seq_id, None)
         self._idle_steps.pop(seq.seq_id, None)
+        self._shadows.pop(seq.seq_id, None)
 
     def summary(self) -> dict:
         b = self.last_budgets

@@ -90,6 +90,7 @@ class LLMEngine:
             disable_by_batch_size=(
                 self.spec_config.disable_by_batch_size if self.spec_config else None
             ),
+            shadow_capable=bool(self.drafter and self.drafter.stateless),
         )
         self.num_steps = 0
         self.last_batch: list[Sequence] = []
@@ -203,13 +204,15 @@ class LLMEngine:
             before = len(seq.output_token_ids)
             self.output.append(seq, tokens, self.runner.logprobs.get(i))
             self.num_generated_tokens += len(seq.output_token_ids) - before
+            ctrl.resolve_shadows(seq)
             if seq.finish_reason is not None:
                 self._finish(seq)
             updated.append(seq)
         t5 = time.perf_counter()
         self.num_steps += 1
-        fed = self.runner.num_fed_tokens
-        ctrl.record_step(fed, (t1 - t0) + (t3 - t2) + (t5 - t4))
+        if all(n == 1 for n in batch.num_new):  # decode and verify steps only: a prefill
+            # chunk's tokens cost far less each and would skew the curve drafts are priced on
+            ctrl.record_step(self.runner.num_fed_tokens, (t1 - t0) + (t3 - t2) + (t5 - t4))
         if spec:
             ctrl.record_draft(sum(self._last_budgets), (t2 - t1) + (t4 - t3))
         return updated
@@ -230,6 +233,11 @@ class LLMEngine:
         plan = self.controller.plan(seqs, sum(batch.num_new), len(batch))
         budgets = [self._budget(s, b) for s, b in zip(seqs, plan, strict=True)]
         self._last_budgets = budgets
+        shadows = self.controller.shadow_requests
+        if shadows:  # drafts scored later against the real output (see GoodputController)
+            drafts = self.drafter.propose(shadows, [k] * len(shadows))
+            for seq, prop in zip(shadows, drafts, strict=True):
+                self.controller.add_shadow(seq, prop.tokens, prop.shape.children)
         if not any(budgets):
             return proposals
         for i, prop in zip(decoding, self.drafter.propose(seqs, budgets), strict=True):

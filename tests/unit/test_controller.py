@@ -111,7 +111,26 @@ def test_idle_requests_are_probed():
     c = controller(memory_bound, acceptance=0.0, draft_s=0.002, probe_interval=5)
     batch = seqs(1)
     plans = [c.plan(batch, 1, 1)[0] for _ in range(12)]
-    assert plans[:5] == [0] * 5 and 1 in plans[5:]
+    assert plans == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0]  # one probe every 5 idle steps
+
+
+def test_shadow_drafts_are_scored_against_the_real_output():
+    c = controller(memory_bound, acceptance=0.0, draft_s=0.002, shadow_capable=True)
+    seq = seqs(1)[0]
+    for _ in range(c.shadow_interval - 1):
+        c.plan([seq], 1, 1)
+        assert c.shadow_requests == []
+    assert c.plan([seq], 1, 1) == [0] and c.shadow_requests == [seq]  # no real probe
+    before = c.acceptance(seq)
+    # a chain 7 -> 8 -> 5 proposed after the prompt; the request then produces 7, 8, 9
+    c.add_shadow(seq, [3, 7, 8, 5], [[1], [2], [3], []])
+    seq.output_token_ids += [7, 8]
+    c.resolve_shadows(seq)  # not decided yet: the third token is unknown
+    assert c.acceptance(seq) == before
+    seq.output_token_ids += [9]
+    c.resolve_shadows(seq)
+    after = c.acceptance(seq)
+    assert after[0] > before[0] and after[1] > before[1] and after[2] < 0.5
 
 
 def test_static_policy_and_its_batch_size_switch():
