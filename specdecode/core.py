@@ -27,7 +27,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared by identity (scheduler lists)
 class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams

@@ -110,6 +110,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache_k,
           for (int64_t g = 0; g < G; ++g) {
             const float* qr = qp + (t * H + hk * G + g) * D;
             float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
             for (int64_t d = 0; d < D; ++d) acc += qr[d] * krow[d];
             scores[(i * G + g) * ctx + j] = acc * scale;
           }
@@ -120,6 +121,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache_k,
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < ctx; ++j) mx = s[j] > mx ? s[j] : mx;
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < ctx; ++j) {
           s[j] = std::exp(s[j] - mx);
           sum += s[j];
@@ -142,6 +144,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache_k,
             const float p = scores[(i * G + g) * ctx + j];
             if (p == 0.f) continue;
             float* o = op + t * H * D + (hk * G + g) * D;
+#pragma omp simd
             for (int64_t d = 0; d < D; ++d) o[d] += p * vrow[d];
           }
         }

@@ -116,8 +116,15 @@ class ModelRunner:
         rows += [r for i in spec for r in range(offsets[i], offsets[i + 1])]
         logits = self.model.compute_logits(hidden[rows]) if rows else None
         self.logprobs = {}
+        argmax = None
         for j, i in enumerate(plain):
-            result[i] = [self._sample(batch.seqs[i], logits[j : j + 1])]
+            seq = batch.seqs[i]
+            if seq.params.greedy:  # one argmax over all greedy rows, computed once
+                if argmax is None:
+                    argmax = logits[: len(plain)].argmax(-1).tolist()
+                result[i] = [argmax[j]]
+            else:
+                result[i] = [self._sample(seq, logits[j : j + 1])]
             if batch.seqs[i].params.logprobs is not None:
                 self.logprobs[i] = _logprobs(logits[j : j + 1], result[i], batch.seqs[i])
         for seq, n, prop in zip(batch.seqs, num_new, proposals, strict=True):

@@ -135,12 +135,7 @@ def test_sglang_flags_map_to_the_speculative_config():
 
 
 def test_bench_compares_methods_in_one_run(tiny_llama_dir, tmp_path):
-    import shutil
-
-    model = tmp_path / "model"  # the tiny model with room for a real prompt (character tokens)
-    shutil.copytree(tiny_llama_dir, model)
-    cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
+    model = _roomy_tiny(tiny_llama_dir, tmp_path)
     out = tmp_path / "bench.json"
     r = run(
         "bench", "latency", "--model", str(model),
@@ -154,3 +149,74 @@ def test_bench_compares_methods_in_one_run(tiny_llama_dir, tmp_path):
     assert [row["method"] for row in rows] == ["ngram k=3", "ngram k=1"]
     assert rows[0]["plain_tok_s"] == rows[1]["plain_tok_s"]  # one baseline for both
     assert all(row["spec_tok_s"] > 0 for row in rows)
+
+
+def _roomy_tiny(tiny_llama_dir, tmp_path):
+    """The tiny model with room for a real prompt (character tokens)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
+    return model
+
+
+def test_bench_serve_sweeps_policies(tiny_llama_dir, tmp_path):
+    model = _roomy_tiny(tiny_llama_dir, tmp_path)
+    out = tmp_path / "serve"
+    r = run(
+        "bench", "serve", "--model", str(model), "--concurrency", "1,3",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--workload", "json", "--num-prompts", "3", "--min-requests", "3", "--max-tokens", "8",
+        "--max-prompt-tokens", "200", "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    result = json.loads((out / "serve.json").read_text())
+    got = [(row["concurrency"], row["policy"]) for row in result["rows"]]
+    assert got == [(c, p) for c in (1, 3) for p in ("off", "static", "adaptive")]
+    assert all(row["output_tokens"] == 8 * row["requests"] for row in result["rows"])
+    assert "adaptive vs off" in (out / "serve.md").read_text()
+    assert (out / "serve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_serve_the_default_model(tmp_path):
+    """`specdecode serve` in a subprocess with the real model, asked through the openai client."""
+    import socket
+    import time
+    import urllib.request
+
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(port),
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is 2 + 2?"}],
+            max_tokens=20, temperature=0,
+        )  # fmt: skip
+        assert r.choices[0].message.content.strip()
+        assert r.usage.completion_tokens > 0
+    finally:
+        proc.terminate()
+        proc.wait(30)
