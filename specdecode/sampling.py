@@ -55,9 +55,7 @@ class SamplingParams:
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
             raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
-        ):
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise bad(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
