@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -82,7 +83,6 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
         prompts.append(ids)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     engine = AsyncLLMEngine(core)
-    engine.start()
     print(f"calibrating the step-cost curve ({core.spec_config.method}) ...", flush=True)
     core.calibrate(time_budget_s=20.0)
     policies = [p for p in args.policies.split(",") if p]
@@ -108,10 +108,24 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
                 _print(row, rows)
         return rows
 
-    try:
-        rows = asyncio.run(sweep())
-    finally:
-        engine.shutdown()
+    # clients on a thread, the engine on the main thread (as `serve` does; see AsyncLLMEngine.run)
+    box: dict = {}
+
+    def clients() -> None:
+        try:
+            box["rows"] = asyncio.run(sweep())
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+            box["error"] = e
+        finally:
+            engine.shutdown()
+
+    driver = threading.Thread(target=clients, name="bench-clients")
+    driver.start()
+    engine.run()
+    driver.join()
+    if "error" in box:
+        raise box["error"]
+    rows = box["rows"]
     result = {
         "model": str(core.model_path),
         "speculative_config": core.spec_config.__dict__,

@@ -86,6 +86,7 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._streams: dict[int, _Stream] = {}
         self._stop = False
+        self._running = False
         self._thread: threading.Thread | None = None
         self.num_failed_requests = 0
         self.num_finished_requests = 0
@@ -96,9 +97,21 @@ class AsyncLLMEngine:
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Run the engine loop on a background thread (tests, embedding in an app)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
+            self._thread = threading.Thread(target=self.run, name="specdecode-engine", daemon=True)
             self._thread.start()
+
+    def run(self) -> None:
+        """Run the engine loop in the calling thread until `shutdown()`. Serving runs it on the
+        main thread and the HTTP event loop on another: with GNU OpenMP, the main thread's
+        parallel regions are markedly faster here (a 1-sequence step: ~15-20 ms on the main
+        thread, ~25 ms on another)."""
+        self._running = True
+        try:
+            self._run()
+        finally:
+            self._running = False
 
     def shutdown(self) -> None:
         self._stop = True
@@ -109,7 +122,7 @@ class AsyncLLMEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._running and not self._stop
 
     # ---- requests ------------------------------------------------------------------------------
 

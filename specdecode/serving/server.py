@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -387,7 +388,6 @@ def run_server(args) -> None:
     )
     api_key = args.api_key or os.environ.get("SPECDECODE_API_KEY")
     engine = AsyncLLMEngine(core)
-    engine.start()
     app = build_app(
         engine,
         ServerConfig(
@@ -401,7 +401,26 @@ def run_server(args) -> None:
         log.warning(
             "serving on %s without an API key: anyone who can reach it can use it", args.host
         )
+    # HTTP on a thread, the engine on the main thread (see AsyncLLMEngine.run)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    )
+    http = threading.Thread(target=server.run, name="specdecode-http", daemon=True)
+    http.start()
+    watcher = threading.Thread(target=_stop_with, args=(http, engine), daemon=True)
+    watcher.start()
+    print(f"specdecode: serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        engine.run()
+    except KeyboardInterrupt:
+        pass
     finally:
+        server.should_exit = True
         engine.shutdown()
+        http.join(timeout=10)
+
+
+def _stop_with(http: threading.Thread, engine: AsyncLLMEngine) -> None:
+    """If the HTTP server stops (a port already in use, a fatal error), stop the engine too."""
+    http.join()
+    engine.shutdown()
