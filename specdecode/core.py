@@ -4,8 +4,9 @@ Glossary
 - prompt tokens / output tokens: what the user sent / what the engine generated.
 - committed (`blocks.length`): tokens whose keys and values are in the KV cache. The newest
   sampled token is not committed until the next step feeds it to the model.
-- finish reasons (OpenAI's words): "stop" (EOS, a stop token or a stop string), "length"
-  (max_tokens or the context is full).
+- finish reasons (OpenAI's words): "stop" (EOS, a stop token or a stop string, or a grammar
+  that is complete), "length" (max_tokens or the context is full); and "abort" (cancelled),
+  "error" (the request cannot continue, `Sequence.error` says why).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from specdecode.cache import SeqBlocks
 from specdecode.metrics import SpecDecodeStats
@@ -45,6 +47,10 @@ class Sequence:
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     # with params.logprobs: per output token (its log-probability, [(token, logprob)] top-n)
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # structured output: the grammar matcher (xgrammar), tokens it forced (jump-ahead)
+    matcher: Any = None
+    num_forced_tokens: int = 0
+    error: str | None = None  # set with finish_reason "error" when the request cannot go on
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,12 +32,19 @@ class SamplingParams:
     # None: no log-probabilities; n >= 0: the sampled token's log-probability and the n most
     # likely tokens', from the model's raw distribution (before temperature, top-k, top-p)
     logprobs: int | None = None
+    # a StructuredOutput (or its dict: {"json": schema} | {"json_object": True} | {"regex": r}
+    # | {"grammar": ebnf}); see specdecode/structured.py
+    structured_output: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.structured_output is not None:
+            from specdecode.structured import StructuredOutput
+
+            self.structured_output = StructuredOutput.coerce(self.structured_output)
         self.validate()
 
     def validate(self) -> None:
@@ -66,7 +74,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or so close to it that logits / T would overflow."""
+        return self.temperature < 1e-5
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """A seeded generator for this request (None: use the global RNG)."""

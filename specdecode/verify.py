@@ -145,7 +145,8 @@ def verify_choices(
       from p at its position, so the output is distributed exactly as the target's; a child is
       accepted with probability p(child), as in the deterministic rule of `verify`. And because
       plain decoding draws with the same uniforms, a seeded request gives the same tokens with or
-      without speculation, whatever the batch or the draft depth the controller picked."""
+      without speculation, whatever the batch or the draft depth the controller picked, as long
+      as the logits agree bit for bit (fp32 here; a near-tie can flip in bf16)."""
     accepted, emitted = [], []
     for shape, toks, best in zip(shapes, tokens, target_choice, strict=True):
         kids = shape.children

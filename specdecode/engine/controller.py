@@ -29,6 +29,7 @@ Policies (`--speculative-policy`):
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -329,7 +330,7 @@ class GoodputController:
             if nxt is None:
                 break
             node, accepted = nxt, accepted + 1
-        if len(produced) > accepted:  # else the request ended before the draft was decided
+        if accepted == depth or len(produced) > accepted:  # else it ended undecided
             self.record_verification(seq, depth, accepted)
 
     def _adaptive(self, seqs: list[Sequence], base_tokens: int) -> list[int]:
@@ -337,25 +338,31 @@ class GoodputController:
             return [self.max_depth] * len(seqs)
         rates = [self.acceptance(s) for s in seqs]
         plan = [0] * len(seqs)
-        # every (request, next level) increment, best expected tokens per fed node first
-        gains = []
-        for i, r in enumerate(rates):
-            run, prev_nodes = 1.0, 0
-            for k in range(1, self.max_depth + 1):
-                run *= r[k - 1]
-                nodes = self.nodes_for_depth(k)
-                gains.append((-(run / max(1, nodes - prev_nodes)), i, k))
-                prev_nodes = nodes
-        gains.sort()
+
+        # Add draft levels best first: each request offers its next level, ranked by expected
+        # tokens per fed node (a heap, so levels that add no nodes follow their parent level).
+        def offer(i: int, k: int) -> tuple[float, int, int] | None:
+            if k > self.max_depth:
+                return None
+            reach = 1.0
+            for a in rates[i][:k]:
+                reach *= a
+            extra = self.nodes_for_depth(k) - (self.nodes_for_depth(k - 1) if k > 1 else 0)
+            return (-reach / max(1, extra), i, k)
+
+        heap = [o for i in range(len(seqs)) if (o := offer(i, 1)) is not None]
+        heapq.heapify(heap)
         best = self.goodput(base_tokens, rates, plan)
         plain = best
-        for _, i, k in gains:
-            if plan[i] != k - 1:  # levels of one request are added in order
-                continue
+        while heap:
+            _, i, k = heapq.heappop(heap)
             plan[i] = k
             g = self.goodput(base_tokens, rates, plan)
             if g > best:
                 best = g
+                nxt = offer(i, k + 1)
+                if nxt is not None:
+                    heapq.heappush(heap, nxt)
             else:
                 plan[i] = k - 1
         previous = [self._last_plan.get(s.seq_id, p) for s, p in zip(seqs, plan, strict=True)]
@@ -393,8 +400,8 @@ class GoodputController:
             "mean_budget": sum(b) / len(b) if b else 0.0,
             "speculating_fraction": sum(1 for k in b if k) / len(b) if b else 0.0,
             "predicted_gain": self.last_predicted_gain,
-            "workload_acceptance": {
-                k: [round(v.rate(d, 0.5, 2.0), 3) for d in range(len(v.trials))]
-                for k, v in self._workloads.items()
+            "workload_acceptance": {  # a copy: /metrics reads this from another thread
+                k: [round(v.rate(d, 0.5, 2.0), 3) for d in range(len(list(v.trials)))]
+                for k, v in list(self._workloads.items())
             },
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -92,8 +93,21 @@ class LLMEngine:
             ),
             shadow_capable=bool(self.drafter and self.drafter.stateless),
         )
+        # A request must fit the KV cache alone, its draft slots included: otherwise it would be
+        # preempted and recomputed forever. The context is what the cache can hold, if less.
+        lookahead = self.drafter.max_nodes(depth) if self.drafter else 0
+        fits = self.manager.capacity_tokens - lookahead - 1
+        if fits < 2:
+            raise InvalidRequestError("the KV cache is too small; raise --kv-cache-memory-gb")
+        if fits < self.max_model_len:
+            log.warning("the KV cache holds %d tokens: the context is cut to that", fits)
+            self.max_model_len = self.output.max_model_len = fits
         self.num_steps = 0
         self.last_batch: list[Sequence] = []
+        self._grammar = None
+        self._grammar_lock = threading.Lock()
+        self.runner.grammar = self.grammar_compiler
+        self.num_forced_tokens = 0  # structured output: tokens appended by jump-ahead
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
 
@@ -134,7 +148,21 @@ class LLMEngine:
                 f"a prompt of {len(prompt_token_ids)} tokens does not fit the KV cache "
                 f"({self.manager.capacity_tokens} tokens)"
             )
-        return Sequence(list(prompt_token_ids), params, request_id=request_id)
+        seq = Sequence(list(prompt_token_ids), params, request_id=request_id)
+        if params.structured_output is not None:
+            seq.matcher = self.grammar_compiler().matcher(params.structured_output)
+        return seq
+
+    def grammar_compiler(self):
+        """The structured-output compiler for this tokenizer (built on first use)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                from specdecode.structured import GrammarCompiler
+
+                self._grammar = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size, sorted(self._eos_ids())
+                )
+            return self._grammar
 
     def add_sequence(self, seq: Sequence) -> Sequence:
         self.scheduler.add(seq)
@@ -165,6 +193,7 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one forward for the scheduled batch; return the sequences that received tokens."""
         ctrl = self.controller
+        self.last_batch = []
         if ctrl.policy == "adaptive" and not ctrl.step_cost.calibrated:
             self.calibrate()
         k = self.spec_config.num_speculative_tokens if ctrl.policy != "off" else 0
@@ -182,11 +211,17 @@ class LLMEngine:
         t3 = time.perf_counter()
         spec = [i for i, p in enumerate(proposals) if p is not None]
         if self.drafter:
-            self.drafter.on_verified(
-                [batch.seqs[i] for i in spec],
-                [proposals[i] for i in spec],
-                [self.runner.accepted_nodes[i] for i in spec],
-            )
+            # the drafter hears about every proposal it made, in its own node numbering; one
+            # the grammar pruned to nothing was not verified and keeps nothing
+            heard = spec + [i for i in self._pruned if proposals[i] is None]
+            originals, accepted = [], []
+            for i in heard:
+                prop, keep = self._pruned.get(i, (proposals[i], None))
+                nodes = self.runner.accepted_nodes.get(i, [])
+                originals.append(prop)
+                accepted.append(nodes if keep is None else [keep[n] for n in nodes])
+            if heard:
+                self.drafter.on_verified([batch.seqs[i] for i in heard], originals, accepted)
         for i in spec:
             depth, accepted = max(proposals[i].shape.depths), len(self.runner.accepted_nodes[i])
             ctrl.record_verification(batch.seqs[i], depth, accepted)
@@ -202,7 +237,12 @@ class LLMEngine:
             if tokens is None:
                 continue
             before = len(seq.output_token_ids)
-            self.output.append(seq, tokens, self.runner.logprobs.get(i))
+            if seq.error is None:
+                self.output.append(seq, tokens, self.runner.logprobs.get(i))
+            if seq.matcher is not None and seq.error is None:
+                self._advance_grammar(seq, before)
+            if seq.error is not None and seq.finish_reason is None:
+                seq.finish_reason = "error"
             self.num_generated_tokens += len(seq.output_token_ids) - before
             ctrl.resolve_shadows(seq)
             if seq.finish_reason is not None:
@@ -214,12 +254,15 @@ class LLMEngine:
             # chunk's tokens cost far less each and would skew the curve drafts are priced on
             ctrl.record_step(self.runner.num_fed_tokens, (t1 - t0) + (t3 - t2) + (t5 - t4))
         if spec:
-            ctrl.record_draft(sum(self._last_budgets), (t2 - t1) + (t4 - t3))
+            drafted = sum(max(proposals[i].shape.depths) for i in spec)
+            ctrl.record_draft(drafted, (t2 - t1) - self._shadow_time + (t4 - t3))
         return updated
 
     def _propose(self, batch, k: int) -> list[DraftProposal | None]:
         proposals: list[DraftProposal | None] = [None] * len(batch)
         self._last_budgets: list[int] = []
+        self._pruned: dict[int, tuple[DraftProposal, list[int]]] = {}
+        self._shadow_time = 0.0
         if not self.drafter or k == 0:
             return proposals
         decoding = [
@@ -234,15 +277,39 @@ class LLMEngine:
         budgets = [self._budget(s, b) for s, b in zip(seqs, plan, strict=True)]
         self._last_budgets = budgets
         shadows = self.controller.shadow_requests
+        t0 = time.perf_counter()
         if shadows:  # drafts scored later against the real output (see GoodputController)
             drafts = self.drafter.propose(shadows, [k] * len(shadows))
             for seq, prop in zip(shadows, drafts, strict=True):
                 self.controller.add_shadow(seq, prop.tokens, prop.shape.children)
+        self._shadow_time = time.perf_counter() - t0  # not the real drafts' cost
         if not any(budgets):
             return proposals
+        self._pruned = {}
         for i, prop in zip(decoding, self.drafter.propose(seqs, budgets), strict=True):
+            if prop.num_drafts and batch.seqs[i].matcher is not None:
+                prop = self._prune(i, batch.seqs[i], prop)
             proposals[i] = prop if prop.num_drafts > 0 else None
         return proposals
+
+    def _prune(self, i: int, seq: Sequence, prop: DraftProposal) -> DraftProposal:
+        """Keep only the draft nodes the request's grammar allows (see structured.py)."""
+        from specdecode.structured import prune
+        from specdecode.tree import TreeShape
+
+        shape = prop.shape
+        keep = prune(prop.tokens, shape.parents, shape.children, seq.matcher)
+        if len(keep) == len(prop.tokens):
+            return prop
+        index = {old: new for new, old in enumerate(keep)}
+        ranks = tuple(shape.ranks[k] for k in keep) if shape.ranks else ()
+        pruned = DraftProposal(
+            TreeShape(tuple(-1 if k == 0 else index[shape.parents[k]] for k in keep), ranks),
+            [prop.tokens[k] for k in keep],
+            prop.draft_probs[keep] if prop.draft_probs is not None else None,
+        )
+        self._pruned[i] = (prop, keep)  # the drafter hears about its own node numbering
+        return pruned
 
     @torch.inference_mode()
     def calibrate(self, time_budget_s: float = 3.0, context: int = 32) -> None:
@@ -299,6 +366,31 @@ class LLMEngine:
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         return max(0, min(k, room))
+
+    def _advance_grammar(self, seq: Sequence, before: int) -> None:
+        """Feed the step's tokens to the request's grammar, then append the tokens it forces."""
+        from specdecode.structured import single_allowed
+
+        m = seq.matcher
+        for tok in seq.output_token_ids[before:]:
+            if m.is_terminated():  # only past a stop token with ignore_eos: nothing to check
+                break
+            if not m.accept_token(tok):  # p and q were masked: this cannot happen
+                raise RuntimeError(f"the grammar refused token {tok} it had allowed")
+        compiler = self.grammar_compiler()
+        for _ in range(256):  # jump-ahead, bounded per step
+            if seq.finish_reason is not None or m.is_terminated():
+                break
+            forced = single_allowed(m, compiler)
+            if forced is None:
+                break
+            self.output.append(seq, [forced])
+            if not m.accept_token(forced):
+                raise RuntimeError(f"the grammar refused token {forced} it forced")
+            seq.num_forced_tokens += 1
+            self.num_forced_tokens += 1
+        if seq.finish_reason is None and m.is_terminated():
+            seq.finish_reason = "stop"  # the grammar is complete (its stop token was emitted)
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

@@ -32,6 +32,7 @@ class ModelRunner:
         # position order (a prefill chunk's tokens, a decode token, or a tree's accepted path)
         self.features: dict[int, torch.Tensor] = {}
         self.num_fed_tokens = 0  # tokens the last step fed to the model
+        self.grammar = None  # () -> GrammarCompiler, set by the engine (structured output)
         # batch index -> per new token (logprob, top-n) for requests that ask for logprobs
         self.logprobs: dict[int, list] = {}
 
@@ -115,6 +116,7 @@ class ModelRunner:
         rows = [offsets[i + 1] - 1 for i in plain]
         rows += [r for i in spec for r in range(offsets[i], offsets[i + 1])]
         logits = self.model.compute_logits(hidden[rows]) if rows else None
+        node_masks = self._constrain(batch, plain, spec, proposals, num_new, logits)
         self.logprobs = {}
         argmax = None
         for j, i in enumerate(plain):
@@ -137,6 +139,7 @@ class ModelRunner:
                 [proposals[i] for i in spec],
                 spec_logits,
                 samples_drafts,
+                [node_masks.get(i) for i in spec],
             )
             for j, i in enumerate(spec):
                 result[i] = verified.tokens[j]
@@ -152,6 +155,7 @@ class ModelRunner:
         proposals: list[DraftProposal],
         logits: list[torch.Tensor],
         samples_drafts: bool,
+        masks: list[torch.Tensor | None] | None = None,
     ) -> VerifyResult:
         if not samples_drafts or all(s.params.greedy for s in seqs):
             # deterministic drafts (or greedy requests): follow the target's choices
@@ -173,12 +177,55 @@ class ModelRunner:
         for i, p in enumerate(probs):
             target[i, : p.shape[0]] = p
         q = [p.draft_probs for p in proposals] if samples_drafts else None
+        if q is not None and masks:  # a constrained request: q under the same grammar masks
+            for j, m in enumerate(masks):
+                if m is not None:
+                    qm = q[j] * m[: q[j].shape[0]]
+                    q[j] = qm / qm.sum(-1, keepdim=True).clamp_min(1e-30)
         drafts = DraftBatch.from_trees(
             [p.shape for p in proposals], [p.tokens for p in proposals], q
         )
         result = verify(target, drafts, [self.generator(s) for s in seqs])
         self._keep_accepted(seqs, proposals, result)
         return result
+
+    def _constrain(self, batch, plain, spec, proposals, num_new, logits) -> dict:
+        """Structured output: mask each constrained row to what the request's grammar allows
+        (in place). Returns, per speculating constrained request, its tree's [n, V] masks."""
+        seqs = batch.seqs
+        if logits is None or all(seqs[i].matcher is None for i in plain + spec):
+            return {}
+        from specdecode.structured import bitmask_to_bool, node_masks
+
+        compiler = self.grammar()
+        out = {}
+        for j, i in enumerate(plain):
+            m = seqs[i].matcher
+            if m is None:
+                continue
+            bitmask = compiler.new_bitmask(1)
+            m.fill_next_token_bitmask(bitmask, 0)
+            allowed = bitmask_to_bool(bitmask, compiler.vocab_size)[0]
+            self._mask_row(seqs[i], logits[j], allowed)
+        offset = len(plain)
+        for i in spec:
+            n = num_new[i]
+            if seqs[i].matcher is not None:
+                prop = proposals[i]
+                masks, _ = node_masks(seqs[i].matcher, compiler, prop.tokens, prop.shape.children)
+                for r in range(n):
+                    self._mask_row(seqs[i], logits[offset + r], masks[r], root=r == 0)
+                out[i] = masks
+            offset += n
+        return out
+
+    @staticmethod
+    def _mask_row(seq: Sequence, row: torch.Tensor, allowed: torch.Tensor, root: bool = True):
+        if allowed.any():
+            row[: allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
+            row[allowed.shape[0] :] = float("-inf")  # padded vocabulary rows
+        elif root:  # nothing the grammar allows is a token of this vocabulary
+            seq.error = "the grammar cannot be continued with this model's vocabulary"
 
     def _keep_accepted(self, seqs, proposals, result: VerifyResult) -> None:
         for seq, prop, acc in zip(seqs, proposals, result.accepted, strict=True):

@@ -23,12 +23,13 @@ class OutputProcessor:
             seq.output_token_ids.append(tok)
             if logprobs:
                 seq.output_logprobs.append(logprobs[i])
+            searched = len(seq.text)  # a stop string may straddle the old and the new text
             self._detokenize(seq)
             if not params.ignore_eos and tok in self.eos_token_ids:
                 seq.finish_reason = "stop"
             elif tok in params.stop_token_ids:
                 seq.finish_reason = "stop"
-            elif params.stop and self._cut_stop_string(seq):
+            elif params.stop and self._cut_stop_string(seq, searched):
                 seq.finish_reason = "stop"
             elif params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
                 seq.finish_reason = "length"
@@ -48,10 +49,11 @@ class OutputProcessor:
             seq.prefix_offset = seq.read_offset
             seq.read_offset = len(ids)
 
-    def _cut_stop_string(self, seq: Sequence) -> bool:
+    def _cut_stop_string(self, seq: Sequence, searched: int) -> bool:
+        """Cut at the first stop string ending in the text added since `searched` chars."""
         params = seq.params
         longest = max(len(s) for s in params.stop)
-        window_start = max(0, len(seq.text) - longest - 16)
+        window_start = max(0, searched - longest + 1)
         hits = [(i, s) for s in params.stop if (i := seq.text.find(s, window_start)) >= 0]
         if not hits:
             return False

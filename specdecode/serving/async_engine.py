@@ -31,6 +31,7 @@ class StreamUpdate:
     token_ids: list[int]  # new tokens since the last update
     finish_reason: str | None = None
     error: str | None = None  # the request failed inside the engine
+    error_status: int = 500  # 400 when the request itself cannot go on (a grammar dead end)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far
     logprobs: list = field(default_factory=list)  # one entry per new token when asked for
@@ -131,6 +132,8 @@ class AsyncLLMEngine:
     ) -> RequestHandle:
         """Queue a request (raises `InvalidRequestError` at once if it is malformed); read its
         output with `handle.updates()` inside a running event loop."""
+        if self._stop:
+            raise RuntimeError("the engine is not running")
         seq = self.engine.make_sequence(prompt_token_ids, params, request_id)
         stream = _Stream(seq, asyncio.get_running_loop())
         self._post("add", seq, stream)
@@ -152,21 +155,44 @@ class AsyncLLMEngine:
     # ---- the engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop:
-            self._drain()
-            if not self.engine.has_unfinished():
-                self._wake.wait(0.1)
-                self._wake.clear()
-                continue
-            try:
-                updated = self.engine.step()
-            except Exception as e:  # noqa: BLE001 - isolate the request that caused it
-                log.exception("a step failed; isolating its requests")
-                self.step_error = f"{type(e).__name__}: {e}"
-                self._isolate(list(self.engine.last_batch))
-                continue
-            for seq in updated:
-                self._emit(seq)
+        try:
+            while not self._stop:
+                self._drain()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.1)
+                    self._wake.clear()
+                    continue
+                try:
+                    updated = self.engine.step()
+                except Exception as e:  # noqa: BLE001 - isolate the request that caused it
+                    log.exception("a step failed; isolating its requests")
+                    self.step_error = f"{type(e).__name__}: {e}"
+                    batch = list(self.engine.last_batch)
+                    for seq in batch:  # finished inside the failed step: tell their clients
+                        if seq.finished:
+                            self._emit(seq)
+                    self._isolate(batch)
+                    continue
+                for seq in updated:
+                    self._emit(seq)
+        except BaseException as e:
+            log.exception("the engine loop stopped")
+            self.step_error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            self._stop = True
+            self._fail_all(f"the engine stopped: {self.step_error or 'shutdown'}")
+
+    def _fail_all(self, message: str) -> None:
+        """Nobody is left to serve the open requests: end every stream with an error."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for action, _, stream in inbox:
+            if action == "add" and stream is not None:
+                stream.put(StreamUpdate("", [], error=message))
+        for stream in list(self._streams.values()):
+            stream.put(StreamUpdate("", [], error=message))
+        self._streams.clear()
 
     def _drain(self) -> None:
         with self._lock:
@@ -185,6 +211,11 @@ class AsyncLLMEngine:
     def _emit(self, seq: Sequence) -> None:
         stream = self._streams.get(seq.seq_id)
         if stream is None:
+            return
+        if seq.error is not None:
+            self._streams.pop(seq.seq_id, None)
+            self.num_failed_requests += 1
+            stream.put(StreamUpdate("", [], error=seq.error, error_status=400))
             return
         new = seq.output_token_ids[stream.sent_tokens :]
         text = OutputProcessor.stream_delta(seq)

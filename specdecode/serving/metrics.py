@@ -47,6 +47,10 @@ class _EngineCollector:
             "specdecode:request_failures", "Requests failed by an internal error.",
             self.engine.num_failed_requests,
         )  # fmt: skip
+        yield counter(
+            "specdecode:structured_forced_tokens", "Tokens a grammar forced (jump-ahead, no "
+            "model choice).", e.num_forced_tokens,
+        )  # fmt: skip
         stats = e.spec_stats
         yield counter(
             "vllm:spec_decode_num_drafts", "Verification steps with drafts.", stats.num_drafts

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specdecode.errors import InvalidRequestError
 from specdecode.sampling import SamplingParams
+from specdecode.structured import StructuredOutput
 
 
 class _Request(BaseModel):
@@ -53,6 +54,45 @@ class _Request(BaseModel):
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
 
+    # structured output: OpenAI's response_format, vLLM's guided_* fields and structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        given = {}
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                given["json_object"] = True
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict) or "schema" not in spec:
+                    raise InvalidRequestError(
+                        "response_format json_schema needs json_schema.schema",
+                        param="response_format",
+                    )
+                given["json"] = spec["schema"]
+            elif kind != "text":
+                raise InvalidRequestError(
+                    f"unsupported response_format type {kind!r}", param="response_format"
+                )
+        for field, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_grammar", "grammar")):  # fmt: skip
+            if getattr(self, field) is not None:
+                given[key] = getattr(self, field)
+        if self.structured_outputs:
+            given.update(self.structured_outputs)
+        if not given:
+            return None
+        try:
+            return StructuredOutput.coerce(given)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(str(e), param="response_format") from e
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._check_unsupported()
         return SamplingParams(
@@ -66,6 +106,7 @@ class _Request(BaseModel):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            structured_output=self.structured_output(),
         )
 
 

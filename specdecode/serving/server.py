@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdecode.errors import InvalidRequestError
+from specdecode.errors import InvalidRequestError, SpecDecodeError
 from specdecode.sampling import SamplingParams
 from specdecode.serving.async_engine import AsyncLLMEngine, RequestHandle, StreamUpdate
 from specdecode.serving.metrics import ServerMetrics
@@ -104,6 +104,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             raise bad_request("the request body is not valid UTF-8") from e
         except json.JSONDecodeError as e:
             raise bad_request(f"the request body is not valid JSON: {e.msg}") from e
+        except RecursionError as e:
+            raise bad_request("the request body is nested too deeply") from e
         if not isinstance(raw, dict):
             raise bad_request("the request body must be a JSON object")
         try:
@@ -204,7 +206,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     def choice_params(params: SamplingParams, j: int) -> SamplingParams:
         """Choice j of a seeded request uses seed + j, so n > 1 gives n different samples."""
-        return params if params.seed is None or j == 0 else replace(params, seed=params.seed + j)
+        if params.seed is None or j == 0:
+            return params
+        return replace(params, seed=(params.seed + j) % 2**63)
 
     async def respond(request: Request, req, jobs, prompt_tokens: int, chat: bool):
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -234,20 +238,26 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             out = {"text": "", "tokens": 0, "logprobs": [], "finish": None}
             async for u in h.updates():
                 if u.error:
-                    raise APIError(500, u.error, "internal_error")
+                    kind = "invalid_request_error" if u.error_status < 500 else "internal_error"
+                    raise APIError(u.error_status, u.error, kind)
                 out["text"] += u.text
                 out["tokens"] = u.num_output_tokens
                 out["logprobs"] += u.logprobs
                 out["finish"] = u.finish_reason
             return out
 
-        task = asyncio.ensure_future(asyncio.gather(*(drain(h) for h in handles)))
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()  # the client left: abort its requests, free their memory
-                return Response(status_code=499)
-        results = task.result()
+        tasks = [asyncio.ensure_future(drain(h)) for h in handles]
+        try:
+            while not all(t.done() for t in tasks):
+                done, _ = await asyncio.wait(tasks, timeout=0.25, return_when="FIRST_EXCEPTION")
+                if any(t.exception() is not None for t in done):
+                    break  # one choice failed: the response is that error
+                if await request.is_disconnected():
+                    return Response(status_code=499)  # aborted below, memory freed
+            results = [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()
         choices = []
         for i, (h, r) in enumerate(zip(handles, results, strict=True)):
             choice: dict = {"index": i}
@@ -341,7 +351,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             while remaining:
                 i, u = await queue.get()
                 if u.error:
-                    err = {"message": u.error, "type": "internal_error", "code": 500}
+                    kind = "invalid_request_error" if u.error_status < 500 else "internal_error"
+                    err = {"message": u.error, "type": kind, "code": u.error_status}
                     yield f"data: {json.dumps({'error': err})}\n\n"
                     remaining -= 1
                     continue
@@ -418,6 +429,8 @@ def run_server(args) -> None:
         server.should_exit = True
         engine.shutdown()
         http.join(timeout=10)
+    if not server.started:
+        raise SpecDecodeError(f"the HTTP server could not start on {args.host}:{args.port}")
 
 
 def _stop_with(http: threading.Thread, engine: AsyncLLMEngine) -> None:

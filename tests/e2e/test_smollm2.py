@@ -194,3 +194,37 @@ def _plain():
     if not _PLAIN:
         _PLAIN.append(LLM())
     return _PLAIN[0]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+def test_structured_output_with_speculation_on_the_real_model(method):
+    """A JSON schema on the real tokenizer (byte-level BPE): valid output, forced tokens, and
+    with speculation exactly the tokens of constrained decoding without it."""
+    import json
+
+    from specdecode import LLM, SamplingParams
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "country": {"type": "string", "maxLength": 20},
+            "population_millions": {"type": "number"},
+        },
+        "required": ["city", "country", "population_millions"],
+        "additionalProperties": False,
+    }
+    prompts = [
+        [{"role": "user", "content": "Give the capital of France as JSON."}],
+        [{"role": "user", "content": "Describe Tokyo as JSON with its population."}],
+    ]
+    params = SamplingParams(temperature=0, max_tokens=80, structured_output={"json": schema})
+    plain = _plain()
+    before = plain.engine.num_forced_tokens
+    want = plain.chat(prompts, params)
+    assert plain.engine.num_forced_tokens > before
+    for o in want:
+        assert set(json.loads(o.outputs[0].text)) == set(schema["properties"])
+    spec = LLM(speculative_config={"method": method}, speculative_policy="static")
+    got = spec.chat(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

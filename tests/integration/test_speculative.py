@@ -234,7 +234,8 @@ def test_seeded_sampling_gives_the_plain_tokens(plain, tiny_llama_dir, policy):
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == want
     assert spec.generate(PROMPTS[0], params[0])[0].outputs[0].token_ids == want[0]
-    assert spec.engine.spec_stats.num_accepted_tokens > 0
+    if policy == "static":  # adaptive may rightly decide not to draft on this tiny model
+        assert spec.engine.spec_stats.num_accepted_tokens > 0
 
 
 def test_adaptive_policy_is_lossless_and_decides(plain, tiny_llama_dir):

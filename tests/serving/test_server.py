@@ -356,3 +356,32 @@ def test_load_hundreds_of_concurrent_streams(served, engine, plain):
         assert text == want[seed]
         assert completion == max_tokens
     assert idle(engine)
+
+
+def test_response_format_json_schema_and_guided_regex(served, client):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model=MODEL, messages=chat_messages("abc"), max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )  # fmt: skip
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"name", "ok"} and r.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=chat_messages("abc"), max_tokens=60, temperature=0, stream=True,
+        extra_body={"guided_regex": "[ab]{2,5}x"},
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert __import__("re").fullmatch("[ab]{2,5}x", text)
+    status, data = raw(
+        served.port, "POST", "/v1/chat/completions",
+        body(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 7}}}),
+    )  # fmt: skip
+    assert status == 400 and "json" in json.loads(data)["error"]["message"]
+    status, _ = raw(served.port, "POST", "/v1/completions",
+                    json.dumps({"prompt": "abc", "guided_regex": "é+"}).encode())  # fmt: skip
+    assert status == 400  # the vocabulary cannot write it

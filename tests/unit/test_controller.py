@@ -141,3 +141,22 @@ def test_static_policy_and_its_batch_size_switch():
     assert off.plan(seqs(2), 2, 2) == [0, 0]
     with pytest.raises(InvalidRequestError, match="policy"):
         GoodputController("sometimes", 3, lambda k: k)
+
+
+def test_a_fully_accepted_shadow_counts():
+    c = controller(memory_bound, acceptance=0.0, draft_s=0.002, shadow_capable=True)
+    seq = seqs(1)[0]
+    before = c.acceptance(seq)
+    c.add_shadow(seq, [3, 7, 8], [[1], [2], []])
+    seq.output_token_ids += [7, 8]  # both drafts right: decided without a third token
+    c.resolve_shadows(seq)
+    after = c.acceptance(seq)
+    assert after[0] > before[0] and after[1] > before[1]
+
+
+def test_levels_that_add_no_nodes_are_still_reached():
+    """A static tree drafts the same nodes at any depth budget: deeper levels cost nothing."""
+    c = GoodputController("adaptive", 3, lambda k: 6)
+    for n in (1, 2, 4, 8, 16):
+        c.step_cost.calibrate(n, memory_bound(n))
+    assert c.plan(seqs(1), 1, 1) == [3]

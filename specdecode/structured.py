@@ -1,0 +1,202 @@
+"""Structured output: JSON schema, JSON object, regex and EBNF grammar constraints (xgrammar).
+
+Semantics (exact): the constrained target distribution at each position is the target's,
+masked to the tokens the grammar allows there and renormalised. With speculation, every draft
+tree is pruned to the tokens the grammar allows along each path (the matcher is advanced along
+the path and rolled back), and each node's p, and q for sampled drafts, is masked with the
+grammar's mask at that node; verification is unchanged, so the output is distributed exactly
+as constrained decoding without speculation (and is token-identical to it under greedy).
+
+Jump-ahead: when the grammar allows exactly one token next, it is appended without asking the
+model (it has probability 1 under the constraint, so this is lossless) and counted in
+`Sequence.num_forced_tokens`; the forced tokens are fed to the model in the next step.
+
+JSON is compiled compact (no optional whitespace between tokens): the language is the same
+JSON values, and a model cannot wander into endless whitespace.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdecode.errors import InvalidRequestError
+
+KINDS = ("json", "json_object", "regex", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one constraint (vLLM's structured-output fields): `json` (a JSON schema, as a dict
+    or a string), `json_object` (any JSON object), `regex`, or `grammar` (EBNF, GBNF style)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"a structured output needs exactly one of {', '.join(KINDS)}; got "
+                f"{', '.join(given) or 'none'}"
+            )
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}") from e
+            object.__setattr__(self, "json", schema)
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise InvalidRequestError("a JSON schema must be an object")
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise InvalidRequestError(f"{k} must be a non-empty string")
+
+    @classmethod
+    def coerce(cls, value: Any) -> StructuredOutput | None:
+        if value is None or isinstance(value, StructuredOutput):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - set(KINDS)
+            if unknown:
+                raise InvalidRequestError(
+                    f"unknown structured output keys: {', '.join(sorted(unknown))}"
+                )
+            return cls(**value)
+        raise InvalidRequestError("structured_output must be a dict or a StructuredOutput")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        if self.json is not None:
+            return "json", json.dumps(self.json, sort_keys=True)
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        return "grammar", self.grammar or ""
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer, with a bounded cache of compiled grammars.
+    Thread-safe: requests are compiled on the HTTP side, matched on the engine side."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache: int = 128):
+        try:
+            import xgrammar as xgr
+        except ImportError as e:  # pragma: no cover - a dependency
+            raise InvalidRequestError("structured output needs the xgrammar package") from e
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._limit = cache
+        self._lock = threading.Lock()
+
+    def compile(self, so: StructuredOutput):
+        key = so.key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        try:
+            if so.json is not None:
+                compiled = self.compiler.compile_json_schema(
+                    json.dumps(so.json), any_whitespace=False, strict_mode=True
+                )
+            elif so.json_object:
+                schema = {"type": "object"}
+                compiled = self.compiler.compile_json_schema(
+                    json.dumps(schema), any_whitespace=False
+                )
+            elif so.regex is not None:
+                compiled = self.compiler.compile_regex(so.regex)
+            else:
+                compiled = self.compiler.compile_grammar(so.grammar)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / its own errors
+            raise InvalidRequestError(f"cannot compile the {key[0]} constraint: {e}") from e
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self._limit:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, so: StructuredOutput):
+        return self.xgr.GrammarMatcher(self.compile(so))
+
+    def new_bitmask(self, rows: int) -> torch.Tensor:
+        return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[n, ceil(V/32)] int32 (bit j of word w: token 32w + j allowed) -> [n, V] bool."""
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = (bitmask.unsqueeze(-1) >> bits) & 1  # [n, W, 32]
+    return allowed.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def node_masks(matcher, compiler: GrammarCompiler, tokens: list[int], children: list[list[int]]):
+    """Allowed next tokens at every node of a draft tree ([n, V] bool), walking the matcher along
+    each path (accept, recurse, roll back). The root is the last decided token, already accepted
+    by the matcher. A node whose token the grammar refuses gets an all-False row (it is pruned
+    before verification, so its row is never used)."""
+    n = len(tokens)
+    bitmask = compiler.new_bitmask(n)
+    bitmask.zero_()
+    reached = [False] * n
+
+    def visit(node: int) -> None:
+        reached[node] = True
+        if matcher.is_terminated():  # the node is a stop token: nothing may follow
+            return
+        matcher.fill_next_token_bitmask(bitmask, node)
+        for c in children[node]:
+            if matcher.accept_token(tokens[c]):
+                visit(c)
+                matcher.rollback(1)
+
+    visit(0)
+    return bitmask_to_bool(bitmask, compiler.vocab_size), reached
+
+
+def single_allowed(matcher, compiler: GrammarCompiler) -> int | None:
+    """The only token the grammar allows next, if exactly one is allowed; else None."""
+    bitmask = compiler.new_bitmask(1)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    words = bitmask[0]
+    nonzero = torch.nonzero(words).flatten()
+    if nonzero.numel() != 1:
+        return None
+    w = int(nonzero[0])
+    word = int(words[w]) & 0xFFFFFFFF
+    if word & (word - 1):  # more than one bit set
+        return None
+    token = 32 * w + word.bit_length() - 1
+    return token if token < compiler.vocab_size else None
+
+
+def prune(tokens: list[int], parents: tuple[int, ...], children: list[list[int]], matcher):
+    """The nodes of a draft tree the grammar allows: walk every path with the matcher (accept,
+    recurse, roll back) and keep a node only if its token is accepted after its ancestors'.
+    Returns the kept original node indices, parents first (the root is always kept)."""
+    keep = [0]
+
+    def visit(node: int) -> None:
+        for c in children[node]:
+            if matcher.accept_token(tokens[c]):
+                keep.append(c)
+                visit(c)
+                matcher.rollback(1)
+
+    visit(0)
+    return keep

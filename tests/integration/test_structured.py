@@ -1,0 +1,100 @@
+"""Structured output on a tiny model: outputs obey the constraint, forced tokens are appended
+without the model, and speculation (any drafter, batched with unconstrained requests) gives
+exactly the tokens of constrained decoding without it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from specdecode import LLM, SamplingParams
+from specdecode.errors import InvalidRequestError
+from specdecode.structured import StructuredOutput
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
+REGEX = r"[ab]{2,6}(cd|ef)"
+PROMPTS = ["abcabcabc", "Hello Hello", "xyz", "1212121212"]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir))
+
+
+def params(so, temperature=0.0, seed=None, n=60) -> SamplingParams:
+    return SamplingParams(
+        temperature=temperature, seed=seed, max_tokens=n, structured_output=so, top_k=5
+    )
+
+
+def test_regex_output_matches_and_the_end_is_forced(plain):
+    outs = plain.generate(PROMPTS, params({"regex": REGEX}))
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop"
+        assert re.fullmatch(REGEX, c.text), c.text
+    seqs_forced = plain.engine.num_forced_tokens
+    assert seqs_forced >= len(PROMPTS)  # at least the stop token after "d" / "f" is forced
+
+
+def test_json_schema_output_parses_and_keys_are_forced(plain):
+    before = plain.engine.num_forced_tokens
+    for temperature in (0.0, 1.0):
+        outs = plain.generate(PROMPTS, params({"json": SCHEMA}, temperature, seed=3))
+        for o in outs:
+            value = json.loads(o.outputs[0].text)
+            assert set(value) == {"name", "ok"} and isinstance(value["ok"], bool)
+            assert len(value["name"]) <= 6
+    # '{"name":"' and '","ok":' are forced, a character per token here
+    assert plain.engine.num_forced_tokens - before >= 8 * 2 * len(PROMPTS)
+
+
+SPEC = [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    {"method": "draft_model", "num_speculative_tokens": 3},  # the target drafts for itself
+    {"method": "draft_model", "num_speculative_tokens": 2, "speculative_token_tree":
+        [[0], [1], [0, 0], [1, 0]]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("cfg", SPEC, ids=["ngram", "self-draft", "self-draft-tree"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_speculation_gives_the_constrained_tokens(plain, tiny_llama_dir, cfg, temperature):
+    if cfg["method"] == "draft_model":
+        cfg = {**cfg, "model": str(tiny_llama_dir)}
+    spec = LLM(str(tiny_llama_dir), speculative_config=cfg, speculative_policy="static")
+    mixed = [
+        params({"json": SCHEMA}, temperature, seed=1),
+        params(None, temperature, seed=2, n=30),  # unconstrained, same batch
+        params({"regex": REGEX}, temperature, seed=3),
+        params({"json_object": True}, temperature, seed=4, n=40),
+    ]
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, mixed)]
+    got = spec.generate(PROMPTS, mixed)
+    if temperature == 0 or cfg["method"] == "ngram":  # deterministic drafts: token-identical
+        assert [o.outputs[0].token_ids for o in got] == want
+    json.loads(got[0].outputs[0].text)
+    assert re.fullmatch(REGEX, got[2].outputs[0].text)
+    assert spec.engine.spec_stats.num_draft_tokens > 0
+
+
+def test_bad_constraints_are_refused(plain):
+    for bad in ({"regex": "("}, {"json": {"type": "nonsense"}}, {"grammar": "root ::= ("}):
+        with pytest.raises(InvalidRequestError):
+            plain.generate("abc", params(bad))
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        StructuredOutput(regex="a", json_object=True)
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(structured_output={"pattern": "a"})
+
+
+def test_a_grammar_the_vocabulary_cannot_write_ends_with_an_error(plain):
+    out = plain.generate("abc", params({"regex": "é+"}))[0].outputs[0]
+    assert out.finish_reason == "error"
