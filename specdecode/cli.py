@@ -299,6 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.serve import add_args as add_serve_bench_args
 
     add_serve_bench_args(srv_bench)
+    st_bench = bsub.add_parser(
+        "structured", help="speculation under a JSON-schema constraint vs without, batch 1"
+    )
+    add_engine_args(st_bench)
+    add_speculative_args(st_bench)
+    from specdecode.bench.structured import add_args as add_structured_bench_args
+
+    add_structured_bench_args(st_bench)
     return parser
 
 
@@ -470,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
             cmd_data(args)
         elif args.command == "train":
             cmd_train(args)
+        elif args.command == "bench" and args.bench == "structured":
+            from specdecode.bench.structured import run_structured_bench
+
+            run_structured_bench(args)
         elif args.command == "bench" and args.bench == "serve":
             from specdecode.bench.serve import run_serve_bench
 

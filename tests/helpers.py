@@ -96,3 +96,19 @@ def _head_target_config():
 
 # A tiny target configuration for head unit tests (random weights built by the tests).
 HEAD_TARGET_CONFIG = _head_target_config()
+
+
+def chi_square_pvalue(x: list[int], y: list[int]) -> float:
+    """Two-sample chi-square test of homogeneity over the tokens seen at least 5 times."""
+    v = max(max(x), max(y)) + 1
+    cx = torch.bincount(torch.tensor(x), minlength=v).double()
+    cy = torch.bincount(torch.tensor(y), minlength=v).double()
+    keep = (cx + cy) >= 5
+    other = torch.stack([cx[~keep].sum(), cy[~keep].sum()])
+    table = torch.stack([cx[keep], cy[keep]], 1)
+    if other.sum() > 0:
+        table = torch.cat([table, other[None]])
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    df = (table.shape[0] - 1) * (table.shape[1] - 1)
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2))

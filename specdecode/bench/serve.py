@@ -33,11 +33,11 @@ async def _level(engine, prompts: list[list[int]], concurrency: int, n_requests:
     sem = asyncio.Semaphore(concurrency)
     rows = []
 
-    async def one(ids: list[int]) -> None:
+    async def one(ids: list[int], request_params: SamplingParams) -> None:
         async with sem:
             t0 = time.perf_counter()
             first, n = None, 0
-            async for u in engine.generate(ids, params):
+            async for u in engine.generate(ids, request_params):
                 if u.error:
                     raise RuntimeError(u.error)
                 if u.token_ids and first is None:
@@ -46,7 +46,9 @@ async def _level(engine, prompts: list[list[int]], concurrency: int, n_requests:
             rows.append((t0, first or time.perf_counter(), time.perf_counter(), n))
 
     start = time.perf_counter()
-    await asyncio.gather(*(one(prompts[i % len(prompts)]) for i in range(n_requests)))
+    await asyncio.gather(
+        *(one(prompts[i % len(prompts)], _length(params, i)) for i in range(n_requests))
+    )
     wall = time.perf_counter() - start
     tokens = sum(r[3] for r in rows)
     tpot = [(end - first) / (n - 1) for _, first, end, n in rows if n > 1]
@@ -58,6 +60,16 @@ async def _level(engine, prompts: list[list[int]], concurrency: int, n_requests:
         "tpot_ms": 1000 * statistics.mean(tpot) if tpot else None,
         "ttft_p50_ms": 1000 * statistics.median(first - t0 for t0, first, _, _ in rows),
     }
+
+
+def _length(params: SamplingParams, i: int) -> SamplingParams:
+    """Request i's output length: 0.5x to 1.5x the mean, the same for every policy. Equal
+    lengths would keep a closed loop in lockstep (all finish, all arrive, one big prefill), a
+    pattern real traffic does not have and that speculation breaks, confounding the policies."""
+    from dataclasses import replace
+
+    mean = params.max_tokens
+    return replace(params, max_tokens=max(1, mean // 2 + (i * 37) % (mean + 1)))
 
 
 def _stats(core) -> tuple[int, int, int, int, int]:
@@ -263,6 +275,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64, help="distinct prompts, reused")
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--min-requests", type=int, default=8, help="requests per level at least")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=48, help="mean output tokens (0.5x-1.5x)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--out", default="bench-serve", help="directory for JSON, Markdown, PNG")

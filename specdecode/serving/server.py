@@ -214,6 +214,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         handles: list[RequestHandle] = []
+        so = jobs[0][1].structured_output
+        if so is not None:  # compile (or fetch) off the event loop; `add` then hits the cache
+            try:
+                await asyncio.to_thread(core.grammar_compiler().compile, so)
+            except InvalidRequestError as e:
+                raise bad_request(str(e), "response_format") from e
         try:
             for i, (ids, params) in enumerate(jobs):
                 handles.append(engine.add(ids, params, f"{request_id}-{i}"))

@@ -4,7 +4,7 @@ sampled outputs identically distributed."""
 from __future__ import annotations
 
 import pytest
-import torch
+from helpers import chi_square_pvalue
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import InvalidRequestError
@@ -89,22 +89,6 @@ def assert_same_distribution(plain, spec, prompt, n: int = 2000, positions: int 
     for pos in range(positions):
         pval = chi_square_pvalue([t[pos] for t in a], [t[pos] for t in b])
         assert pval > 1e-3, (pos, pval)
-
-
-def chi_square_pvalue(x: list[int], y: list[int]) -> float:
-    """Two-sample chi-square test of homogeneity over the tokens seen at least 5 times."""
-    v = max(max(x), max(y)) + 1
-    cx = torch.bincount(torch.tensor(x), minlength=v).double()
-    cy = torch.bincount(torch.tensor(y), minlength=v).double()
-    keep = (cx + cy) >= 5
-    other = torch.stack([cx[~keep].sum(), cy[~keep].sum()])
-    table = torch.stack([cx[keep], cy[keep]], 1)
-    if other.sum() > 0:
-        table = torch.cat([table, other[None]])
-    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
-    stat = ((table - expected) ** 2 / expected).sum()
-    df = (table.shape[0] - 1) * (table.shape[1] - 1)
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2))
 
 
 def test_bad_speculative_config(tiny_llama_dir):

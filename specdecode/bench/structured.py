@@ -1,0 +1,161 @@
+"""`specdecode bench structured`: speculation under a JSON-schema constraint, batch 1.
+
+Workload: the `evals` JSON Patch task (`json_patch_object`), whose answers are JSON Patch arrays,
+constrained by the JSON Patch schema below. For each speculative configuration, on the same
+prompts in one run: constrained decoding without and with speculation, and unconstrained
+decoding without and with it. Reported per mode: decode tok/s (after the first token), tokens
+per target forward (jump-ahead included: forced tokens ride along in the next forward),
+acceptance, tau, the share of tokens the grammar forced, and the speedup of speculation over
+the same mode without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from copy import deepcopy
+from pathlib import Path
+
+from specdecode import data
+from specdecode.sampling import SamplingParams
+
+JSON_PATCH_SCHEMA = {
+    "type": "array",
+    "minItems": 1,
+    "maxItems": 8,
+    "items": {
+        "type": "object",
+        "properties": {
+            "op": {"enum": ["add", "remove", "replace"]},
+            "path": {"type": "string", "pattern": "^(/[0-9a-f]{6})+$"},
+            "value": {"type": "integer"},
+        },
+        "required": ["op", "path"],
+        "additionalProperties": False,
+    },
+}
+
+
+def _prompts(tokenizer, n: int, max_prompt_tokens: int) -> list[list[int]]:
+    out = []
+    for row in data.evals_samples("json_patch_object/samples.jsonl"):
+        messages = [{"role": "user", "content": "\n\n".join(m["content"] for m in row["input"])}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+        if len(ids) <= max_prompt_tokens:
+            out.append(ids)
+        if len(out) == n:
+            break
+    return out
+
+
+def _run(engine, prompts, params) -> dict:
+    """Each prompt alone (batch 1): decode time after the first token, forwards, tokens."""
+    tokens = forwards = forced = valid = 0
+    seconds = 0.0
+    before = deepcopy(engine.spec_stats)
+    forced0 = engine.num_forced_tokens
+    for ids in prompts:
+        seq = engine.add_request(ids, params)
+        while not seq.output_token_ids and not seq.finished:
+            engine.step()
+        start, n0 = time.perf_counter(), len(seq.output_token_ids)
+        while not seq.finished:
+            engine.step()
+            forwards += 1
+        seconds += time.perf_counter() - start
+        tokens += len(seq.output_token_ids) - n0
+        if params.structured_output is not None:
+            try:
+                json.loads(seq.text)
+                valid += 1
+            except json.JSONDecodeError:
+                pass
+    s = engine.spec_stats
+    drafts = s.num_drafts - before.num_drafts
+    drafted = s.num_draft_tokens - before.num_draft_tokens
+    accepted = s.num_accepted_tokens - before.num_accepted_tokens
+    forced = engine.num_forced_tokens - forced0
+    return {
+        "decode_tok_s": tokens / seconds if seconds else 0.0,
+        "tokens_per_forward": tokens / forwards if forwards else 0.0,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "tau": 1 + accepted / drafts if drafts else None,
+        "forced_share": forced / tokens if tokens else 0.0,
+        "valid_json": valid if params.structured_output is not None else None,
+        "tokens": tokens,
+    }
+
+
+def run_structured_bench(args: argparse.Namespace) -> dict:
+    from specdecode import LLM
+    from specdecode.bench.speculative import _label
+    from specdecode.cli import engine_kwargs, speculative_config
+
+    kwargs = engine_kwargs(args, default_policy="static")
+    kwargs["speculative_config"] = speculative_config(args) or {"method": "ngram"}
+    configs = [kwargs["speculative_config"]]
+    configs += json.loads(args.compare) if args.compare else []
+    first = LLM(args.model, **kwargs)
+    prompts = _prompts(first.tokenizer, args.num_prompts, args.max_prompt_tokens)
+    rows = []
+    for cfg in configs:
+        llm = (
+            first if cfg is configs[0] else LLM(args.model, **{**kwargs, "speculative_config": cfg})
+        )
+        engine = llm.engine
+        label = _label(engine.spec_config)
+        for constrained in (True, False):
+            so = {"json": JSON_PATCH_SCHEMA} if constrained else None
+            params = SamplingParams(
+                temperature=args.temperature, seed=0, max_tokens=args.max_tokens,
+                structured_output=so,
+            )  # fmt: skip
+            engine.set_policy("off")
+            plain = _run(engine, prompts, params)
+            engine.set_policy("static")
+            spec = _run(engine, prompts, params)
+            row = {
+                "method": label,
+                "constrained": constrained,
+                "prompts": len(prompts),
+                "plain": plain,
+                "spec": spec,
+                "speedup": spec["decode_tok_s"] / plain["decode_tok_s"],
+            }
+            rows.append(row)
+            _print(row)
+    result = {
+        "workload": "evals json_patch_object, JSON Patch schema",
+        "temperature": args.temperature,
+        "max_tokens": args.max_tokens,
+        "dtype": args.dtype,
+        "schema": JSON_PATCH_SCHEMA,
+        "rows": rows,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _print(row: dict) -> None:
+    p, s = row["plain"], row["spec"]
+    mode = "constrained  " if row["constrained"] else "unconstrained"
+    acc = f"acc {s['acceptance_rate']:.0%} tau {s['tau']:.2f}" if s["tau"] else "no drafts"
+    print(
+        f"{row['method']:<16} {mode} plain {p['decode_tok_s']:6.1f} tok/s "
+        f"({p['tokens_per_forward']:.2f} tok/fwd, forced {p['forced_share']:.0%})  "
+        f"spec {s['decode_tok_s']:6.1f} tok/s ({s['tokens_per_forward']:.2f} tok/fwd, {acc})  "
+        f"{row['speedup']:.2f}x",
+        flush=True,
+    )
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=5)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--compare", default=None, help="a JSON list of further speculative configs")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
