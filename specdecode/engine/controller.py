@@ -261,8 +261,9 @@ class GoodputController:
     # ---- decisions -----------------------------------------------------------------------------
 
     def plan(self, seqs: list[Sequence], base_tokens: int, num_running: int) -> list[int]:
-        """Draft depth for each decoding sequence. `base_tokens`: tokens the step feeds without
-        any drafts (roots and prefill chunks); `num_running`: requests in the batch."""
+        """Draft depth for each decoding sequence. `base_tokens`: the decode tokens the step
+        feeds without drafts (one root per decoding request; prefill chunks are left out, see
+        the engine); `num_running`: requests in the batch."""
         if self.policy == "off" or not seqs:
             budgets = [0] * len(seqs)
         elif self.policy == "static":

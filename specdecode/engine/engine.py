@@ -273,7 +273,11 @@ class LLMEngine:
         if not decoding:
             return proposals
         seqs = [batch.seqs[i] for i in decoding]
-        plan = self.controller.plan(seqs, sum(batch.num_new), len(batch))
+        # Drafts are priced against the decode part of the step only: a prefill chunk is work
+        # the step does anyway, and pricing drafts on top of it would make them look cheap
+        # relative to the tokens it yields (on a compute-bound CPU they are not).
+        decode_tokens = sum(1 for n in batch.num_new if n == 1)
+        plan = self.controller.plan(seqs, decode_tokens, len(batch))
         budgets = [self._budget(s, b) for s, b in zip(seqs, plan, strict=True)]
         self._last_budgets = budgets
         shadows = self.controller.shadow_requests
