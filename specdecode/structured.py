@@ -11,8 +11,9 @@ Jump-ahead: when the grammar allows exactly one token next, it is appended witho
 model (it has probability 1 under the constraint, so this is lossless) and counted in
 `Sequence.num_forced_tokens`; the forced tokens are fed to the model in the next step.
 
-JSON is compiled compact (no optional whitespace between tokens): the language is the same
-JSON values, and a model cannot wander into endless whitespace.
+JSON is compiled without free whitespace (xgrammar's `any_whitespace=False`: the separators
+", " and ": ", as Python's json.dumps writes them): the same JSON values, and a model cannot
+wander into endless whitespace.
 """
 
 from __future__ import annotations

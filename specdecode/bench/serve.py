@@ -226,7 +226,8 @@ def markdown(result: dict) -> str:
     cfg = result["speculative_config"]
     return (
         f"Workload `{result['workload']}`, temperature {result['temperature']}, "
-        f"{result['max_tokens']} output tokens per request, {result['dtype']}, speculative "
+        f"{result['max_tokens']} output tokens per request on average (0.5x-1.5x), "
+        f"{result['dtype']}, speculative "
         f"method `{cfg['method']}` (k={cfg['num_speculative_tokens']}).\n\n"
         + "\n".join(lines)
         + "\n\n"
@@ -246,12 +247,13 @@ def plot(result: dict, path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for policy in POLICIES:
         pts = [(r["concurrency"], r["throughput_tok_s"]) for r in rows if r["policy"] == policy]
+        color = {"off": "C0", "static": "C1", "adaptive": "C2"}[policy]
         if pts:
-            ax1.plot(*zip(*pts, strict=True), marker="o", label=policy)
+            ax1.plot(*zip(*pts, strict=True), marker="o", label=policy, color=color)
         ratios = [(c, _ratio(rows, c, policy)) for c in levels]
         ratios = [(c, v) for c, v in ratios if v is not None]
         if policy != "off" and ratios:
-            ax2.plot(*zip(*ratios, strict=True), marker="o", label=policy)
+            ax2.plot(*zip(*ratios, strict=True), marker="o", label=policy, color=color)
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests")
