@@ -50,6 +50,7 @@ class Sequence:
     # structured output: the grammar matcher (xgrammar), tokens it forced (jump-ahead)
     matcher: Any = None
     num_forced_tokens: int = 0
+    next_bitmask: Any = None  # the grammar's mask for the next token, when already computed
     error: str | None = None  # set with finish_reason "error" when the request cannot go on
 
     @property

@@ -170,20 +170,21 @@ def node_masks(matcher, compiler: GrammarCompiler, tokens: list[int], children: 
     return bitmask_to_bool(bitmask, compiler.vocab_size), reached
 
 
-def single_allowed(matcher, compiler: GrammarCompiler) -> int | None:
-    """The only token the grammar allows next, if exactly one is allowed; else None."""
+def single_allowed(matcher, compiler: GrammarCompiler) -> tuple[int | None, torch.Tensor]:
+    """The only token the grammar allows next, if exactly one is allowed (else None), and the
+    [1, W] bitmask of what it allows (kept for the next step's mask)."""
     bitmask = compiler.new_bitmask(1)
     matcher.fill_next_token_bitmask(bitmask, 0)
     words = bitmask[0]
     nonzero = torch.nonzero(words).flatten()
     if nonzero.numel() != 1:
-        return None
+        return None, bitmask
     w = int(nonzero[0])
     word = int(words[w]) & 0xFFFFFFFF
     if word & (word - 1):  # more than one bit set
-        return None
+        return None, bitmask
     token = 32 * w + word.bit_length() - 1
-    return token if token < compiler.vocab_size else None
+    return (token if token < compiler.vocab_size else None), bitmask
 
 
 def prune(tokens: list[int], parents: tuple[int, ...], children: list[list[int]], matcher):

@@ -376,6 +376,7 @@ class LLMEngine:
         from specdecode.structured import single_allowed
 
         m = seq.matcher
+        seq.next_bitmask = None
         for tok in seq.output_token_ids[before:]:
             if m.is_terminated():  # only past a stop token with ignore_eos: nothing to check
                 break
@@ -385,8 +386,9 @@ class LLMEngine:
         for _ in range(256):  # jump-ahead, bounded per step
             if seq.finish_reason is not None or m.is_terminated():
                 break
-            forced = single_allowed(m, compiler)
+            forced, bitmask = single_allowed(m, compiler)
             if forced is None:
+                seq.next_bitmask = bitmask  # the next step's mask: no second fill
                 break
             self.output.append(seq, [forced])
             if not m.accept_token(forced):

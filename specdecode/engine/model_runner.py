@@ -203,8 +203,10 @@ class ModelRunner:
             m = seqs[i].matcher
             if m is None:
                 continue
-            bitmask = compiler.new_bitmask(1)
-            m.fill_next_token_bitmask(bitmask, 0)
+            bitmask = seqs[i].next_bitmask
+            if bitmask is None:
+                bitmask = compiler.new_bitmask(1)
+                m.fill_next_token_bitmask(bitmask, 0)
             allowed = bitmask_to_bool(bitmask, compiler.vocab_size)[0]
             self._mask_row(seqs[i], logits[j], allowed)
         offset = len(plain)
