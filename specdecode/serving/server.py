@@ -292,8 +292,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             "total_tokens": prompt_tokens + completion,
         }
 
-    def format_logprobs(entries: list, chat: bool):
-        """Our (logprob, top) per token -> OpenAI's chat or completions logprobs object."""
+    def format_logprobs(entries: list, chat: bool, text_offset: int = 0):
+        """Our (logprob, top) per token -> OpenAI's chat or completions logprobs object
+        (`text_offset`: characters of the choice's text before these tokens, when streaming)."""
         pieces = []
         for tok, (lp, top) in entries:
             pieces.append(
@@ -313,7 +314,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     for s, lp, top in pieces
                 ]
             }
-        offsets, pos = [], 0
+        offsets, pos = [], text_offset
         for s, _, _ in pieces:
             offsets.append(pos)
             pos += len(s)
@@ -353,7 +354,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                         for i in range(len(handles))
                     ]  # fmt: skip
                 )
-            remaining, completion = len(handles), {}
+            remaining, completion, offsets = len(handles), {}, [0] * len(handles)
             while remaining:
                 i, u = await queue.get()
                 if u.error:
@@ -364,7 +365,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     continue
                 completion[i] = u.num_output_tokens
                 if u.text or u.finished or u.logprobs:
-                    lp = format_logprobs(u.logprobs, chat) if u.logprobs else None
+                    lp = format_logprobs(u.logprobs, chat, offsets[i]) if u.logprobs else None
+                    offsets[i] += sum(len(tokenizer.decode([t])) for t, _ in u.logprobs)
                     c: dict = {"index": i}
                     if chat:
                         c["delta"] = {"content": u.text} if u.text else {}

@@ -385,3 +385,17 @@ def test_response_format_json_schema_and_guided_regex(served, client):
     status, _ = raw(served.port, "POST", "/v1/completions",
                     json.dumps({"prompt": "abc", "guided_regex": "é+"}).encode())  # fmt: skip
     assert status == 400  # the vocabulary cannot write it
+
+
+def test_streamed_completion_logprobs_offsets_run_on(client):
+    chunks = client.completions.create(
+        model=MODEL, prompt="abcabc", max_tokens=10, temperature=0, logprobs=1, stream=True
+    )
+    tokens, offsets = [], []
+    for c in chunks:
+        for ch in c.choices:
+            if ch.logprobs:
+                tokens += ch.logprobs.tokens
+                offsets += ch.logprobs.text_offset
+    assert len(tokens) == 10
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
