@@ -342,30 +342,33 @@ class GoodputController:
 
         # Add draft levels best first: each request offers its next level, ranked by expected
         # tokens per fed node (a heap, so levels that add no nodes follow their parent level).
-        def offer(i: int, k: int) -> tuple[float, int, int] | None:
+        # Totals are kept as levels are added, so each trial costs O(1), not O(batch).
+        def offer(i: int, k: int) -> tuple[float, int, int, float, int] | None:
             if k > self.max_depth:
                 return None
-            reach = 1.0
+            reach = 1.0  # expected tokens level k adds: the chance all k drafts are accepted
             for a in rates[i][:k]:
                 reach *= a
             extra = self.nodes_for_depth(k) - (self.nodes_for_depth(k - 1) if k > 1 else 0)
-            return (-reach / max(1, extra), i, k)
+            return (-reach / max(1, extra), i, k, reach, extra)
+
+        def rate(tokens: float, fed: int, depth: int) -> float:
+            t = self.step_cost.predict(fed) + self.draft_cost.predict(depth)
+            return tokens / t if t > 0 else 0.0
 
         heap = [o for i in range(len(seqs)) if (o := offer(i, 1)) is not None]
         heapq.heapify(heap)
-        best = self.goodput(base_tokens, rates, plan)
-        plain = best
+        tokens, fed, depth = float(len(seqs)), base_tokens, 0
+        best = plain = rate(tokens, fed, depth)
         while heap:
-            _, i, k = heapq.heappop(heap)
-            plan[i] = k
-            g = self.goodput(base_tokens, rates, plan)
+            _, i, k, reach, extra = heapq.heappop(heap)
+            g = rate(tokens + reach, fed + extra, depth + 1)
             if g > best:
-                best = g
+                best, plan[i] = g, k
+                tokens, fed, depth = tokens + reach, fed + extra, depth + 1
                 nxt = offer(i, k + 1)
                 if nxt is not None:
                     heapq.heappush(heap, nxt)
-            else:
-                plan[i] = k - 1
         previous = [self._last_plan.get(s.seq_id, p) for s, p in zip(seqs, plan, strict=True)]
         if previous != plan:
             kept = self.goodput(base_tokens, rates, previous)
