@@ -154,10 +154,8 @@ def node_masks(matcher, compiler: GrammarCompiler, tokens: list[int], children: 
     n = len(tokens)
     bitmask = compiler.new_bitmask(n)
     bitmask.zero_()
-    reached = [False] * n
 
     def visit(node: int) -> None:
-        reached[node] = True
         if matcher.is_terminated():  # the node is a stop token: nothing may follow
             return
         matcher.fill_next_token_bitmask(bitmask, node)
@@ -167,7 +165,7 @@ def node_masks(matcher, compiler: GrammarCompiler, tokens: list[int], children: 
                 matcher.rollback(1)
 
     visit(0)
-    return bitmask_to_bool(bitmask, compiler.vocab_size), reached
+    return bitmask_to_bool(bitmask, compiler.vocab_size)
 
 
 def single_allowed(matcher, compiler: GrammarCompiler) -> tuple[int | None, torch.Tensor]:
@@ -187,7 +185,7 @@ def single_allowed(matcher, compiler: GrammarCompiler) -> tuple[int | None, torc
     return (token if token < compiler.vocab_size else None), bitmask
 
 
-def prune(tokens: list[int], parents: tuple[int, ...], children: list[list[int]], matcher):
+def prune(tokens: list[int], children: list[list[int]], matcher):
     """The nodes of a draft tree the grammar allows: walk every path with the matcher (accept,
     recurse, roll back) and keep a node only if its token is accepted after its ancestors'.
     Returns the kept original node indices, parents first (the root is always kept)."""

@@ -255,7 +255,11 @@ class GoodputController:
     def goodput(self, base_tokens: int, rates: list[list[float]], plan: list[int]) -> float:
         tokens = sum(self.expected_tokens(r, k) for r, k in zip(rates, plan, strict=True))
         fed = base_tokens + sum(self.nodes_for_depth(k) for k in plan if k)
-        t = self.step_cost.predict(fed) + self.draft_cost.predict(sum(plan))
+        return self._rate(tokens, fed, sum(plan))
+
+    def _rate(self, tokens: float, fed: int, depth: int) -> float:
+        """Expected tokens per second of a step feeding `fed` tokens with `depth` draft levels."""
+        t = self.step_cost.predict(fed) + self.draft_cost.predict(depth)
         return tokens / t if t > 0 else 0.0
 
     # ---- decisions -----------------------------------------------------------------------------
@@ -352,17 +356,13 @@ class GoodputController:
             extra = self.nodes_for_depth(k) - (self.nodes_for_depth(k - 1) if k > 1 else 0)
             return (-reach / max(1, extra), i, k, reach, extra)
 
-        def rate(tokens: float, fed: int, depth: int) -> float:
-            t = self.step_cost.predict(fed) + self.draft_cost.predict(depth)
-            return tokens / t if t > 0 else 0.0
-
         heap = [o for i in range(len(seqs)) if (o := offer(i, 1)) is not None]
         heapq.heapify(heap)
         tokens, fed, depth = float(len(seqs)), base_tokens, 0
-        best = plain = rate(tokens, fed, depth)
+        best = plain = self._rate(tokens, fed, depth)
         while heap:
             _, i, k, reach, extra = heapq.heappop(heap)
-            g = rate(tokens + reach, fed + extra, depth + 1)
+            g = self._rate(tokens + reach, fed + extra, depth + 1)
             if g > best:
                 best, plan[i] = g, k
                 tokens, fed, depth = tokens + reach, fed + extra, depth + 1

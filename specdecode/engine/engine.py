@@ -302,7 +302,7 @@ class LLMEngine:
         from specdecode.tree import TreeShape
 
         shape = prop.shape
-        keep = prune(prop.tokens, shape.parents, shape.children, seq.matcher)
+        keep = prune(prop.tokens, shape.children, seq.matcher)
         if len(keep) == len(prop.tokens):
             return prop
         index = {old: new for new, old in enumerate(keep)}

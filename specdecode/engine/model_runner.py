@@ -214,7 +214,7 @@ class ModelRunner:
             n = num_new[i]
             if seqs[i].matcher is not None:
                 prop = proposals[i]
-                masks, _ = node_masks(seqs[i].matcher, compiler, prop.tokens, prop.shape.children)
+                masks = node_masks(seqs[i].matcher, compiler, prop.tokens, prop.shape.children)
                 for r in range(n):
                     self._mask_row(seqs[i], logits[offset + r], masks[r], root=r == 0)
                 out[i] = masks
