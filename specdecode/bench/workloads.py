@@ -6,7 +6,7 @@ from specdecode import data
 
 Messages = list[dict[str, str]]
 
-WORKLOADS = ("code", "sql", "json", "chat")
+WORKLOADS = ("code", "sql", "json", "writing", "chat")
 
 
 def load(name: str, n: int) -> list[Messages]:
@@ -27,6 +27,8 @@ def load(name: str, n: int) -> list[Messages]:
     if name == "json":
         rows = data.evals_samples("json_patch_object/samples.jsonl")[:n]
         return [_system_as_user(r["input"]) for r in rows]
+    if name == "writing":
+        return [[{"role": "user", "content": q}] for q in data.writingbench(n)]
     if name == "chat":
         out = []
         for _, messages in data.sharegpt("held-out"):

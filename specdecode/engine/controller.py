@@ -69,6 +69,9 @@ class _Curve:
     def __bool__(self) -> bool:
         return bool(self._points)
 
+    def points(self) -> list[tuple[float, float]]:
+        return sorted((x, y) for x, y in self._points.values())
+
     def span(self) -> tuple[float, float]:
         xs = [p[0] for p in self._points.values()]
         return min(xs), max(xs)

@@ -1,0 +1,557 @@
+"""`specdecode advise`: should *your* traffic run with speculative decoding, at *your*
+concurrency, on this machine?
+
+Two numbers decide it: acceptance on real traffic and steady-state concurrency. The advisor
+measures both sides instead of using rules of thumb:
+1. reads a sample of the traffic (JSONL: one request per line, see `read_traffic`);
+2. calibrates the step-cost curve of this machine (target forwards of N tokens, up to what the
+   given concurrency feeds with drafts) and runs the sample plainly and with each candidate
+   drafter, batched at up to the given concurrency: acceptance by draft position, tokens per
+   step, the drafting cost, and the real step times (scheduling and sampling included);
+3. predicts steady-state throughput and time per output token at the concurrency, for plain
+   decoding and for each drafter at each depth, from the same cost model the goodput controller
+   uses (`engine.controller`):
+
+       throughput(k) = C * O / ((O / E(k)) * (T(N_k) + D(k)) + C * P(N_k))
+
+   with C requests in flight, O the mean output length, E(k) the tokens a step emits per
+   request at depth k (measured acceptance), N_k = C * (1 + drafts per request at k) the tokens
+   a step feeds the target, T the step-time curve, D the drafting time, and P(N) the marginal
+   cost of one mean-length prompt's prefill in a step of N tokens;
+4. recommends the method and depth with the best prediction, or `off` when nothing beats plain
+   decoding by at least `--min-gain`, and says why in plain words.
+
+`--validate 1,8` then measures closed-loop throughput at those concurrencies (the serving
+engine, as `bench serve` runs it) for plain decoding and the recommendation, and reports the
+error of each prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdecode.errors import InvalidRequestError
+from specdecode.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass
+class TrafficRequest:
+    line: int
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 128
+
+
+@dataclass
+class Traffic:
+    requests: list[TrafficRequest]
+    bad_lines: list[str] = field(default_factory=list)  # "line N: why", skipped
+
+
+def read_traffic(path: str | Path, default_max_tokens: int = 128, default_temperature=None):
+    """One request per line: `{"prompt": "..."}`, `{"messages": [...]}` (an OpenAI chat body;
+    `temperature`, `top_p`, `max_tokens` / `max_completion_tokens` are honoured) or a bare list
+    of chat messages. Blank lines are ignored. A bad line is reported by number and skipped;
+    the rest is kept."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidRequestError(f"traffic file {str(path)!r} not found")
+    good, bad = [], []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                good.append(_parse_line(n, line, default_max_tokens, default_temperature))
+            except ValueError as e:
+                bad.append(f"{path.name} line {n}: {e}")
+    if not good:
+        why = f" ({bad[0]}{' ...' if len(bad) > 1 else ''})" if bad else ""
+        raise InvalidRequestError(f"no usable request in {str(path)!r}{why}")
+    return Traffic(good, bad)
+
+
+def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature) -> TrafficRequest:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    if isinstance(obj, list):
+        obj = {"messages": obj}
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object or a list of messages, got {type(obj).__name__}")
+    req = TrafficRequest(n, max_tokens=default_max_tokens)
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError("'messages' must be a non-empty list")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or m.get("role") not in ROLES:
+                raise ValueError(f"message {i} needs a 'role' among {', '.join(ROLES)}")
+            if not isinstance(m.get("content"), str):
+                raise ValueError(f"message {i} needs a string 'content'")
+        req.messages = [{"role": m["role"], "content": m["content"]} for m in msgs]
+    elif isinstance(obj.get("prompt"), str) and obj["prompt"]:
+        req.prompt = obj["prompt"]
+    else:
+        raise ValueError("needs a non-empty 'prompt' string or a 'messages' list")
+    temp = obj.get("temperature", default_temperature)
+    if temp is not None:
+        if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not 0 <= temp <= 2:
+            raise ValueError(f"'temperature' must be a number in [0, 2], got {temp!r}")
+        req.temperature = float(temp)
+    top_p = obj.get("top_p", 1.0)
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"'top_p' must be a number in (0, 1], got {top_p!r}")
+    req.top_p = float(top_p)
+    mt = obj.get("max_completion_tokens", obj.get("max_tokens"))
+    if mt is not None:
+        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+            raise ValueError(f"'max_tokens' must be a positive integer, got {mt!r}")
+        req.max_tokens = mt
+    return req
+
+
+# ---- measurement --------------------------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    """What one drafter did on the traffic sample (batched, static policy, full depth)."""
+
+    label: str
+    config: dict
+    max_depth: int
+    tree: bool
+    decisions: int  # (request, decode step) pairs
+    accepted_per_position: list[int]
+    drafted_per_position: list[int]
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted: int
+    tok_s: float  # measured offline batch throughput on the sample
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a request-step emits at depth k (1 + accepted)."""
+        s = max(1, self.decisions)
+        return 1.0 + sum(self.accepted_per_position[:k]) / s
+
+    def drafts_per_step(self, k: int) -> float:
+        """Draft tokens fed per request-step at depth k."""
+        s = max(1, self.decisions)
+        if self.tree:  # trees: measured nodes per draft at full depth
+            return self.num_draft_tokens / s
+        return sum(self.drafted_per_position[:k]) / s
+
+    def depth_per_step(self, k: int) -> float:
+        s = max(1, self.decisions)
+        if self.tree:
+            return k * self.num_drafts / s
+        return sum(self.drafted_per_position[:k]) / s
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tau(self) -> float:
+        return 1 + self.num_accepted / self.num_drafts if self.num_drafts else 1.0
+
+
+def candidate_configs(model: str | None, given: dict | None, draft_model: str | None) -> dict:
+    """The configs to try: the one given, or every drafter available for the model."""
+    if given:
+        return {given["method"]: given}
+    out = {"ngram": {"method": "ngram", "num_speculative_tokens": 5}}
+    if draft_model:
+        out["draft_model"] = {"method": "draft_model", "model": draft_model}
+    if model is None:  # heads ship for the embedded default model only
+        for m in ("medusa", "eagle", "eagle3"):
+            out[m] = {"method": m}
+    return out
+
+
+def _params(reqs: list[TrafficRequest]) -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, seed=i)
+        for i, r in enumerate(reqs)
+    ]
+
+
+def _run(llm, ids: list[list[int]], params: list[SamplingParams], bar) -> tuple[int, float]:
+    """All requests through the engine (it batches up to max_num_seqs); (tokens, seconds)."""
+    import time
+
+    engine = llm.engine
+    seqs = [engine.add_request(p, sp) for p, sp in zip(ids, params, strict=True)]
+    done = 0
+    t0 = time.perf_counter()
+    for _ in engine.run_to_completion():
+        now = sum(s.finished for s in seqs)
+        bar.update(now - done)
+        done = now
+    return sum(len(s.output_token_ids) for s in seqs), time.perf_counter() - t0
+
+
+# ---- prediction ---------------------------------------------------------------------------
+
+
+@dataclass
+class CostModel:
+    """Step time T(N) (calibrated, then measured), drafting time D, prefill marginal P."""
+
+    step: object  # engine.controller.StepCostModel
+    draft: object | None  # engine.controller.DraftCostModel
+
+    def step_time(self, n: float) -> float:
+        return self.step.predict(max(1.0, n))
+
+    def prefill(self, n: float, prompt_tokens: float) -> float:
+        cal = self.step.calibration if self.step.calibration else self.step.measured
+        return max(0.0, cal(n + prompt_tokens) - cal(n))
+
+
+def predict(
+    cost: CostModel,
+    concurrency: int,
+    prompt_tokens: float,
+    output_tokens: float,
+    m: Measured | None = None,
+    k: int = 0,
+) -> dict:
+    c = concurrency
+    e = m.expected_tokens(k) if m and k else 1.0
+    n = c * (1 + (m.drafts_per_step(k) if m and k else 0.0))
+    t_step = cost.step_time(n)
+    t_draft = cost.draft.predict(c * m.depth_per_step(k)) if m and k and cost.draft else 0.0
+    steps = output_tokens / e
+    cycle = steps * (t_step + t_draft) + c * cost.prefill(n, prompt_tokens)
+    return {
+        "concurrency": c,
+        "depth": k,
+        "tokens_per_step": e,
+        "tokens_fed": n,
+        "step_ms": 1000 * t_step,
+        "draft_ms": 1000 * t_draft,
+        "throughput_tok_s": c * output_tokens / cycle,
+        "tpot_ms": 1000 * cycle / output_tokens,
+    }
+
+
+def _merged_step_model(engines) -> object:
+    """One step-time model from every engine's calibration and measured steps (they run the
+    same target; the measured curve keeps a moving average per token-count bucket)."""
+    from specdecode.engine.controller import StepCostModel
+
+    model = StepCostModel()
+    for eng in engines:
+        step = eng.controller.step_cost
+        for x, y in step.calibration.points():
+            model.calibrate(int(x), y)
+        for x, y in step.measured.points():
+            model.observe(int(round(x)), y)
+    return model
+
+
+# ---- the command --------------------------------------------------------------------------
+
+
+def run_advise(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    from specdecode import LLM
+    from specdecode.cli import speculative_config
+
+    traffic = read_traffic(args.traffic, args.max_tokens, args.temperature)
+    for bad in traffic.bad_lines:
+        print(f"skipped {bad}", flush=True)
+    levels = sorted({args.concurrency, *_levels(args.validate)})
+    common = dict(
+        dtype=args.dtype,
+        kernels=args.kernels,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_num_seqs=max(levels),
+        max_model_len=args.max_model_len,
+    )
+    configs = candidate_configs(args.model, speculative_config(args), args.draft_model)
+    base = LLM(args.model, speculative_policy="off", **common)
+    reqs, ids = [], []
+    for r in traffic.requests[: args.num_requests or None]:
+        try:
+            p = base._chat_ids(r.messages) if r.messages else base.encode(r.prompt)
+            base.engine.make_sequence(p, _params([r])[0])  # validates length and sampling
+        except InvalidRequestError as e:
+            traffic.bad_lines.append(f"{Path(args.traffic).name} line {r.line}: {e}")
+            print(f"skipped {traffic.bad_lines[-1]}", flush=True)
+            continue
+        reqs.append(r)
+        ids.append(p)
+    if not reqs:
+        raise InvalidRequestError("no request of the traffic sample fits this model")
+    params = _params(reqs)
+    print(
+        f"measuring {len(reqs)} requests plainly and with {', '.join(configs)} on this machine",
+        flush=True,
+    )
+    measured: dict[str, Measured] = {}
+    llms = {"off": base}
+    with tqdm(total=len(reqs) * (1 + len(configs)), desc="advise", unit="req") as bar:
+        base.engine.calibrate(time_budget_s=args.calibration_seconds)
+        n_tok, secs = _run(base, ids, params, bar)
+        plain_tok_s, out_tokens = n_tok / secs, n_tok / len(ids)
+        for label, cfg in configs.items():
+            llm = LLM(args.model, speculative_config=cfg, speculative_policy="static", **common)
+            llm.engine.calibrate(time_budget_s=args.calibration_seconds)
+            measured[label] = _measure(llm, label, ids, params, bar)
+            llms[label] = llm
+    step = _merged_step_model([x.engine for x in llms.values()])
+    costs = {m: CostModel(step, llms[m].engine.controller.draft_cost) for m in measured}
+    costs["off"] = CostModel(step, None)
+    prompt_tokens = sum(len(i) for i in ids) / len(ids)
+    result = advice(
+        args.concurrency,
+        traffic,
+        reqs,
+        measured,
+        costs,
+        prompt_tokens,
+        out_tokens,
+        plain_tok_s,
+        args.min_gain,
+    )
+    result["model"] = str(base.engine.model_path)
+    result["machine"] = _machine()
+    if args.validate:
+        result["validation"] = validate(
+            llms,
+            result,
+            measured,
+            costs,
+            ids,
+            params,
+            _levels(args.validate),
+            prompt_tokens,
+            out_tokens,
+        )
+        result["text"] += "\n" + result["validation"]["text"]
+    print(result["text"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    return result
+
+
+def _machine() -> str:
+    from specdecode.bench.suite import machine
+
+    return machine()
+
+
+def _levels(text: str | None) -> list[int]:
+    if not text:
+        return []
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidRequestError(
+            f"--validate wants concurrency levels like 1,8, got {text!r}"
+        ) from None
+    if any(c < 1 for c in levels):
+        raise InvalidRequestError("concurrency levels must be >= 1")
+    return levels
+
+
+def _measure(llm, label: str, ids, params, bar) -> Measured:
+    from specdecode.bench.speculative import _copy_stats, _diff_stats
+
+    eng = llm.engine
+    before, dec0 = _copy_stats(eng), eng.controller.num_decisions
+    n_tok, secs = _run(llm, ids, params, bar)
+    st = _diff_stats(eng, before)
+    cfg = eng.spec_config
+    return Measured(
+        label=label,
+        config={k: v for k, v in cfg.__dict__.items() if v is not None},
+        max_depth=cfg.num_speculative_tokens,
+        tree=bool((cfg.topk or 1) > 1 or cfg.speculative_token_tree),
+        decisions=eng.controller.num_decisions - dec0,
+        accepted_per_position=st.accepted_per_position,
+        drafted_per_position=st.drafted_per_position,
+        num_drafts=st.num_drafts,
+        num_draft_tokens=st.num_draft_tokens,
+        num_accepted=st.num_accepted_tokens,
+        tok_s=n_tok / secs,
+    )
+
+
+def advice(
+    concurrency: int,
+    traffic: Traffic,
+    reqs: list[TrafficRequest],
+    measured: dict[str, Measured],
+    costs: dict[str, CostModel],
+    prompt_tokens: float,
+    out_tokens: float,
+    plain_tok_s: float,
+    min_gain: float,
+) -> dict:
+    c = concurrency
+    plain = predict(costs["off"], c, prompt_tokens, out_tokens)
+    options = []
+    for label, m in measured.items():
+        depths = [m.max_depth] if m.tree else range(1, m.max_depth + 1)
+        best = max(
+            (predict(costs[label], c, prompt_tokens, out_tokens, m, k) for k in depths),
+            key=lambda p: p["throughput_tok_s"],
+        )
+        best["method"] = label
+        best["speedup"] = best["throughput_tok_s"] / plain["throughput_tok_s"]
+        best["acceptance_rate"] = m.acceptance_rate
+        best["tau"] = m.tau
+        options.append(best)
+    options.sort(key=lambda o: -o["speedup"])
+    top = options[0] if options else None
+    go = top is not None and top["speedup"] >= 1 + min_gain
+    temps: dict[str, int] = {}
+    for r in reqs:
+        temps[f"{r.temperature:g}"] = temps.get(f"{r.temperature:g}", 0) + 1
+    lines = [
+        f"Traffic: {len(reqs)} requests ({len(traffic.bad_lines)} bad lines skipped), "
+        f"prompts {prompt_tokens:.0f} tokens and outputs {out_tokens:.0f} tokens on average, "
+        "temperatures " + ", ".join(f"{t} ({n})" for t, n in sorted(temps.items())) + ".",
+        f"At concurrency {c}, plain decoding: a step feeds {c} tokens and takes "
+        f"{plain['step_ms']:.1f} ms; predicted {plain['throughput_tok_s']:.1f} tok/s, "
+        f"{plain['tpot_ms']:.1f} ms per output token.",
+    ]
+    for o in options:
+        why = _why(o, plain)
+        lines.append(
+            f"- {o['method']}: acceptance {o['acceptance_rate']:.0%}, tau {o['tau']:.2f}; best at "
+            f"depth {o['depth']}: {o['tokens_per_step']:.2f} tokens per step for a "
+            f"{o['tokens_fed']:.0f}-token step of {o['step_ms']:.1f} ms + {o['draft_ms']:.1f} "
+            f"ms drafting -> {o['throughput_tok_s']:.1f} tok/s, {o['speedup']:.2f}x plain. {why}"
+        )
+    if go:
+        rec = {"method": top["method"], "depth": top["depth"], **measured[top["method"]].config}
+        rec["num_speculative_tokens"] = top["depth"]
+        lines.append(
+            f"Recommendation: speculate with {top['method']} at depth {top['depth']} "
+            f"(predicted {top['speedup']:.2f}x throughput, time per output token "
+            f"{plain['tpot_ms']:.1f} -> {top['tpot_ms']:.1f} ms): "
+            f"--speculative-config '{json.dumps(_flag_config(rec))}'. With the default "
+            "--speculative-policy adaptive the engine re-decides this every step as your load "
+            "and acceptance change."
+        )
+    else:
+        rec = {"method": "off"}
+        reason = (
+            "no drafter beats plain decoding"
+            if top is None or top["speedup"] < 1
+            else f"the best gain ({top['speedup']:.2f}x) is under the {min_gain:.0%} margin"
+        )
+        lines.append(
+            f"Recommendation: off ({reason} at concurrency {c} on this traffic). "
+            "The adaptive policy would also stay (almost) off here; static speculation would "
+            "cost throughput."
+        )
+    return {
+        "concurrency": c,
+        "requests": len(reqs),
+        "bad_lines": traffic.bad_lines,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "measured_plain_tok_s": plain_tok_s,
+        "measured": {k: m.__dict__ for k, m in measured.items()},
+        "plain": plain,
+        "options": options,
+        "recommendation": rec,
+        "text": "\n".join(lines),
+    }
+
+
+def _flag_config(rec: dict) -> dict:
+    keep = ("method", "model", "num_speculative_tokens", "topk", "num_draft_tokens")
+    return {k: rec[k] for k in keep if rec.get(k) is not None}
+
+
+def _why(o: dict, plain: dict) -> str:
+    """The seed's decision flow, with this run's numbers."""
+    if o["acceptance_rate"] < 0.3:
+        return "Acceptance under 30%: most drafted tokens are wasted work at any load."
+    cost = (o["step_ms"] + o["draft_ms"]) / plain["step_ms"]
+    if o["speedup"] < 1:
+        return (
+            f"A speculative step costs {cost:.2f}x a plain one here, more than the "
+            f"{o['tokens_per_step']:.2f} tokens it emits: the batch is compute-bound at this "
+            "concurrency (verification is not free)."
+        )
+    return (
+        f"A speculative step costs {cost:.2f}x a plain one and emits "
+        f"{o['tokens_per_step']:.2f} tokens: decoding is still memory-bound here."
+    )
+
+
+def validate(llms, result, measured, costs, ids, params, levels, prompt_tokens, out_tokens):
+    """Closed-loop throughput at `levels` for plain decoding and the recommendation (or the
+    best option when the advice is off), against the predictions at those levels."""
+    from specdecode.bench.serve import closed_loop
+
+    label = result["recommendation"]["method"]
+    if label == "off" and result["options"]:
+        label = result["options"][0]["method"]
+    rows = []
+    for name in ["off"] + ([label] if label != "off" else []):
+        llm = llms[name]
+        depth = next((o["depth"] for o in result["options"] if o["method"] == name), 0)
+        if name != "off":
+            llm.engine.controller.max_depth = depth
+        policy = "off" if name == "off" else "static"
+        got = closed_loop(llm.engine, ids, levels, [policy], params, len(ids), warmup=True)
+        for r in got:
+            m = measured.get(name)
+            pred = predict(costs[name], r["concurrency"], prompt_tokens, out_tokens, m, depth)
+            err = pred["throughput_tok_s"] / r["throughput_tok_s"] - 1
+            rows.append(
+                {
+                    "method": name,
+                    "depth": depth,
+                    "concurrency": r["concurrency"],
+                    "predicted_tok_s": pred["throughput_tok_s"],
+                    "measured_tok_s": r["throughput_tok_s"],
+                    "error": err,
+                    "predicted_tpot_ms": pred["tpot_ms"],
+                    "measured_tpot_ms": r["tpot_ms"],
+                }
+            )
+    worst = max(abs(r["error"]) for r in rows)
+    text = "Validation (closed loop, measured now):\n" + "\n".join(
+        f"- {r['method']} at concurrency {r['concurrency']}: predicted "
+        f"{r['predicted_tok_s']:.1f} tok/s, measured {r['measured_tok_s']:.1f} tok/s "
+        f"({100 * r['error']:+.0f}%)"
+        for r in rows
+    )
+    text += f"\nworst prediction error {100 * worst:.0f}%"
+    return {"rows": rows, "worst_error": worst, "text": text}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--traffic", required=True, help="JSONL: one prompt or chat per line")
+    p.add_argument("--concurrency", type=int, default=1, help="expected requests in flight")
+    p.add_argument("--draft-model", default=None, help="also try this draft model")
+    p.add_argument("--num-requests", type=int, default=32, help="requests used (0: all)")
+    p.add_argument("--max-tokens", type=int, default=128, help="when a line does not say")
+    p.add_argument("--temperature", type=float, default=None, help="when a line does not say")
+    p.add_argument("--min-gain", type=float, default=0.05, help="recommend only above this")
+    p.add_argument("--calibration-seconds", type=float, default=10.0)
+    p.add_argument("--validate", default=None, help="measure at these levels too, e.g. 1,8")
+    p.add_argument("--json", default=None, help="write the advice as JSON here")

@@ -1,0 +1,107 @@
+"""The advisor's traffic reader and prediction, and the benchmark report's verdicts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdecode.advise import CostModel, Measured, predict, read_traffic
+from specdecode.bench.report import seed_comparison
+from specdecode.engine.controller import DraftCostModel, StepCostModel
+from specdecode.errors import InvalidRequestError
+
+
+def test_read_traffic_formats_and_bad_lines(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text(
+        "\n".join(
+            [
+                json.dumps({"prompt": "hi", "temperature": 0.7, "max_completion_tokens": 5}),
+                json.dumps([{"role": "user", "content": "hello"}]),
+                "",
+                json.dumps({"messages": [{"role": "wizard", "content": "x"}]}),
+                json.dumps({"prompt": "x", "max_tokens": 0}),
+                json.dumps({"prompt": "x", "top_p": 0}),
+                "[1, 2",
+                json.dumps("just a string"),
+            ]
+        )
+    )
+    t = read_traffic(p, default_max_tokens=9)
+    assert [(r.line, r.temperature, r.max_tokens) for r in t.requests] == [(1, 0.7, 5), (2, 0.0, 9)]
+    assert t.requests[1].messages == [{"role": "user", "content": "hello"}]
+    assert [b.split(":")[0] for b in t.bad_lines] == [f"t.jsonl line {n}" for n in (4, 5, 6, 7, 8)]
+    assert "role" in t.bad_lines[0] and "max_tokens" in t.bad_lines[1]
+    assert "top_p" in t.bad_lines[2] and "JSON" in t.bad_lines[3]
+    with pytest.raises(InvalidRequestError, match="not found"):
+        read_traffic(tmp_path / "nothing.jsonl")
+
+
+def _measured(accepted, drafted, decisions, tree=False) -> Measured:
+    return Measured(
+        label="x", config={"method": "ngram"}, max_depth=len(drafted), tree=tree,
+        decisions=decisions, accepted_per_position=accepted, drafted_per_position=drafted,
+        num_drafts=drafted[0], num_draft_tokens=sum(drafted), num_accepted=sum(accepted),
+        tok_s=1.0,
+    )  # fmt: skip
+
+
+def test_prediction_follows_the_cost_model():
+    step = StepCostModel()
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        step.calibrate(n, 0.010 + 0.001 * n)  # 10 ms + 1 ms per token
+    draft = DraftCostModel()
+    for d in (1, 2, 4, 8):
+        draft.observe(d, 0.002 * d)
+    cost = CostModel(step, draft)
+    # 100 request-steps: 80 drafted depth 1 and 60 accepted it, 50 reached depth 2, 25 accepted
+    m = _measured([60, 25], [80, 50], 100)
+    assert m.expected_tokens(1) == pytest.approx(1.6)
+    assert m.expected_tokens(2) == pytest.approx(1.85)
+    assert m.drafts_per_step(2) == pytest.approx(1.3)
+    plain = predict(cost, 4, prompt_tokens=20, output_tokens=50)
+    # 50 steps of T(4) = 14 ms, plus 4 prefills of 20 tokens at 1 ms per token
+    assert plain["throughput_tok_s"] == pytest.approx(4 * 50 / (50 * 0.014 + 4 * 0.020))
+    spec = predict(cost, 4, 20, 50, m, 2)
+    n = 4 * 2.3
+    t = 0.010 + 0.001 * n + 0.002 * 4 * 1.3
+    assert spec["tokens_fed"] == pytest.approx(n)
+    assert spec["throughput_tok_s"] == pytest.approx(4 * 50 / (50 / 1.85 * t + 4 * 0.020), 1e-3)
+    # more requests in flight: the same drafts cost more in absolute terms, plain gains more
+    big = predict(cost, 64, 20, 50)
+    big_spec = predict(cost, 64, 20, 50, m, 2)
+    small_gain = spec["throughput_tok_s"] / plain["throughput_tok_s"]
+    assert big_spec["throughput_tok_s"] / big["throughput_tok_s"] < small_gain
+
+
+def _row(method, wl, temp, speedup, acc, tau):
+    return dict(
+        method=method, workload=wl, temperature=temp, speedup=speedup, acceptance_rate=acc, tau=tau
+    )
+
+
+def test_seed_comparison_states_agreement_from_the_rows():
+    rows = [
+        {"method": "off", "workload": "json", "temperature": 0.0, "tok_s": 50.0},
+        _row("ngram", "json", 0.0, 3.4, 0.9, 4.0),
+        _row("eagle3", "json", 0.0, 0.8, 0.2, 1.3),
+        _row("ngram", "chat", 1.0, 0.9, 0.1, 1.1),
+        _row("eagle3", "chat", 1.0, 1.1, 0.5, 1.6),
+    ]
+    conc = [{"method": "off", "policy": "off", "concurrency": c, "vs_off": 1.0} for c in (1, 8)] + [
+        {"method": "ngram", "policy": "static", "concurrency": 1, "vs_off": 1.3},
+        {"method": "ngram", "policy": "static", "concurrency": 8, "vs_off": 0.9},
+        {"method": "ngram", "policy": "adaptive", "concurrency": 8, "vs_off": 1.0},
+    ]
+    result = {"targets": [{"target": "t", "rows": rows, "concurrency": conc}]}
+    text = "\n".join(seed_comparison(result))
+    assert "**Speedup 3x-5.6x** (t): agrees. Best here 3.40x (ngram, json, T=0)" in text
+    assert "structured output** (t, code/SQL/JSON at T=0): agrees. Best acceptance 90%" in text
+    assert "T>=1** (t): agrees" in text  # eagle3 50% on chat at T=1
+    assert "2 of 2 method/workload/temperature cells under 30% acceptance" in text
+    assert "ngram: static loses from concurrency 8 (0.90x at 8), adaptive worst 1.00x" in text
+    rows[1] = _row("ngram", "json", 0.0, 1.4, 0.6, 2.0)
+    text = "\n".join(seed_comparison(result))
+    assert "**Speedup 3x-5.6x** (t): disagrees" in text and "output** (t, code/SQL/JSON" in text
+    assert "T=0): disagrees. Best acceptance 60%" in text
