@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -329,7 +330,18 @@ def run_advise(args: argparse.Namespace) -> dict:
         plain_tok_s,
         args.min_gain,
     )
+    capacity = base.engine.manager.capacity_tokens
+    need = args.concurrency * (prompt_tokens + out_tokens)
+    result["kv_capacity_tokens"] = capacity
+    if need > capacity:
+        result["text"] += (
+            f"\nNote: {args.concurrency} requests of this size hold about {need:.0f} tokens of "
+            f"KV cache; --kv-cache-memory-gb {args.kv_cache_memory_gb:g} holds {capacity}: "
+            "requests would queue or be preempted, and every prediction above is optimistic. "
+            "Give the cache more memory or expect lower concurrency."
+        )
     result["model"] = str(base.engine.model_path)
+    result["command"] = "specdecode advise " + shlex.join(getattr(args, "argv", []) or [])
     result["machine"] = _machine()
     if args.validate:
         result["validation"] = validate(

@@ -213,6 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
         "final feature only (Medusa, EAGLE-1), 'none' = tokens only",
     )
 
+    dtraffic = dsub.add_parser(
+        "traffic",
+        help="a sample traffic file (JSONL chat requests) from the benchmark workloads, for "
+        "`specdecode advise` when you have no traffic of your own yet",
+    )
+    dtraffic.add_argument("--workloads", default="code,chat", help="comma list")
+    dtraffic.add_argument("--num-prompts", type=int, default=8, help="per workload")
+    dtraffic.add_argument("--temperature", type=float, default=0.0)
+    dtraffic.add_argument("--max-tokens", type=int, default=128)
+    dtraffic.add_argument("--out", required=True)
+
     train = sub.add_parser("train", help="train drafters on a frozen target")
     tsub = train.add_subparsers(dest="train", required=True)
     tdraft = tsub.add_parser("draft", help="distil a small draft model from the target")
@@ -316,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.suite import add_args as add_suite_args
 
     add_suite_args(suite)
+    rep = bsub.add_parser("report", help="docs/BENCHMARKS.md from bench suite output directories")
+    rep.add_argument("runs", nargs="+", help="directories written by `bench suite`")
+    rep.add_argument("--advise", default=None, help="an `advise --validate --json` result")
+    rep.add_argument("--out", default="docs/BENCHMARKS.md")
     adv = sub.add_parser(
         "advise",
         help="measure your traffic here and say whether speculative decoding pays at your "
@@ -361,6 +376,20 @@ def cmd_data(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from specdecode import LLM, data
+
+    if args.data == "traffic":
+        from specdecode.bench import workloads
+
+        lines = [
+            json.dumps(
+                {"messages": m, "temperature": args.temperature, "max_tokens": args.max_tokens}
+            )
+            for wl in args.workloads.split(",")
+            for m in workloads.load(wl, args.num_prompts)
+        ]
+        Path(args.out).write_text("\n".join(lines) + "\n")
+        print(f"wrote {len(lines)} requests to {args.out}")
+        return
     from specdecode.train.datagen import generate
 
     kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs}
@@ -500,7 +529,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "advise":
             from specdecode.advise import run_advise
 
+            args.argv = list(argv if argv is not None else sys.argv[1:])[1:]
             run_advise(args)
+        elif args.command == "bench" and args.bench == "report":
+            from specdecode.bench.report import run_report
+
+            run_report(args)
         elif args.command == "bench" and args.bench == "suite":
             from specdecode.bench.suite import run_suite
 

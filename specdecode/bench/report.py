@@ -98,9 +98,7 @@ def seed_comparison(result: dict) -> list[str]:
                 if st:
                     part += f" ({st[-1]['vs_off']:.2f}x at {st[-1]['concurrency']})"
                 if worst:
-                    part += (
-                        f", adaptive worst {worst['vs_off']:.2f}x (at {worst['concurrency']})"
-                    )
+                    part += f", adaptive worst {worst['vs_off']:.2f}x (at {worst['concurrency']})"
                 lines.append(part)
             out.append(
                 f"**Concurrency boundary (-10-15% at >= 128 on GPUs)** ({name}): the boundary "
@@ -137,46 +135,81 @@ def _references(result: dict) -> list[str]:
     return out
 
 
-def write_report(result: dict, suite_dir: Path, path: Path) -> None:
+def write_report(runs: list[tuple[dict, Path]], path: Path, advise: dict | None = None) -> None:
+    """BENCHMARKS.md from one or more suite runs (result, its output directory), e.g. the
+    full matrix on the default model and a smaller one on the Qwen pair, plus an optional
+    `advise --validate` result."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    rel = os.path.relpath(suite_dir, path.parent)
-    advise_file = suite_dir / "advise.json"
-    advise = json.loads(advise_file.read_text()) if advise_file.is_file() else None
+    merged = {"targets": [t for r, _ in runs for t in r["targets"]]}
     when = datetime.date.today().isoformat()
+    commands = "\n".join(r["command"].strip() for r, _ in runs)
+    if advise and advise.get("command"):
+        commands += "\n" + advise["command"].strip()
+    minutes = sum(r.get("seconds", 0) for r, _ in runs) / 60
     lines = [
         "# Benchmarks",
         "",
-        f"Generated on {when} by `{result['command'].strip()}` "
-        f"({result.get('seconds', 0) / 60:.0f} minutes). Machine: {result['machine']}. "
-        "Every ratio compares runs made side by side in that one run; rerun the command to "
-        "regenerate this page (with the advise validation, when `advise.json` is in the output "
-        "directory: `specdecode advise ... --validate ... --json DIR/advise.json`).",
+        f"Generated on {when} from the runs below ({minutes:.0f} minutes of measurement) on "
+        f"{runs[0][0]['machine']}. Every ratio compares runs made side by side in one run. "
+        "To regenerate this page, run these and then `specdecode bench report` with their "
+        "output directories (the last line):",
+        "",
+        "```bash",
+        commands,
+        "specdecode bench report "
+        + " ".join(str(d) for _, d in runs)
+        + (" --advise ADVISE.json" if advise else "")
+        + f" --out {path}",
+        "```",
         "",
         "## How speculation fares against the seed's figures",
         "",
-        *[f"- {b}" if not b.startswith("  ") else b for b in seed_comparison(result)],
+        *[f"- {b}" if not b.startswith("  ") else b for b in seed_comparison(merged)],
         "",
-        "Why the numbers differ here: the target is a 135M-parameter model on 2 CPU cores (a "
-        "speculative step costs more, relative to a plain one, than on a GPU), and the heads "
-        "shipped for it were trained on about 1/1000 of the data of the papers (see the README).",
+        "Why the numbers differ here: the targets run on 2 CPU cores (a speculative step costs "
+        "more, relative to a plain one, than on a GPU), the default target is a 135M-parameter "
+        "model, and its heads were trained on about 1/1000 of the data of the papers (see the "
+        "README).",
         "",
         "## References on the same prompts",
         "",
-        *[f"- {x}" for x in _references(result)],
+        *[f"- {x}" for r, _ in runs for x in _references(r)],
         "",
-        "## Plots",
-        "",
-        f"![speedup against concurrency]({rel}/speedup_vs_concurrency.png)",
-        "",
-        f"![acceptance against temperature]({rel}/acceptance_vs_temperature.png)",
-        "",
-        f"![tau per workload]({rel}/tau_per_workload.png)",
-        "",
-        "## Results",
-        "",
-        markdown(result),
     ]
     if advise:
-        lines += ["## `specdecode advise`: prediction against measurement", "", "```"]
-        lines += [advise["text"], "```", ""]
+        lines += [
+            "## `specdecode advise`: prediction against measurement",
+            "",
+            "```",
+            advise["text"],
+            "```",
+            "",
+        ]
+    for r, d in runs:
+        rel = os.path.relpath(d, path.parent)
+        names = ", ".join(t["target"] for t in r["targets"])
+        lines += [f"## Results: {names}", "", f"`{r['command'].strip()}`", ""]
+        lines += [
+            f"![speedup against concurrency]({rel}/speedup_vs_concurrency.png)"
+            if any(t["concurrency"] for t in r["targets"])
+            else "",
+            f"![acceptance against temperature]({rel}/acceptance_vs_temperature.png)",
+            f"![tau per workload]({rel}/tau_per_workload.png)",
+            "",
+            markdown(r),
+        ]
     path.write_text("\n".join(lines) + "\n")
+
+
+def run_report(args) -> None:
+    runs = []
+    for d in args.runs:
+        f = Path(d) / "suite.json"
+        if not f.is_file():
+            from specdecode.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"{f} not found: give directories written by bench suite")
+        runs.append((json.loads(f.read_text()), Path(d)))
+    advise = json.loads(Path(args.advise).read_text()) if args.advise else None
+    write_report(runs, Path(args.out), advise)
+    print(f"wrote {args.out}")

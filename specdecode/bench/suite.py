@@ -23,6 +23,7 @@ import argparse
 import json
 import logging
 import platform
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,7 +141,7 @@ def run_suite(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {
-        "command": "specdecode bench suite " + " ".join(getattr(args, "argv", []) or []),
+        "command": "specdecode bench suite " + shlex.join(getattr(args, "argv", []) or []),
         "machine": machine(),
         "max_tokens": args.max_tokens,
         "num_prompts": args.num_prompts,
@@ -161,7 +162,7 @@ def run_suite(args: argparse.Namespace) -> dict:
     if getattr(args, "report", None):
         from specdecode.bench.report import write_report
 
-        write_report(result, out, Path(args.report))
+        write_report([(result, out)], Path(args.report))
         print(f"wrote {args.report}")
     return result
 

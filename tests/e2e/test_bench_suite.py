@@ -49,6 +49,13 @@ def test_suite_runs_every_workload_method_and_level(roomy, tmp_path):
     text = report.read_text()
     assert "against the seed's figures" in text and "bench suite" in text
     assert "speedup_vs_concurrency.png" in text
+    # the page can also be rebuilt from several runs' directories
+    again = tmp_path / "again.md"
+    r = run("bench", "report", str(out), str(out), "--out", str(again))
+    assert r.returncode == 0, r.stderr
+    assert again.read_text().count("## Results:") == 2
+    r = run("bench", "report", str(tmp_path / "nowhere"), "--out", str(again))
+    assert r.returncode == 2 and "not found" in r.stderr
 
 
 def test_suite_rejects_unknown_methods(roomy, tmp_path):
