@@ -155,10 +155,8 @@ class Measured:
         return sum(self.drafted_per_position[:k]) / s
 
     def depth_per_step(self, k: int) -> float:
-        s = max(1, self.decisions)
-        if self.tree:
-            return k * self.num_drafts / s
-        return sum(self.drafted_per_position[:k]) / s
+        """Draft depth per request-step (what the engine's draft-cost model is fitted on)."""
+        return sum(self.drafted_per_position[:k]) / max(1, self.decisions)
 
     @property
     def acceptance_rate(self) -> float:
@@ -235,7 +233,7 @@ def predict(
     n = c * (1 + (m.drafts_per_step(k) if m and k else 0.0))
     t_step = cost.step_time(n)
     t_draft = cost.draft.predict(c * m.depth_per_step(k)) if m and k and cost.draft else 0.0
-    steps = output_tokens / e
+    steps = max(output_tokens - 1, 0.0) / e  # the first token comes with the prefill
     cycle = steps * (t_step + t_draft) + c * cost.prefill(n, prompt_tokens)
     return {
         "concurrency": c,
@@ -278,6 +276,8 @@ def run_advise(args: argparse.Namespace) -> dict:
         print(f"skipped {bad}", flush=True)
     levels = sorted({args.concurrency, *_levels(args.validate)})
     common = dict(
+        device=args.device,
+        allow_pickle=args.allow_pickle,
         dtype=args.dtype,
         kernels=args.kernels,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
@@ -299,6 +299,8 @@ def run_advise(args: argparse.Namespace) -> dict:
         ids.append(p)
     if not reqs:
         raise InvalidRequestError("no request of the traffic sample fits this model")
+    if args.concurrency < 1:
+        raise InvalidRequestError("--concurrency must be >= 1")
     params = _params(reqs)
     print(
         f"measuring {len(reqs)} requests plainly and with {', '.join(configs)} on this machine",
@@ -307,8 +309,10 @@ def run_advise(args: argparse.Namespace) -> dict:
     measured: dict[str, Measured] = {}
     llms = {"off": base}
     with tqdm(total=len(reqs) * (1 + len(configs)), desc="advise", unit="req") as bar:
-        base.engine.calibrate(time_budget_s=args.calibration_seconds)
         n_tok, secs = _run(base, ids, params, bar)
+        # the prefill term needs step times up to C decode tokens plus a mean prompt
+        top = max(levels) + sum(len(i) for i in ids) // len(ids)
+        base.engine.calibrate(time_budget_s=args.calibration_seconds, upto=top)
         plain_tok_s, out_tokens = n_tok / secs, n_tok / len(ids)
         for label, cfg in configs.items():
             llm = LLM(args.model, speculative_config=cfg, speculative_policy="static", **common)
@@ -378,8 +382,8 @@ def _levels(text: str | None) -> list[int]:
         raise InvalidRequestError(
             f"--validate wants concurrency levels like 1,8, got {text!r}"
         ) from None
-    if any(c < 1 for c in levels):
-        raise InvalidRequestError("concurrency levels must be >= 1")
+    if not levels or any(c < 1 for c in levels):
+        raise InvalidRequestError(f"--validate wants concurrency levels >= 1, got {text!r}")
     return levels
 
 
@@ -395,7 +399,7 @@ def _measure(llm, label: str, ids, params, bar) -> Measured:
         label=label,
         config={k: v for k, v in cfg.__dict__.items() if v is not None},
         max_depth=cfg.num_speculative_tokens,
-        tree=bool((cfg.topk or 1) > 1 or cfg.speculative_token_tree),
+        tree=eng.drafter.max_nodes(cfg.num_speculative_tokens) != cfg.num_speculative_tokens,
         decisions=eng.controller.num_decisions - dec0,
         accepted_per_position=st.accepted_per_position,
         drafted_per_position=st.drafted_per_position,
@@ -421,6 +425,8 @@ def advice(
     plain = predict(costs["off"], c, prompt_tokens, out_tokens)
     options = []
     for label, m in measured.items():
+        if m.num_drafts == 0:  # never found anything to draft on this traffic
+            continue
         depths = [m.max_depth] if m.tree else range(1, m.max_depth + 1)
         best = max(
             (predict(costs[label], c, prompt_tokens, out_tokens, m, k) for k in depths),
@@ -433,7 +439,7 @@ def advice(
         options.append(best)
     options.sort(key=lambda o: -o["speedup"])
     top = options[0] if options else None
-    go = top is not None and top["speedup"] >= 1 + min_gain
+    go = top is not None and top["speedup"] > 1 and top["speedup"] >= 1 + min_gain
     temps: dict[str, int] = {}
     for r in reqs:
         temps[f"{r.temperature:g}"] = temps.get(f"{r.temperature:g}", 0) + 1
@@ -454,27 +460,27 @@ def advice(
             f"ms drafting -> {o['throughput_tok_s']:.1f} tok/s, {o['speedup']:.2f}x plain. {why}"
         )
     if go:
-        rec = {"method": top["method"], "depth": top["depth"], **measured[top["method"]].config}
-        rec["num_speculative_tokens"] = top["depth"]
+        rec = {**measured[top["method"]].config, "num_speculative_tokens": top["depth"]}
         lines.append(
             f"Recommendation: speculate with {top['method']} at depth {top['depth']} "
             f"(predicted {top['speedup']:.2f}x throughput, time per output token "
             f"{plain['tpot_ms']:.1f} -> {top['tpot_ms']:.1f} ms): "
-            f"--speculative-config '{json.dumps(_flag_config(rec))}'. With the default "
+            f"--speculative-config '{json.dumps(rec)}'. With the default "
             "--speculative-policy adaptive the engine re-decides this every step as your load "
             "and acceptance change."
         )
     else:
         rec = {"method": "off"}
-        reason = (
-            "no drafter beats plain decoding"
-            if top is None or top["speedup"] < 1
-            else f"the best gain ({top['speedup']:.2f}x) is under the {min_gain:.0%} margin"
-        )
+        if top is None:
+            reason = "no drafter found anything to draft on this traffic"
+        elif top["speedup"] <= 1:
+            reason = "no drafter beats plain decoding; static speculation would cost throughput"
+        else:
+            reason = f"the best gain ({top['speedup']:.2f}x) is under the {min_gain:.0%} margin"
         lines.append(
-            f"Recommendation: off ({reason} at concurrency {c} on this traffic). "
-            "The adaptive policy would also stay (almost) off here; static speculation would "
-            "cost throughput."
+            f"Recommendation: off ({reason}, at concurrency {c} on this traffic). The adaptive "
+            "policy, if you leave speculation configured, drafts only when its own estimates "
+            "say a step gains."
         )
     return {
         "concurrency": c,
@@ -491,26 +497,28 @@ def advice(
     }
 
 
-def _flag_config(rec: dict) -> dict:
-    keep = ("method", "model", "num_speculative_tokens", "topk", "num_draft_tokens")
-    return {k: rec[k] for k in keep if rec.get(k) is not None}
-
-
 def _why(o: dict, plain: dict) -> str:
     """The seed's decision flow, with this run's numbers."""
-    if o["acceptance_rate"] < 0.3:
-        return "Acceptance under 30%: most drafted tokens are wasted work at any load."
+    verify = o["step_ms"] / plain["step_ms"]
     cost = (o["step_ms"] + o["draft_ms"]) / plain["step_ms"]
-    if o["speedup"] < 1:
+    gain = o["tokens_per_step"]
+    if o["speedup"] >= 1:
         return (
-            f"A speculative step costs {cost:.2f}x a plain one here, more than the "
-            f"{o['tokens_per_step']:.2f} tokens it emits: the batch is compute-bound at this "
-            "concurrency (verification is not free)."
+            f"A speculative step costs {cost:.2f}x a plain one and emits {gain:.2f} tokens per "
+            "request: verifying the drafts is cheap enough here (the step is still far from "
+            "compute-bound)."
         )
-    return (
-        f"A speculative step costs {cost:.2f}x a plain one and emits "
-        f"{o['tokens_per_step']:.2f} tokens: decoding is still memory-bound here."
-    )
+    parts = [f"A speculative step costs {cost:.2f}x a plain one but emits only {gain:.2f} tokens"]
+    if o["acceptance_rate"] < 0.3 and o["tau"] < 1.5:
+        parts.append("acceptance is low (under 30%): most drafted tokens are wasted work")
+    if verify > 1.3:
+        parts.append(
+            f"verifying them alone costs {verify:.2f}x: the batch is compute-bound at this "
+            "concurrency"
+        )
+    if o["draft_ms"] > 0.3 * plain["step_ms"]:
+        parts.append(f"drafting takes {o['draft_ms']:.1f} ms a step")
+    return "; ".join(parts) + "."
 
 
 def validate(llms, result, measured, costs, ids, params, levels, prompt_tokens, out_tokens):
@@ -525,13 +533,15 @@ def validate(llms, result, measured, costs, ids, params, levels, prompt_tokens, 
     for name in ["off"] + ([label] if label != "off" else []):
         llm = llms[name]
         depth = next((o["depth"] for o in result["options"] if o["method"] == name), 0)
+        m = measured.get(name)
+        # predictions first: the validation runs refine the engine's own cost models
+        preds = {c: predict(costs[name], c, prompt_tokens, out_tokens, m, depth) for c in levels}
         if name != "off":
             llm.engine.controller.max_depth = depth
         policy = "off" if name == "off" else "static"
         got = closed_loop(llm.engine, ids, levels, [policy], params, len(ids), warmup=True)
         for r in got:
-            m = measured.get(name)
-            pred = predict(costs[name], r["concurrency"], prompt_tokens, out_tokens, m, depth)
+            pred = preds[r["concurrency"]]
             err = pred["throughput_tok_s"] / r["throughput_tok_s"] - 1
             rows.append(
                 {

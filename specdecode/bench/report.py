@@ -27,83 +27,121 @@ def _spec_rows(t: dict) -> list[dict]:
     return [r for r in t["rows"] if r["method"] not in ("off",) and not r.get("reference")]
 
 
+HEADS = ("draft_model", "medusa", "eagle", "eagle3")  # what the 3x-5.6x figures are about
+
+
+def _verdict(*checks: bool) -> str:
+    return "agrees" if all(checks) else "partly agrees" if any(checks) else "disagrees"
+
+
 def seed_comparison(result: dict) -> list[str]:
-    """One bullet per seed figure: what this run measured, and agree / disagree."""
+    """One bullet per seed figure: what this run measured, and agrees / partly / disagrees."""
     out = []
     for t in result["targets"]:
         rows = _spec_rows(t)
         if not rows:
             continue
         name = t["target"]
-        best = max(rows, key=lambda r: r["speedup"])
-        top_tau = max(rows, key=lambda r: r["tau"])
-        verdict = "agrees" if best["speedup"] >= 3 else "disagrees"
+        heads = [r for r in rows if r["method"] in HEADS]
+        if heads:
+            best = max(heads, key=lambda r: r["speedup"])
+            top_tau = max(heads, key=lambda r: r["tau"])
+            out.append(
+                f"**Speedup 3x-5.6x, tau 3.5-4.8 with a trained drafter** ({name}): "
+                f"{_verdict(best['speedup'] >= 3, top_tau['tau'] >= 3.5)}. Best "
+                f"{best['speedup']:.2f}x ({best['method']}, {best['workload']}, "
+                f"T={best['temperature']:g}); highest tau {top_tau['tau']:.2f} "
+                f"({top_tau['method']}, {top_tau['workload']}, T={top_tau['temperature']:g})."
+            )
+        best_any = max(rows, key=lambda r: r["speedup"])
         out.append(
-            f"**Speedup 3x-5.6x** ({name}): {verdict}. Best here {best['speedup']:.2f}x "
-            f"({best['method']}, {best['workload']}, T={best['temperature']:g}); "
-            f"tau at most {top_tau['tau']:.2f} ({top_tau['method']}, {top_tau['workload']}, "
-            f"T={top_tau['temperature']:g}) against the reported 3.5-4.8."
+            f"  Best of any method on {name}: {best_any['speedup']:.2f}x ({best_any['method']}, "
+            f"{best_any['workload']}, T={best_any['temperature']:g})."
         )
         structured = [r for r in rows if r["workload"] in STRUCTURED and r["temperature"] == 0]
         if structured:
             s = max(structured, key=lambda r: r["acceptance_rate"])
-            per = _per_method(structured, "acceptance_rate")
-            verdict = "agrees" if s["acceptance_rate"] > 0.85 else "disagrees"
+            fast = max(structured, key=lambda r: r["speedup"])
             out.append(
                 f"**>85% acceptance and 4x+ on structured output** ({name}, code/SQL/JSON at "
-                f"T=0): {verdict}. Best acceptance {s['acceptance_rate']:.0%} ({s['method']} on "
-                f"{s['workload']}, {s['speedup']:.2f}x); by method: {per}."
+                f"T=0): {_verdict(s['acceptance_rate'] > 0.85, fast['speedup'] >= 4)}. Best "
+                f"acceptance {s['acceptance_rate']:.0%} ({s['method']} on {s['workload']}); "
+                f"best speedup {fast['speedup']:.2f}x ({fast['method']} on {fast['workload']}); "
+                f"mean acceptance by method: {_per_method(structured, 'acceptance_rate')}."
             )
         chat = [r for r in rows if r["workload"] == "chat" and r["temperature"] >= 1.0]
         if chat:
             acc = _per_method(chat, "acceptance_rate")
             spd = _per_method(chat, "speedup", fmt="{:.2f}x")
-            hi = max(r["acceptance_rate"] for r in chat)
-            verdict = "agrees" if 0.4 <= hi <= 0.6 else "disagrees"
+            best = max(chat, key=lambda r: r["speedup"])
             out.append(
-                f"**~50% acceptance and 1.8-2.2x on open chat at T>=1** ({name}): {verdict}. "
-                f"Acceptance by method {acc}; speedup {spd}."
+                f"**~50% acceptance and 1.8-2.2x on open chat at T>=1** ({name}): "
+                f"{_verdict(0.4 <= best['acceptance_rate'] <= 0.6, best['speedup'] >= 1.8)} "
+                f"(judged on the fastest method, {best['method']}: "
+                f"{best['acceptance_rate']:.0%}, {best['speedup']:.2f}x). Mean acceptance by "
+                f"method {acc}; mean speedup {spd}."
             )
         low = [r for r in rows if r["acceptance_rate"] < 0.3]
         if low:
             losing = sum(r["speedup"] < 1 for r in low)
-            verdict = "agrees" if losing == len(low) else "mostly agrees" if losing else "disagrees"
+            verdict = (
+                "agrees"
+                if losing == len(low)
+                else "mostly agrees"
+                if losing > len(low) / 2
+                else "disagrees"
+            )
             out.append(
                 f"**Net loss below ~30% acceptance** ({name}): {verdict}. {losing} of {len(low)} "
                 "method/workload/temperature cells under 30% acceptance were slower than plain "
-                "decoding."
+                "decoding (acceptance here is accepted / drafted tokens, so wide trees sit low "
+                "even when they pay)."
             )
         above = [r for r in rows if r["acceptance_rate"] >= 0.3]
         if above:
             lost = [r for r in above if r["speedup"] < 1]
             out.append(
-                f"  Above 30% acceptance, {len(lost)} of {len(above)} cells still lost: the "
-                "threshold depends on what a speculative step costs against a plain one, which "
-                "is higher on this CPU (verification and drafting are not free) than on a GPU."
+                f"  At or above 30% acceptance, {len(lost)} of {len(above)} cells were slower "
+                "than plain decoding: where the break-even lies depends on what a speculative "
+                "step costs against a plain one on the machine."
             )
         conc = [r for r in t.get("concurrency", []) if r["method"] != "off"]
         if conc:
-            lines = []
+            parts, first_loss = [], []
             for m in dict.fromkeys(r["method"] for r in conc):
                 st = sorted(
                     (r for r in conc if r["method"] == m and r["policy"] == "static"),
                     key=lambda r: r["concurrency"],
                 )
                 ad = [r for r in conc if r["method"] == m and r["policy"] == "adaptive"]
-                neg = next((r["concurrency"] for r in st if r["vs_off"] < 1), None)
-                worst = min(ad, key=lambda r: r["vs_off"]) if ad else None
-                part = f"{m}: static " + (
-                    f"loses from concurrency {neg}" if neg else "never loses in this sweep"
-                )
+                part = m + ":"
                 if st:
+                    neg = next((r["concurrency"] for r in st if r["vs_off"] < 1), None)
+                    if neg is not None:
+                        first_loss.append(neg)
+                    part += " static " + (
+                        f"loses from concurrency {neg}" if neg else "never loses in this sweep"
+                    )
                     part += f" ({st[-1]['vs_off']:.2f}x at {st[-1]['concurrency']})"
-                if worst:
-                    part += f", adaptive worst {worst['vs_off']:.2f}x (at {worst['concurrency']})"
-                lines.append(part)
+                if ad:
+                    worst = min(ad, key=lambda r: r["vs_off"])
+                    part += f", adaptive worst {worst['vs_off']:.2f}x at {worst['concurrency']}"
+                parts.append(part)
+            top = max(r["concurrency"] for r in conc)
+            if first_loss and min(first_loss) < 128:
+                where = (
+                    f"static speculation starts losing at concurrency {min(first_loss)} here, "
+                    "far below 128: on this machine a few sequences already make a step "
+                    "compute-bound"
+                )
+            elif top < 128:
+                where = f"this sweep stops at {top}, below the reported boundary"
+            else:
+                where = "static speculation did not lose below 128 here"
             out.append(
-                f"**Concurrency boundary (-10-15% at >= 128 on GPUs)** ({name}): the boundary "
-                "comes much earlier on 2 CPU cores, where a handful of sequences already makes "
-                "the step compute-bound. " + "; ".join(lines) + "."
+                f"**Concurrency boundary (-10-15% at >= 128 on GPUs)** ({name}): {where}. "
+                + "; ".join(parts)
+                + "."
             )
     return out
 
@@ -166,10 +204,9 @@ def write_report(runs: list[tuple[dict, Path]], path: Path, advise: dict | None 
         "",
         *[f"- {b}" if not b.startswith("  ") else b for b in seed_comparison(merged)],
         "",
-        "Why the numbers differ here: the targets run on 2 CPU cores (a speculative step costs "
-        "more, relative to a plain one, than on a GPU), the default target is a 135M-parameter "
-        "model, and its heads were trained on about 1/1000 of the data of the papers (see the "
-        "README).",
+        f"The machine: {runs[0][0]['machine']}. The heads shipped for the default target "
+        "(SmolLM2-135M) were trained here on about 1/1000 of the data of the EAGLE papers (see "
+        "the README), which bounds their acceptance.",
         "",
         "## References on the same prompts",
         "",
@@ -177,8 +214,9 @@ def write_report(runs: list[tuple[dict, Path]], path: Path, advise: dict | None 
         "",
     ]
     if advise:
+        title = "prediction against measurement" if advise.get("validation") else "advice"
         lines += [
-            "## `specdecode advise`: prediction against measurement",
+            f"## `specdecode advise`: {title}",
             "",
             "```",
             advise["text"],

@@ -238,7 +238,11 @@ def markdown(result: dict) -> str:
         cells = [f"{by[(c, p)]['throughput_tok_s']:.1f}" for p in policies]
         s, a = _ratio(rows, c, "static"), _ratio(rows, c, "adaptive")
         off, ad = by.get((c, "off")), by.get((c, "adaptive"))
-        tpot = f"{off['tpot_ms']:.1f} / {ad['tpot_ms']:.1f}" if off and ad else "-"
+        tpot = (
+            f"{off['tpot_ms']:.1f} / {ad['tpot_ms']:.1f}"
+            if off and ad and off["tpot_ms"] is not None and ad["tpot_ms"] is not None
+            else "-"
+        )
         share = ad.get("drafting_share") if ad else None
         lines.append(
             f"| {c} | " + " | ".join(cells) + f" | {s:.2f}x | {a:.2f}x | {tpot} | "

@@ -218,7 +218,7 @@ def run_target(target: Target, args: argparse.Namespace) -> dict:
                         "tok_s": tok_s,
                         "decode_tok_s": decode,
                         "speedup": tok_s / base_tok_s,
-                        "decode_speedup": decode / base_decode,
+                        "decode_speedup": decode / base_decode if base_decode else None,
                         "acceptance_rate": stats.acceptance_rate,
                         "tau": stats.mean_acceptance_length,
                         "acceptance_by_position": [
@@ -445,7 +445,8 @@ def markdown(result: dict) -> str:
         f"Machine: {result['machine']}. Batch 1, {result['max_tokens']} tokens per prompt, "
         f"{result['num_prompts']} prompts per workload. Speedup: end-to-end tok/s against "
         "plain decoding (`off`) of the same engine on the same prompts; in brackets "
-        "acceptance rate and tau (tokens per target forward).",
+        "acceptance rate (accepted / drafted tokens) and tau (1 + accepted tokens per step that "
+        "drafted).",
         "",
     ]
     for t in result["targets"]:
@@ -604,7 +605,7 @@ def plots(result: dict, out: Path) -> list[Path]:
             )
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(wls))], wls)
         ax.axhline(1.0, color="gray", lw=1)
-        ax.set(ylabel="tau (tokens per target forward)", title=f"{t['target']}, T={t0:g}")
+        ax.set(ylabel="tau (1 + accepted per drafting step)", title=f"{t['target']}, T={t0:g}")
         ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(out / "tau_per_workload.png")

@@ -316,17 +316,21 @@ class LLMEngine:
         return pruned
 
     @torch.inference_mode()
-    def calibrate(self, time_budget_s: float = 3.0, context: int = 32) -> None:
+    def calibrate(
+        self, time_budget_s: float = 3.0, context: int = 32, upto: int | None = None
+    ) -> None:
         """Time bare forwards (and LM heads) of N tokens, N = 1, 2, 4, ... up to what a step can
-        feed, spread over up to `max_num_seqs` sequences of `context` cached tokens each: the
-        start of the controller's step-cost curve. Stops early when the budget is spent."""
+        feed (or `upto`), spread over up to `max_num_seqs` sequences of `context` cached tokens
+        each: the start of the controller's step-cost curve. Stops early when the budget is
+        spent."""
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         nodes = self.drafter.max_nodes(k) if self.drafter else 0
         cfg = self.config
-        top = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + nodes))
+        top = min(cfg.max_num_batched_tokens, upto or cfg.max_num_seqs * (1 + nodes))
         start = time.perf_counter()
         n = 1
-        while n <= top and time.perf_counter() - start < time_budget_s:
+        while n < 2 * top and time.perf_counter() - start < time_budget_s:
+            n = min(n, top)
             b = min(n, cfg.max_num_seqs)
             nums = [n // b + (1 if i < n % b else 0) for i in range(b)]
             blocks = [SeqBlocks() for _ in range(b)]
