@@ -117,7 +117,7 @@ def seed_comparison(result: dict) -> list[str]:
                 part = m + ":"
                 if st:
                     neg = next((r["concurrency"] for r in st if r["vs_off"] < 1), None)
-                    if neg is not None:
+                    if neg is not None and st[0]["vs_off"] >= 1:  # paid at first, then lost
                         first_loss.append(neg)
                     part += " static " + (
                         f"loses from concurrency {neg}" if neg else "never loses in this sweep"
@@ -130,10 +130,12 @@ def seed_comparison(result: dict) -> list[str]:
             top = max(r["concurrency"] for r in conc)
             if first_loss and min(first_loss) < 128:
                 where = (
-                    f"static speculation starts losing at concurrency {min(first_loss)} here, "
-                    "far below 128: on this machine a few sequences already make a step "
-                    "compute-bound"
+                    "where static speculation pays at the lowest concurrency, it starts losing "
+                    f"at concurrency {min(first_loss)} here, below 128: on this machine a few "
+                    "sequences already make a step compute-bound"
                 )
+            elif not any(r["vs_off"] >= 1 for r in conc if r["policy"] == "static"):
+                where = "no method paid under static speculation at any level measured"
             elif top < 128:
                 where = f"this sweep stops at {top}, below the reported boundary"
             else:
@@ -166,7 +168,8 @@ def _references(result: dict) -> list[str]:
         for name, v in refs.items():
             out.append(
                 f"{t['target']}: {name} runs at {sum(v) / len(v):.2f}x specdecode's plain "
-                f"decoding on the same prompts (mean over {len(v)} workload/temperature cells)."
+                f"decoding on the same prompts, end to end with prefill (mean over {len(v)} "
+                "workload/temperature cells)."
             )
         for name, why in t.get("references_skipped", {}).items():
             out.append(f"{t['target']}: {name} not run: {why}.")

@@ -227,8 +227,15 @@ def run_target(target: Target, args: argparse.Namespace) -> dict:
                         ],
                     }
                 )
-            for ref in refs:
-                for label, tok_s in ref.measure(prompts, temp, args.max_tokens).items():
+            for ref in list(refs):
+                try:
+                    measured = ref.measure(prompts, temp, args.max_tokens)
+                except Exception as e:  # noqa: BLE001 - a reference must not end the run
+                    print(f"   reference {type(ref).__name__} failed, dropped: {e}", flush=True)
+                    args._refs_skipped[ref.name] = f"failed on {wl} T={temp:g}: {e}"
+                    refs.remove(ref)
+                    continue
+                for label, tok_s in measured.items():
                     rows.append(
                         {
                             **cell,
@@ -319,6 +326,8 @@ def _print_cell(rows: list[dict]) -> None:
 class _TransformersRef:
     """transformers `generate` on the same checkpoint: plain and with prompt lookup (k=5)."""
 
+    name = "transformers"
+
     def __init__(self, plain, k: int = 5) -> None:
         import transformers
         from transformers import AutoModelForCausalLM
@@ -369,6 +378,8 @@ class _LlamaCppRef:
     """llama.cpp (llama-cpp-python) on the target's GGUF file, quantized as shipped: plain and
     with its prompt-lookup drafter (k=5)."""
 
+    name = "llama.cpp"
+
     def __init__(self, gguf: Path, n_ctx: int, k: int = 5) -> None:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -378,8 +389,13 @@ class _LlamaCppRef:
         )
         self.llms = {
             "llama.cpp": Llama(**common),
+            # logits_all: llama-cpp-python 0.3 sizes its score buffer from this argument but
+            # keeps logits for every token once a draft model is set (a longer prompt than
+            # n_batch then fails); asking for it explicitly sizes the buffer to n_ctx
             "llama.cpp prompt lookup": Llama(
-                **common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k)
+                **common,
+                logits_all=True,
+                draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k),
             ),
         }
 
@@ -426,7 +442,10 @@ def _references(target: Target, plain, args) -> list:
             if target.gguf is None:
                 skipped["llama.cpp"] = "no GGUF file for this target"
             else:
-                refs.append(_LlamaCppRef(target.gguf, min(8192, plain.engine.max_model_len)))
+                n_ctx = min(
+                    plain.engine.max_model_len, args.max_prompt_tokens + args.max_tokens + 64
+                )
+                refs.append(_LlamaCppRef(target.gguf, n_ctx))
     args._refs_skipped = skipped
     for name, why in skipped.items():
         print(f"   reference {name} skipped: {why}", flush=True)

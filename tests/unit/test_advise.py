@@ -104,7 +104,7 @@ def test_seed_comparison_states_agreement_from_the_rows():
     assert "T>=1** (t): partly agrees (judged on the fastest method, eagle3: 50%, 1.10x)" in text
     assert "2 of 2 method/workload/temperature cells under 30% acceptance" in text
     assert "ngram: static loses from concurrency 8 (0.90x at 8), adaptive worst 1.00x" in text
-    assert "starts losing at concurrency 8 here" in text
+    assert "it starts losing at concurrency 8 here" in text
     rows[1] = _row("ngram", "json", 0.0, 4.4, 0.9, 5.0)
     rows[2] = _row("eagle3", "json", 0.0, 3.5, 0.5, 3.9)
     text = "\n".join(seed_comparison(result))
