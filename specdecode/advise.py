@@ -344,7 +344,7 @@ def run_advise(args: argparse.Namespace) -> dict:
             "requests would queue or be preempted, and every prediction above is optimistic. "
             "Give the cache more memory or expect lower concurrency."
         )
-    result["model"] = str(base.engine.model_path)
+    result["model"] = base.engine.model_path.name
     result["command"] = "specdecode advise " + shlex.join(getattr(args, "argv", []) or [])
     result["machine"] = _machine()
     if args.validate:

@@ -176,7 +176,9 @@ def _references(result: dict) -> list[str]:
     return out
 
 
-def write_report(runs: list[tuple[dict, Path]], path: Path, advise: dict | None = None) -> None:
+def write_report(
+    runs: list[tuple[dict, Path]], path: Path, advise: dict | None = None, advise_path=None
+) -> None:
     """BENCHMARKS.md from one or more suite runs (result, its output directory), e.g. the
     full matrix on the default model and a smaller one on the Qwen pair, plus an optional
     `advise --validate` result."""
@@ -210,6 +212,9 @@ def write_report(runs: list[tuple[dict, Path]], path: Path, advise: dict | None 
         f"The machine: {runs[0][0]['machine']}. The heads shipped for the default target "
         "(SmolLM2-135M) were trained here on about 1/1000 of the data of the EAGLE papers (see "
         "the README), which bounds their acceptance.",
+        "",
+        "Acceptance and tau of a seeded run are reproducible; tok/s of one cell (a few prompts) "
+        "varies from run to run on a shared VM, so single cells near 1.0x are not significant.",
         "",
         "## References on the same prompts",
         "",
@@ -252,5 +257,5 @@ def run_report(args) -> None:
             raise InvalidRequestError(f"{f} not found: give directories written by bench suite")
         runs.append((json.loads(f.read_text()), Path(d)))
     advise = json.loads(Path(args.advise).read_text()) if args.advise else None
-    write_report(runs, Path(args.out), advise)
+    write_report(runs, Path(args.out), advise, args.advise)
     print(f"wrote {args.out}")

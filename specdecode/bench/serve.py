@@ -162,7 +162,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     policies = [p for p in args.policies.split(",") if p]
     rows = closed_loop(core, prompts, levels, policies, params, args.min_requests, on_row=_print)
     result = {
-        "model": str(core.model_path),
+        "model": core.model_path.name,
         "speculative_config": core.spec_config.__dict__,
         "workload": args.workload,
         "temperature": args.temperature,

@@ -253,7 +253,7 @@ def run_target(target: Target, args: argparse.Namespace) -> dict:
         ref.close()
     return {
         "target": target.name,
-        "model": str(plain.engine.model_path),
+        "model": plain.engine.model_path.name,
         "dtype": target.dtype,
         "configs": {m: llm.engine.spec_config.__dict__ for m, llm in engines.items()},
         "skipped": target.skipped,
