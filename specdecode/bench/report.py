@@ -201,7 +201,7 @@ def write_report(
         commands,
         "specdecode bench report "
         + " ".join(str(d) for _, d in runs)
-        + (" --advise ADVISE.json" if advise else "")
+        + (f" --advise {advise_path or 'ADVISE.json'}" if advise else "")
         + f" --out {path}",
         "```",
         "",
