@@ -74,10 +74,12 @@ def test_eagle_cached_forward_equals_dense_and_unrolled(target):
             head, ids[0, :6].tolist(), feats[0, :6], list(range(6)), blocks, manager, cache
         )
         torch.testing.assert_close(out, dense[0, :6], atol=1e-5, rtol=1e-5)
+        # fed-back steps compound fp32 rounding of a differently ordered sum (seen: 1.3e-5
+        # after two steps on an Intel Xeon VM); a wrong cache or position is off by far more
         step1 = _paged(head, [int(ids[0, 6])], out[5:6], [6], blocks, manager, cache)
-        torch.testing.assert_close(step1[0], unrolled[1][0, 5], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(step1[0], unrolled[1][0, 5], atol=3e-5, rtol=3e-5)
         step2 = _paged(head, [int(ids[0, 7])], step1, [7], blocks, manager, cache)
-        torch.testing.assert_close(step2[0], unrolled[2][0, 5], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(step2[0], unrolled[2][0, 5], atol=3e-5, rtol=3e-5)
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
