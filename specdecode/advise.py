@@ -269,21 +269,15 @@ def run_advise(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
     from specdecode import LLM
-    from specdecode.cli import speculative_config
+    from specdecode.cli import engine_kwargs, speculative_config
 
     traffic = read_traffic(args.traffic, args.max_tokens, args.temperature)
     for bad in traffic.bad_lines:
         print(f"skipped {bad}", flush=True)
     levels = sorted({args.concurrency, *_levels(args.validate)})
-    common = dict(
-        device=args.device,
-        allow_pickle=args.allow_pickle,
-        dtype=args.dtype,
-        kernels=args.kernels,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        max_num_seqs=max(levels),
-        max_model_len=args.max_model_len,
-    )
+    # the engine flags as every command reads them; each engine below sets its own drafter
+    common = {k: v for k, v in engine_kwargs(args).items() if not k.startswith("speculative")}
+    common["max_num_seqs"] = max(levels)
     configs = candidate_configs(args.model, speculative_config(args), args.draft_model)
     base = LLM(args.model, speculative_policy="off", **common)
     reqs, ids = [], []

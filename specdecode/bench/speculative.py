@@ -158,6 +158,28 @@ def _print_row(r: dict) -> None:
     print(line, flush=True)
 
 
+@torch.inference_mode()
+def hf_rate(model, pad: int, prompts: list[list[int]], temp: float, max_tokens: int, **extra):
+    """transformers `generate` tok/s over the prompts, batch 1, seeded per prompt."""
+    total_n, total_t = 0, 0.0
+    for i, ids in enumerate(prompts):
+        torch.manual_seed(i)
+        x = torch.tensor([ids])
+        kw = {"do_sample": temp > 0, **({"temperature": temp} if temp > 0 else {})}
+        t = time.perf_counter()
+        y = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_tokens,
+            pad_token_id=pad,
+            **kw,
+            **extra,
+        )
+        total_t += time.perf_counter() - t
+        total_n += y.shape[1] - x.shape[1]
+    return total_n / total_t
+
+
 class _HFReference:
     """transformers `generate` on the same checkpoint, plain and with its speculative mode."""
 
@@ -196,22 +218,8 @@ class _HFReference:
             return {}
         out = {"hf_method": self.method}
         for mode, extra in (("plain", {}), ("spec", self.extra)):
-            total_n, total_t = 0, 0.0
-            for i, ids in enumerate(prompts):
-                torch.manual_seed(i)
-                x = torch.tensor([ids])
-                kw = {"do_sample": temp > 0, **({"temperature": temp} if temp > 0 else {})}
-                t = time.perf_counter()
-                y = self.model.generate(
-                    x,
-                    attention_mask=torch.ones_like(x),
-                    max_new_tokens=max_tokens,
-                    pad_token_id=self.pad,
-                    **kw,
-                    **extra,
-                )
-                total_t += time.perf_counter() - t
-                total_n += y.shape[1] - x.shape[1]
-            out[f"hf_{mode}_tok_s"] = total_n / total_t
+            out[f"hf_{mode}_tok_s"] = hf_rate(
+                self.model, self.pad, prompts, temp, max_tokens, **extra
+            )
         out["hf_speedup"] = out["hf_spec_tok_s"] / out["hf_plain_tok_s"]
         return out

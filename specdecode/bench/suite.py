@@ -344,31 +344,17 @@ class _TransformersRef:
 
     @torch.inference_mode()
     def measure(self, prompts: list[list[int]], temp: float, max_tokens: int) -> dict[str, float]:
-        out = {}
-        for label, extra in (
-            ("transformers", {}),
-            ("transformers prompt lookup", {"prompt_lookup_num_tokens": self.k}),
-        ):
-            n, t = 0, 0.0
-            for i, ids in enumerate(prompts):
-                torch.manual_seed(i)
-                x = torch.tensor([ids])
-                kw = {"do_sample": temp > 0, **({"temperature": temp} if temp > 0 else {})}
-                t0 = time.perf_counter()
-                y = self.model.generate(
-                    x,
-                    attention_mask=torch.ones_like(x),
-                    max_new_tokens=max_tokens,
-                    pad_token_id=self.pad,
-                    top_k=0,
-                    top_p=1.0,
-                    **kw,
-                    **extra,
-                )
-                t += time.perf_counter() - t0
-                n += y.shape[1] - x.shape[1]
-            out[label] = n / t
-        return out
+        from specdecode.bench.speculative import hf_rate
+
+        return {
+            label: hf_rate(
+                self.model, self.pad, prompts, temp, max_tokens, top_k=0, top_p=1.0, **extra
+            )
+            for label, extra in (
+                ("transformers", {}),
+                ("transformers prompt lookup", {"prompt_lookup_num_tokens": self.k}),
+            )
+        }
 
     def close(self) -> None:
         del self.model
