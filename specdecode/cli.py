@@ -26,7 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kernels",
         default="auto",
         choices=["auto", "off"],
-        help="auto: packed-weight C++ fast path on AVX-512 CPUs (built on first use)",
+        help="auto: packed-weight C++ fast path on x86 CPUs with AVX-512 or AVX2 + FMA "
+        "(built on first use)",
     )
     p.add_argument(
         "--allow-pickle",

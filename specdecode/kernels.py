@@ -1,9 +1,9 @@
-"""Optional AVX-512 CPU kernels for small-batch (decode-time) inference.
+"""Optional x86 CPU kernels (AVX-512, or AVX2 + FMA) for small-batch (decode-time) inference.
 
 The C++ source in ``csrc/specdecode_kernels.cpp`` is JIT-compiled on first
 use with ``torch.utils.cpp_extension.load`` into a build cache
 (``$SPECDECODE_CACHE`` or ``~/.cache/specdecode``).  Everything here is
-optional: when the CPU lacks AVX-512, the compiler is missing, the build
+optional: when the CPU has neither AVX-512 nor AVX2 + FMA, the compiler is missing, the build
 fails, ``SPECDECODE_DISABLE_KERNELS=1`` is set, or tensors live on another
 device, the functions fall back to plain torch with the same semantics.
 
@@ -51,10 +51,14 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCE = _CSRC / "specdecode_kernels.cpp"
 _SOURCES = (_SOURCE, _CSRC / "decoder.cpp")
 _EXT_NAME = "specdecode_kernels"
-_REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
+# One instruction set per build, the widest this CPU has (the C++ picks it from the macros that
+# -march=native and these flags define); the packed weight layout is the same for both.
+_ISA_FLAGS = {
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"),
+    "avx2": ("avx2", "fma"),
+}
 _BF16_FLAG = "avx512_bf16"
 _BLOCK = 16  # outputs per packed block, must match the C++ kBlock
-_BF16_GROUP = 4  # bf16 blocks interleaved per k-step, must match the C++ kGroup
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None
@@ -74,20 +78,29 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def cpu_supported() -> bool:
-    """Whether this CPU has the AVX-512 subsets the kernels are built for."""
+def cpu_isa() -> str | None:
+    """The instruction set the kernels are built for here: "avx512", "avx2" or None."""
     flags = _cpu_flags()
     if flags:
-        return all(f in flags for f in _REQUIRED_FLAGS)
+        for isa, required in _ISA_FLAGS.items():
+            if all(f in flags for f in required):
+                return isa
+        return None
     try:  # no /proc/cpuinfo: trust torch's own dispatch level
-        return torch.backends.cpu.get_cpu_capability() == "AVX512"
+        cap = torch.backends.cpu.get_cpu_capability()
     except Exception:  # pragma: no cover - very old torch
-        return False
+        return None
+    return {"AVX512": "avx512", "AVX2": "avx2"}.get(cap)
+
+
+def cpu_supported() -> bool:
+    """Whether this CPU has an instruction set the kernels are built for."""
+    return cpu_isa() is not None
 
 
 def cpu_has_bf16_dot() -> bool:
     """Whether the CPU supports vdpbf16ps (needed for ``bf16_activations``)."""
-    return _BF16_FLAG in _cpu_flags()
+    return _BF16_FLAG in _cpu_flags() and cpu_isa() == "avx512"
 
 
 def cache_dir() -> Path:
@@ -122,8 +135,9 @@ def _compile(verbose: bool) -> ModuleType | None:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         log.info("specdecode kernels disabled by %s", DISABLE_ENV)
         return None
-    if not cpu_supported():
-        log.info("specdecode kernels unavailable: CPU lacks %s", "/".join(_REQUIRED_FLAGS))
+    isa = cpu_isa()
+    if isa is None:
+        log.info("specdecode kernels unavailable: CPU has neither AVX-512 nor AVX2 + FMA")
         return None
     if not _SOURCE.is_file():
         log.warning("specdecode kernels unavailable: missing %s", _SOURCE)
@@ -134,8 +148,8 @@ def _compile(verbose: bool) -> ModuleType | None:
         build_dir = _build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
         cflags = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
-        cflags += [f"-m{f.replace('_', '')}" for f in _REQUIRED_FLAGS]
-        if cpu_has_bf16_dot():
+        cflags += [f"-m{f.replace('_', '')}" for f in _ISA_FLAGS[isa]]
+        if isa == "avx512" and cpu_has_bf16_dot():
             cflags.append("-mavx512bf16")
         if not any(build_dir.glob(f"{_EXT_NAME}*.so")):
             log.info("building specdecode kernels in %s (first use, ~15 s)", build_dir)
@@ -149,7 +163,8 @@ def _compile(verbose: bool) -> ModuleType | None:
             build_directory=str(build_dir),
             verbose=verbose,
         )
-        log.info("specdecode kernels loaded in %.1fs (%s)", time.perf_counter() - start, build_dir)
+        elapsed = time.perf_counter() - start
+        log.info("specdecode kernels (%s) loaded in %.1fs (%s)", isa, elapsed, build_dir)
         return ext
     except Exception as exc:  # compiler missing, build error, import error ...
         log.warning("specdecode kernels unavailable, falling back to torch: %s", exc)
@@ -196,9 +211,9 @@ def _pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     k2 = -(-k // 2)
     padded = weight.new_zeros((nb * _BLOCK, 2 * k2), dtype=dtype)
     padded[:n, :k] = weight
-    # Groups of g = 4 blocks (the last may be smaller): [g, 16, K/2, 2] -> [K/2, g, 16, 2],
+    # Groups of g blocks (the last may be smaller): [g, 16, K/2, 2] -> [K/2, g, 16, 2],
     # one 32-bit lane = (k, k+1) of one output; a micro-tile then streams contiguously.
-    g = _BF16_GROUP
+    g = _ext.bf16_group()  # type: ignore[union-attr]  # 4 (AVX-512) or 2 (AVX2)
     full = nb - nb % g
     parts = []
     if full:

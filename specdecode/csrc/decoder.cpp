@@ -9,10 +9,13 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -153,10 +156,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache_k,
   });
   // Sequences with many queries (prefill chunks, large trees): gather their context once and
   // use the library's attention, which is vectorised; the loop above suits a few queries.
-  const at::Tensor valid_counts = qv_t.sum(1);
-  const int64_t* counts = valid_counts.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = counts[b];
+    int64_t n = 0;
+    while (n < N && qvalid[b * N + n]) ++n;
     if (n <= kDenseQueries) continue;
     const at::Tensor m = mask_t.select(0, b).narrow(1, 0, n);  // [1, n, L]
     const int64_t ctx = m.any(1).nonzero().max().item<int64_t>() + 1;
@@ -172,17 +174,54 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache_k,
   return out;
 }
 
+// cache[hk, slot_mapping[t], :] = x[t, hk, :] for k or v ([T, Hkv, D], rows contiguous).
+void write_cache(const at::Tensor& cache, const at::Tensor& x, const int64_t* slots) {
+  const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2);
+  TORCH_CHECK(x.stride(2) == 1 && cache.stride(2) == 1, "cache rows must be contiguous");
+  const float* src = x.data_ptr<float>();
+  float* dst = cache.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < Hkv; ++h)
+      std::memcpy(dst + h * cache.stride(0) + slots[t] * cache.stride(1),
+                  src + t * x.stride(0) + h * x.stride(1), D * sizeof(float));
+}
+
+// A step of one sequence whose context sits in consecutive cache slots, in the shape the paged
+// loop takes (B = 1): few queries (decoding, verifying a draft) then run through that loop, which
+// sums each query row in the same order whatever the number of queries, instead of the library's
+// attention and its per-call overhead.
+struct RangeArgs {
+  at::Tensor slots, index, valid, mask;  // undefined: use the library's attention
+};
+
+RangeArgs range_args(int64_t T, int64_t kv_start, int64_t kv_end, const at::Tensor& mask) {
+  RangeArgs r;
+  if (kv_start < 0 || T > kDenseQueries) return r;
+  const int64_t L = kv_end - kv_start;
+  const auto i64 = at::TensorOptions().dtype(at::kLong);
+  r.slots = at::arange(kv_start, kv_end, i64).view({1, L});
+  r.index = at::arange(T, i64).view({1, T});
+  r.valid = at::ones({1, T}, at::TensorOptions().dtype(at::kBool));
+  r.mask = mask.numel() ? mask.reshape({1, 1, T, L}).contiguous()
+                        : at::ones({1, 1, T, L}, at::TensorOptions().dtype(at::kBool));
+  return r;
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& cache_k, const at::Tensor& cache_v,
                      const at::Tensor& slot_mapping, int64_t kv_start, int64_t kv_end,
-                     const at::Tensor& kv_slots, const at::Tensor& query_index,
-                     const at::Tensor& query_valid, const at::Tensor& mask) {
+                     const RangeArgs& range, const at::Tensor& kv_slots,
+                     const at::Tensor& query_index, const at::Tensor& query_valid,
+                     const at::Tensor& mask) {
   // q [T, H, D], k/v [T, Hkv, D]; caches [Hkv, S, D].
-  cache_k.index_copy_(1, slot_mapping, k.transpose(0, 1));
-  cache_v.index_copy_(1, slot_mapping, v.transpose(0, 1));
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  write_cache(cache_k, k, slots);
+  write_cache(cache_v, v, slots);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  auto m = opt(mask);
+  if (range.slots.defined())
+    return paged_attention(q, cache_k, cache_v, range.slots, range.index, range.valid, range.mask);
   if (kv_start >= 0) {
+    auto m = opt(mask);
     auto keys = cache_k.slice(1, kv_start, kv_end).unsqueeze(0);
     auto vals = cache_v.slice(1, kv_start, kv_end).unsqueeze(0);
     auto o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, vals, m, 0.0,
@@ -207,6 +246,9 @@ std::vector<at::Tensor> forward_layers(
   const int64_t qs = d.heads * d.head_dim, kvs = d.kv_heads * d.head_dim;
   std::vector<at::Tensor> out(1);
   at::Tensor residual = h.contiguous().clone();
+  const at::Tensor slot_map = slot_mapping.contiguous();
+  TORCH_CHECK(slot_map.scalar_type() == at::kLong && slot_map.numel() == T, "bad slot_mapping");
+  const RangeArgs range = range_args(T, kv_start, kv_end, mask);
   at::Tensor x;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = &weights[l * kPerLayer];
@@ -226,8 +268,8 @@ std::vector<at::Tensor> forward_layers(
     rope_inplace(q, cos, sin);
     rope_inplace(k, cos, sin);
     auto attn = attention(q, k, v, kv.select(0, l).select(0, 0), kv.select(0, l).select(0, 1),
-                          slot_mapping, kv_start, kv_end, kv_slots, query_index, query_valid,
-                          mask);
+                          slot_map, kv_start, kv_end, range, kv_slots, query_index,
+                          query_valid, mask);
     auto o = linear(attn.contiguous(), w[3], d.hidden, qs, std::nullopt, d.bf16_activations);
     x = rmsnorm(o, w[4], d.eps, residual);  // residual += o
     auto gu = linear(x, w[5], 2 * d.inter, d.hidden, std::nullopt, d.bf16_activations);

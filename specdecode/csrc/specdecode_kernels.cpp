@@ -1,4 +1,4 @@
-// Small-M linear kernels (y = x @ W^T + b) for AVX-512 CPUs.
+// Small-M linear kernels (y = x @ W^T + b) for x86 CPUs with AVX-512 or AVX2 + FMA.
 //
 // Decoding multiplies a handful of activation rows by a large weight, so the
 // cost is streaming W from DRAM once per call.  Weights are pre-packed (by
@@ -6,7 +6,8 @@
 // 64-byte line for 16 consecutive outputs:
 //
 //   fp32: [ceil(N/16), K, 16]          w[b][k][i]    = W[16 b + i, k]
-//   bf16: groups of G = 4 blocks (the last one may be smaller, g = its size),
+//   bf16: groups of G = kGroup blocks (4 with AVX-512, 2 with AVX2; the last one may be
+//         smaller, g = its size),
 //         each stored as [ceil(K/2), g, 16, 2]:
 //         group[j][c][i][h] = W[16 (4 q + c) + i, 2 j + h] for group q
 //
@@ -19,7 +20,10 @@
 //
 // A bf16 32-bit lane holds the (k, k+1) pair of one output:
 // with fp32 activations both halves widen to fp32 with one shift / one mask,
-// with bf16 activations the pair feeds one vdpbf16ps directly.
+// with bf16 activations (AVX512_BF16 only) the pair feeds one vdpbf16ps.
+//
+// The layout is the same for both instruction sets: a 16-output block is one
+// zmm register with AVX-512 and two ymm registers with AVX2 (`kVecs`).
 //
 // Each output is accumulated in one sequential chain over k, independent of
 // M and of the thread split, so a row's result is bitwise identical whatever
@@ -41,30 +45,143 @@
 
 #include "kernels.h"
 
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+#error "specdecode kernels need AVX-512 or AVX2 + FMA"
+#endif
+
 namespace specdecode {
 
-constexpr int64_t kBlock = 16;      // outputs per packed block (one zmm)
+// ---------------------------------------------------------------------------
+// The few vector operations the kernels use, for one register width.
+namespace simd {
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+using vf = __m512;
+using vi = __m512i;
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float x) { return _mm512_set1_ps(x); }
+inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+inline vi loadi(const void* p) { return _mm512_loadu_si512(p); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf bf16_lo(vi v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline vf bf16_hi(vi v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+// The first min(n, lanes) lanes; the rest read as zero / are not written.
+inline vf load_n(const float* p, int64_t n) {
+  return _mm512_maskz_loadu_ps(n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u), p);
+}
+inline void store_n(float* p, vf v, int64_t n) {
+  _mm512_mask_storeu_ps(p, n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u), v);
+}
+inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
+// exp(x) per lane: 2^n * 2^f, |f| <= 1/2, degree-7 polynomial (rel. err ~1e-7).
+inline vf exp2_split(vf t, vf* n) {
+  *n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_sub_ps(t, *n);
+}
+inline vf exp_scale(vf p, vf n, vf) { return _mm512_scalef_ps(p, n); }
+// NaN stays NaN (min/max return their second operand when one is NaN).
+inline vf clamp(vf x, float lo, float hi) {
+  return _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), x));
+}
+constexpr float kExpLo = -128.0f, kExpHi = 128.0f;
+#else
+constexpr int kLanes = 8;
+using vf = __m256;
+using vi = __m256i;
+inline vf zero() { return _mm256_setzero_ps(); }
+inline vf set1(float x) { return _mm256_set1_ps(x); }
+inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+inline vi loadi(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf bf16_lo(vi v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline vf bf16_hi(vi v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+inline __m256i lane_mask(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vf load_n(const float* p, int64_t n) {
+  return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask(n));
+}
+inline void store_n(float* p, vf v, int64_t n) {
+  if (n >= 8)
+    _mm256_storeu_ps(p, v);
+  else
+    _mm256_maskstore_ps(p, lane_mask(n), v);
+}
+inline float reduce_add(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf exp2_split(vf t, vf* n) {
+  *n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm256_sub_ps(t, *n);
+}
+// p * 2^n with n in [-126, 127] built in the exponent field; `x` (the unclamped input) maps
+// overflow to +inf and underflow to 0, as the AVX-512 scalef does.
+inline vf exp_scale(vf p, vf n, vf x) {
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  vf r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  r = _mm256_blendv_ps(r, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(88.5f), _CMP_GT_OQ));
+  return _mm256_blendv_ps(r, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
+}
+inline vf clamp(vf x, float lo, float hi) {
+  return _mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), x));
+}
+constexpr float kExpLo = -87.0f, kExpHi = 88.5f;
+#endif
+}  // namespace simd
+
+constexpr int64_t kBlock = 16;      // outputs per packed block (one 64-byte line)
+constexpr int kVecs = kBlock / simd::kLanes;  // registers per block
 constexpr int kMaxRows = 8;         // activation rows per micro-tile (table size)
 constexpr int kMaxBlocks = 4;       // output blocks per micro-tile
-constexpr int64_t kGroup = 4;       // bf16 blocks interleaved per step (= _BF16_GROUP)
+#if defined(__AVX512F__)
+constexpr bool kAvx512 = true;
+#else
+constexpr bool kAvx512 = false;
+#endif
+// bf16 blocks interleaved per step (kernels.py reads it through bf16_group()): one micro-tile's
+// width, 4 blocks with AVX-512, 2 with AVX2 (whose 16 registers hold 2 rows x 2 blocks).
+constexpr int64_t kGroup = kAvx512 ? 4 : 2;
 
 enum class Kind { kF32, kBf16, kBf16Dot };
 
-// Mask of the first min(n, 16) lanes.
-inline __mmask16 count_mask(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+// Blocks per micro-tile for MR rows, keeping the accumulators (MR * CB * kVecs) within the
+// register file: 32 zmm with AVX-512 (MR * CB <= 16), 16 ymm with AVX2 (<= 8 accumulators).
+constexpr int blocks_for_rows(int mr) {
+  if (kAvx512) return mr <= 4 ? 4 : 2;
+  return mr <= 1 ? 4 : (mr <= 2 ? 2 : 1);
 }
 
-// Blocks per micro-tile for MR rows: keeps MR * CB <= 16 accumulators.
-constexpr int blocks_for_rows(int mr) { return mr <= 4 ? 4 : 2; }
 
 // Rows per micro-tile.  Each row costs one broadcast per weight vector, and
 // broadcasts compete with FMAs, so wide-but-short tiles win once the loop is
 // compute-bound; re-reading a tile's weights for the next row chunk hits
 // cache.  (Measured on Zen 4: 16x1 tiles run at ~60% of 8x2; the bf16 path,
 // with two FMAs per loaded pair, prefers 4x4.)
+//
+// A bf16 tile always spans its whole packed group, so it reads the group's memory in one
+// contiguous stream (a narrower tile would read 64 of every 256 bytes and leave the rest to
+// another pass from DRAM); with AVX2 that is 2 blocks x 2 rows, further rows re-read it from L2.
 template <Kind KIND>
-constexpr int max_rows() { return KIND == Kind::kBf16 ? 4 : 8; }
+constexpr int max_rows() {
+  if (!kAvx512) return KIND == Kind::kBf16 ? 2 : 4;
+  return KIND == Kind::kBf16 ? 4 : 8;
+}
 
 // Arguments shared by all micro-tiles.  `x` is fp32 [M, ldx] for kF32/kBf16
 // and packed bf16 pairs (uint32) [M, ldx] for kBf16Dot.
@@ -82,9 +199,12 @@ struct TileArgs {
 // wblock + s * sstride_bytes + c * (fp32: one [K, 16] panel; bf16: 64 bytes).
 template <Kind KIND, int MR, int CB>
 void tile(const TileArgs& a, const void* wblock, int64_t sstride_bytes, int64_t n0) {
-  __m512 acc[MR][CB];
+  using namespace simd;
+  constexpr int V = kVecs;
+  vf acc[MR][CB][V];
   for (int m = 0; m < MR; ++m)
-    for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_setzero_ps();
+    for (int c = 0; c < CB; ++c)
+      for (int v = 0; v < V; ++v) acc[m][c][v] = zero();
   const int64_t steps = a.steps;
   // One step consumes 64 bytes of weights per block.  fp32 blocks are whole
   // [K, 16] panels one after another; bf16 blocks of a group are interleaved
@@ -94,59 +214,79 @@ void tile(const TileArgs& a, const void* wblock, int64_t sstride_bytes, int64_t 
 
   for (int64_t s = 0; s < steps; ++s) {
     const char* p0 = wb + s * (KIND == Kind::kF32 ? 64 : sstride_bytes);
-    if constexpr (KIND == Kind::kF32) {
+    if constexpr (KIND == Kind::kF32 && kAvx512) {
+      // 32 registers: load the tile's weight vectors, then one broadcast per row.
       const float* x = static_cast<const float*>(a.x);
-      __m512 wv[CB];
+      vf wv[CB];
+      for (int c = 0; c < CB; ++c) wv[c] = load(reinterpret_cast<const float*>(p0 + c * bstride_bytes));
+      for (int m = 0; m < MR; ++m) {
+        const vf xv = set1(x[m * a.ldx + s]);
+        for (int c = 0; c < CB; ++c) acc[m][c][0] = fmadd(xv, wv[c], acc[m][c][0]);
+      }
+    } else if constexpr (KIND == Kind::kF32) {
+      // 16 registers: broadcast the rows once, then one weight vector at a time.
+      const float* x = static_cast<const float*>(a.x);
+      vf xv[MR];
+      for (int m = 0; m < MR; ++m) xv[m] = set1(x[m * a.ldx + s]);
+      for (int c = 0; c < CB; ++c)
+        for (int v = 0; v < V; ++v) {
+          const vf w = load(reinterpret_cast<const float*>(p0 + c * bstride_bytes) + v * kLanes);
+          for (int m = 0; m < MR; ++m) acc[m][c][v] = fmadd(xv[m], w, acc[m][c][v]);
+        }
+    } else if constexpr (KIND == Kind::kBf16 && kAvx512) {
+      const float* x = static_cast<const float*>(a.x);
+      vf w0[CB], w1[CB];
       for (int c = 0; c < CB; ++c) {
-        const char* p = p0 + c * bstride_bytes;
-        wv[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+        const vi wi = loadi(p0 + c * bstride_bytes);
+        w0[c] = bf16_lo(wi);  // k = 2s
+        w1[c] = bf16_hi(wi);  // k = 2s + 1
       }
       for (int m = 0; m < MR; ++m) {
-        const __m512 xv = _mm512_set1_ps(x[m * a.ldx + s]);
-        for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_fmadd_ps(xv, wv[c], acc[m][c]);
+        const vf x0 = set1(x[m * a.ldx + 2 * s]);
+        const vf x1 = set1(x[m * a.ldx + 2 * s + 1]);
+        for (int c = 0; c < CB; ++c) {
+          acc[m][c][0] = fmadd(x0, w0[c], acc[m][c][0]);
+          acc[m][c][0] = fmadd(x1, w1[c], acc[m][c][0]);
+        }
       }
     } else if constexpr (KIND == Kind::kBf16) {
       const float* x = static_cast<const float*>(a.x);
-      const __m512i hi_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-      __m512 w0[CB], w1[CB];
-      for (int c = 0; c < CB; ++c) {
-        const char* p = p0 + c * bstride_bytes;
-        const __m512i v = _mm512_loadu_si512(p);
-        w0[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));      // k = 2s
-        w1[c] = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));  // k = 2s + 1
-      }
+      vf x0[MR], x1[MR];
       for (int m = 0; m < MR; ++m) {
-        const __m512 x0 = _mm512_set1_ps(x[m * a.ldx + 2 * s]);
-        const __m512 x1 = _mm512_set1_ps(x[m * a.ldx + 2 * s + 1]);
-        for (int c = 0; c < CB; ++c) {
-          acc[m][c] = _mm512_fmadd_ps(x0, w0[c], acc[m][c]);
-          acc[m][c] = _mm512_fmadd_ps(x1, w1[c], acc[m][c]);
-        }
+        x0[m] = set1(x[m * a.ldx + 2 * s]);
+        x1[m] = set1(x[m * a.ldx + 2 * s + 1]);
       }
+      for (int c = 0; c < CB; ++c)
+        for (int v = 0; v < V; ++v) {
+          const vi wi = loadi(p0 + c * bstride_bytes + v * kLanes * 4);
+          const vf w0 = bf16_lo(wi);  // k = 2s
+          const vf w1 = bf16_hi(wi);  // k = 2s + 1
+          for (int m = 0; m < MR; ++m) {
+            acc[m][c][v] = fmadd(x0[m], w0, acc[m][c][v]);
+            acc[m][c][v] = fmadd(x1[m], w1, acc[m][c][v]);
+          }
+        }
     } else {
 #if defined(__AVX512BF16__)
       const uint32_t* x = static_cast<const uint32_t*>(a.x);
       __m512i wv[CB];
-      for (int c = 0; c < CB; ++c) {
-        const char* p = p0 + c * bstride_bytes;
-        wv[c] = _mm512_loadu_si512(p);
-      }
+      for (int c = 0; c < CB; ++c) wv[c] = _mm512_loadu_si512(p0 + c * bstride_bytes);
       for (int m = 0; m < MR; ++m) {
         const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(x[m * a.ldx + s]));
         for (int c = 0; c < CB; ++c)
-          acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)xv, (__m512bh)wv[c]);
+          acc[m][c][0] = _mm512_dpbf16_ps(acc[m][c][0], (__m512bh)xv, (__m512bh)wv[c]);
       }
 #endif
     }
   }
 
-  for (int c = 0; c < CB; ++c) {
-    const int64_t n = n0 + c * kBlock;
-    const __mmask16 mask = count_mask(a.N - n);
-    const __m512 b = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m)
-      _mm512_mask_storeu_ps(a.y + m * a.ldy + n, mask, _mm512_add_ps(acc[m][c], b));
-  }
+  for (int c = 0; c < CB; ++c)
+    for (int v = 0; v < V; ++v) {
+      const int64_t n = n0 + c * kBlock + v * kLanes;
+      if (n >= a.N) continue;
+      const vf b = a.bias ? load_n(a.bias + n, a.N - n) : zero();
+      for (int m = 0; m < MR; ++m) store_n(a.y + m * a.ldy + n, add(acc[m][c][v], b), a.N - n);
+    }
 }
 
 using TileFn = void (*)(const TileArgs&, const void*, int64_t, int64_t);
@@ -220,6 +360,8 @@ void run(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
   });
 }
 
+int64_t bf16_group() { return kGroup; }
+
 bool bf16_dot_compiled() {
 #if defined(__AVX512BF16__)
   return true;
@@ -285,21 +427,22 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K
 // Fused elementwise ops (fp32), cutting per-op dispatch in a decode step.
 
 // exp(x) per lane: 2^n * 2^f, |f| <= 1/2, degree-7 polynomial (rel. err ~1e-7).
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(128.0f), _mm512_max_ps(_mm512_set1_ps(-128.0f), x));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
+inline simd::vf vexp(simd::vf x) {
+  using namespace simd;
+  const vf xc = clamp(x, kExpLo, kExpHi);
+  const vf t = mul(xc, set1(1.4426950408889634f));
+  vf n;
+  const vf f = exp2_split(t, &n);
   // Coefficients ln2^i / i! of 2^f.
-  __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  vf p = set1(1.5252733804059841e-05f);
+  p = fmadd(p, f, set1(1.5403530393381609e-04f));
+  p = fmadd(p, f, set1(1.3333558146428443e-03f));
+  p = fmadd(p, f, set1(9.6181291076284772e-03f));
+  p = fmadd(p, f, set1(5.5504108664821580e-02f));
+  p = fmadd(p, f, set1(2.4022650695910071e-01f));
+  p = fmadd(p, f, set1(6.9314718055994531e-01f));
+  p = fmadd(p, f, set1(1.0f));
+  return exp_scale(p, n, x);
 }
 
 // Rows per parallel task so that tiny decode-sized inputs stay single-threaded.
@@ -330,12 +473,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
       const float* g = src + r * two_i;
       const float* u = g + I;
       float* o = dst + r * I;
-      for (int64_t i = 0; i < I; i += 16) {
-        const __mmask16 m = count_mask(I - i);
-        const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
-        const __m512 uv = _mm512_maskz_loadu_ps(m, u + i);
-        const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-        _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_div_ps(gv, den), uv));
+      for (int64_t i = 0; i < I; i += simd::kLanes) {
+        using namespace simd;
+        const vf gv = load_n(g + i, I - i);
+        const vf uv = load_n(u + i, I - i);
+        const vf den = add(set1(1.0f), vexp(sub(zero(), gv)));
+        store_n(o + i, mul(div(gv, den), uv), I - i);
       }
     }
   });
@@ -366,28 +509,23 @@ at::Tensor rmsnorm(const at::Tensor& x_in, const at::Tensor& weight_in, double e
   at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* src = xs + r * H;
+      using namespace simd;
       if (res) {
         float* rr = res + r * H;
-        for (int64_t i = 0; i < H; i += 16) {
-          const __mmask16 m = count_mask(H - i);
-          const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, rr + i), _mm512_maskz_loadu_ps(m, src + i));
-          _mm512_mask_storeu_ps(rr + i, m, v);
-        }
+        for (int64_t i = 0; i < H; i += kLanes)
+          store_n(rr + i, add(load_n(rr + i, H - i), load_n(src + i, H - i)), H - i);
         src = rr;
       }
-      __m512 ss = _mm512_setzero_ps();
-      for (int64_t i = 0; i < H; i += 16) {
-        const __m512 v = _mm512_maskz_loadu_ps(count_mask(H - i), src + i);
-        ss = _mm512_fmadd_ps(v, v, ss);
+      vf ss = zero();
+      for (int64_t i = 0; i < H; i += kLanes) {
+        const vf v = load_n(src + i, H - i);
+        ss = fmadd(v, v, ss);
       }
-      const float mean = _mm512_reduce_add_ps(ss) / static_cast<float>(H);
-      const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(mean + static_cast<float>(eps)));
+      const float mean = reduce_add(ss) / static_cast<float>(H);
+      const vf scale = set1(1.0f / std::sqrt(mean + static_cast<float>(eps)));
       float* o = dst + r * H;
-      for (int64_t i = 0; i < H; i += 16) {
-        const __mmask16 m = count_mask(H - i);
-        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), scale);
-        _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)));
-      }
+      for (int64_t i = 0; i < H; i += kLanes)
+        store_n(o + i, mul(mul(load_n(src + i, H - i), scale), load_n(w + i, H - i)), H - i);
     }
   });
   return out;
@@ -408,5 +546,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gate_up"));
   m.def("rmsnorm", &rmsnorm, "RMSNorm (fp32); with residual, residual += x first (in place)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("bf16_group", &bf16_group, "bf16 blocks interleaved per k-step in the packed layout");
   m.def("bf16_dot_compiled", &bf16_dot_compiled, "whether vdpbf16ps support was compiled in");
 }

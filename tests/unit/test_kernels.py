@@ -34,7 +34,11 @@ def test_linear(N, K, M):
     # fp32-activation bf16 path == fp32 kernel on bf16-rounded weights, bitwise
     assert torch.equal(yb, kernels.linear(x, kernels.pack(W.bfloat16().float(), b)))
     yd = kernels.linear(x, pdot)
-    assert rel(yd, F.linear(x.bfloat16().double(), Wb, b.double())) < 1e-5
+    if kernels.cpu_has_bf16_dot():
+        assert pdot.bf16_activations
+        assert rel(yd, F.linear(x.bfloat16().double(), Wb, b.double())) < 1e-5
+    else:  # no vdpbf16ps (e.g. AVX2): the request is ignored, activations stay fp32
+        assert not pdot.bf16_activations and torch.equal(yd, yb)
     for p in (p32, pbf, pdot):  # batch invariance
         y = kernels.linear(x, p)
         for i in {0, M // 2, M - 1}:
@@ -106,7 +110,20 @@ def test_compile_error_falls_back(tmp_path, monkeypatch):
     assert kernels._compile(False) is None
 
 
-def test_cpu_without_avx512_falls_back(monkeypatch):
+def test_instruction_set_choice(monkeypatch):
+    for flags, isa in [
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx512"),
+        ({"avx2", "fma", "avx512f"}, "avx2"),  # an incomplete AVX-512 set
+        ({"sse2", "avx2", "fma"}, "avx2"),
+        ({"avx2", "fma", "avx512_bf16"}, "avx2"),
+    ]:
+        monkeypatch.setattr(kernels, "_cpu_flags", lambda f=frozenset(flags): f)
+        assert kernels.cpu_isa() == isa and kernels.cpu_supported()
+        # vdpbf16ps is used only from the AVX-512 build
+        assert kernels.cpu_has_bf16_dot() == ("avx512_bf16" in flags and isa == "avx512")
+
+
+def test_cpu_without_avx2_fma_falls_back(monkeypatch):
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: frozenset({"sse2", "avx2"}))
-    assert not kernels.cpu_supported()
+    assert kernels.cpu_isa() is None and not kernels.cpu_supported()
     assert kernels._compile(False) is None
