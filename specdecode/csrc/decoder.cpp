@@ -1,6 +1,8 @@
 // The decoder's layer loop in one C++ call (CPU, fp32 activations, packed fp32 or bf16
 // weights). Python dispatch costs ~5-10 us per op and a layer has ~30 of them; here a step is one
-// call, the residual stream is updated in place by the fused RMSNorm, and RoPE is applied in place.
+// call. The loop works on raw rows in buffers allocated once per call (no tensor op per layer on
+// the decode path): the residual stream is updated in place by the fused RMSNorm, RoPE is applied
+// in place, and keys/values are copied straight into their cache slots.
 //
 // Layout of `weights`: kPerLayer tensors per layer, in this order (absent ones are empty):
 //   input_norm, qkv_packed, qkv_bias, o_packed, post_norm, gate_up_packed, down_packed,
@@ -9,9 +11,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/ones.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 
 #include <cmath>
@@ -27,23 +28,24 @@ namespace {
 
 constexpr int kPerLayer = 9;
 
+// Sequences with more new tokens than this (prefill chunks, large trees) use the library's
+// attention over their gathered context; fewer go through the direct loop below.
+constexpr int64_t kDenseQueries = 16;
+
 struct Dims {
   int64_t hidden, heads, kv_heads, head_dim, inter;
   double eps;
   bool bf16_activations;
 };
 
-inline std::optional<at::Tensor> opt(const at::Tensor& t) {
-  return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt;
+inline const float* fptr(const at::Tensor& t) {
+  return t.numel() ? t.data_ptr<float>() : nullptr;
 }
 
-// x [T, n, D] (a strided view is fine) rotated in place with cos/sin [T, D] (half-split form).
-void rope_inplace(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t T = x.size(0), n = x.size(1), D = x.size(2), half = D / 2;
-  float* base = x.data_ptr<float>();
-  const int64_t st = x.stride(0), sh = x.stride(1);
-  const float* c = cos.data_ptr<float>();
-  const float* s = sin.data_ptr<float>();
+// Rows x[t, h, :] (t stride st, head stride sh) rotated in place with cos/sin [T, D] (half-split).
+void rope_rows(float* base, int64_t T, int64_t n, int64_t D, int64_t st, int64_t sh,
+               const float* c, const float* s) {
+  const int64_t half = D / 2;
   for (int64_t t = 0; t < T; ++t) {
     const float* ct = c + t * D;
     const float* sn = s + t * D;
@@ -58,60 +60,67 @@ void rope_inplace(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   }
 }
 
-constexpr int64_t kDenseQueries = 16;
+// One layer's KV cache: [Hkv, S, D] for k and for v, rows contiguous.
+struct CacheView {
+  float* k;
+  float* v;
+  int64_t head_stride, slot_stride;
+};
 
-// Attention of several sequences straight from their cache slots (no gather of the padded
-// context): one task per (sequence, kv head) reads each key and value row once for all the
-// queries of its head group. q [T, H, D] fp32; caches [Hkv, S, D]; kv_slots [B, L]; query_index /
-// query_valid [B, N]; mask [B, 1, N, L] (True = may attend). Returns [T, H * D].
-at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache_k,
-                           const at::Tensor& cache_v, const at::Tensor& kv_slots,
-                           const at::Tensor& query_index, const at::Tensor& query_valid,
-                           const at::Tensor& mask) {
-  const at::Tensor q = q_in.contiguous();
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t Hkv = cache_k.size(0), B = kv_slots.size(0), L = kv_slots.size(1);
-  const int64_t N = query_index.size(1), G = H / Hkv;
-  TORCH_CHECK(cache_k.stride(2) == 1 && cache_v.stride(2) == 1, "cache rows must be contiguous");
-  TORCH_CHECK(mask.numel() == B * N * L, "paged attention needs the [B, 1, N, L] mask");
-  at::Tensor out = at::empty({T, H * D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = cache_k.data_ptr<float>();
-  const float* vp = cache_v.data_ptr<float>();
-  const int64_t ks = cache_k.stride(1), kh = cache_k.stride(0);
-  const int64_t vs = cache_v.stride(1), vh = cache_v.stride(0);
-  const int64_t* slots = kv_slots.contiguous().data_ptr<int64_t>();
-  const at::Tensor qi_t = query_index.contiguous(), qv_t = query_valid.contiguous();
-  const at::Tensor mask_t = mask.contiguous();
-  const int64_t* qidx = qi_t.data_ptr<int64_t>();
-  const bool* qvalid = qv_t.data_ptr<bool>();
-  const bool* mk = mask_t.data_ptr<bool>();
-  float* op = out.data_ptr<float>();
+// Where the step's queries look: B sequences, each with up to N new tokens (query_index into the
+// T new tokens, query_valid False on padding) and a context of up to L cache slots; mask
+// [B, N, L] (True = may attend) or null (every query sees the whole context).
+struct Layout {
+  int64_t B, N, L;
+  const int64_t* slots;  // [B, L], or null for one sequence in consecutive slots from `first`
+  int64_t first;
+  const int64_t* qidx;  // [B, N], or null: query i is token i
+  const bool* qvalid;   // [B, N], or null: all valid
+  const bool* mask;
+  int64_t count(int64_t b) const {
+    if (!qvalid) return N;
+    int64_t n = 0;
+    while (n < N && qvalid[b * N + n]) ++n;
+    return n;
+  }
+  int64_t slot(int64_t b, int64_t j) const { return slots ? slots[b * L + j] : first + j; }
+  int64_t query(int64_t b, int64_t i) const { return qidx ? qidx[b * N + i] : i; }
+  bool sees(int64_t b, int64_t i, int64_t j) const { return !mask || mask[(b * N + i) * L + j]; }
+};
+
+// Attention of sequences with few new tokens straight from their cache slots: one task per
+// (sequence, kv head) reads each key and value row once for all the queries of its head group,
+// and each query row is summed in the same order whatever the number of queries (so verifying a
+// draft matches decoding it token by token). q rows at q + t * ldq (heads of D contiguous);
+// out [T, H * D]. Sequences with more than kDenseQueries new tokens are skipped (dense path).
+void direct_attention(const float* qp, int64_t ldq, int64_t H, int64_t D, const CacheView& c,
+                      int64_t Hkv, const Layout& lay, float* op) {
+  const int64_t G = H / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, lay.B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, hk = task % Hkv;
-      int64_t n = 0;
-      while (n < N && qvalid[b * N + n]) ++n;
-      if (n == 0 || n > kDenseQueries) continue;  // long chunks: dense path below
+      const int64_t n = lay.count(b);
+      if (n == 0 || n > kDenseQueries) continue;
       // The context ends after the last column any query may see.
-      int64_t ctx = 0;
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t j = L - 1; j >= ctx; --j)
-          if (mk[(b * N + i) * L + j]) {
-            ctx = j + 1;
-            break;
-          }
+      int64_t ctx = lay.mask ? 0 : lay.L;
+      if (lay.mask)
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = lay.L - 1; j >= ctx; --j)
+            if (lay.sees(b, i, j)) {
+              ctx = j + 1;
+              break;
+            }
       const int64_t R = n * G;  // query rows of this task: (i, g)
       scores.assign(R * ctx, -std::numeric_limits<float>::infinity());
       for (int64_t j = 0; j < ctx; ++j) {
-        const float* krow = kp + hk * kh + slots[b * L + j] * ks;
+        const float* krow = c.k + hk * c.head_stride + lay.slot(b, j) * c.slot_stride;
         for (int64_t i = 0; i < n; ++i) {
-          if (!mk[(b * N + i) * L + j]) continue;
-          const int64_t t = qidx[b * N + i];
+          if (!lay.sees(b, i, j)) continue;
+          const int64_t t = lay.query(b, i);
           for (int64_t g = 0; g < G; ++g) {
-            const float* qr = qp + (t * H + hk * G + g) * D;
+            const float* qr = qp + t * ldq + (hk * G + g) * D;
             float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
             for (int64_t d = 0; d < D; ++d) acc += qr[d] * krow[d];
@@ -133,16 +142,13 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache_k,
         for (int64_t j = 0; j < ctx; ++j) s[j] *= inv;
       }
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = qidx[b * N + i];
-        for (int64_t g = 0; g < G; ++g) {
-          float* o = op + t * H * D + (hk * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-        }
+        const int64_t t = lay.query(b, i);
+        for (int64_t g = 0; g < G; ++g) std::memset(op + t * H * D + (hk * G + g) * D, 0, D * 4);
       }
       for (int64_t j = 0; j < ctx; ++j) {
-        const float* vrow = vp + hk * vh + slots[b * L + j] * vs;
+        const float* vrow = c.v + hk * c.head_stride + lay.slot(b, j) * c.slot_stride;
         for (int64_t i = 0; i < n; ++i) {
-          const int64_t t = qidx[b * N + i];
+          const int64_t t = lay.query(b, i);
           for (int64_t g = 0; g < G; ++g) {
             const float p = scores[(i * G + g) * ctx + j];
             if (p == 0.f) continue;
@@ -154,81 +160,40 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& cache_k,
       }
     }
   });
-  // Sequences with many queries (prefill chunks, large trees): gather their context once and
-  // use the library's attention, which is vectorised; the loop above suits a few queries.
-  for (int64_t b = 0; b < B; ++b) {
-    int64_t n = 0;
-    while (n < N && qvalid[b * N + n]) ++n;
+}
+
+// Sequences with many new tokens: gather their context once and use the library's attention,
+// which is vectorised. q [T, H, D] (a view), caches [Hkv, S, D], out [T, H * D].
+void dense_attention(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
+                     const Layout& lay, const at::Tensor& mask, at::Tensor& out) {
+  const int64_t H = q.size(1), D = q.size(2);
+  const auto i64 = at::TensorOptions().dtype(at::kLong);
+  for (int64_t b = 0; b < lay.B; ++b) {
+    const int64_t n = lay.count(b);
     if (n <= kDenseQueries) continue;
-    const at::Tensor m = mask_t.select(0, b).narrow(1, 0, n);  // [1, n, L]
-    const int64_t ctx = m.any(1).nonzero().max().item<int64_t>() + 1;
-    const at::Tensor idx = kv_slots.select(0, b).narrow(0, 0, ctx);
+    if (!lay.slots) {  // one sequence in consecutive slots; mask [1, 1, n, L] or none
+      auto keys = cache_k.slice(1, lay.first, lay.first + lay.L).unsqueeze(0);
+      auto vals = cache_v.slice(1, lay.first, lay.first + lay.L).unsqueeze(0);
+      std::optional<at::Tensor> m;
+      if (mask.numel()) m = mask;
+      auto o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, vals, m,
+                                                0.0, false, std::nullopt, true);
+      out.copy_(o.select(0, 0).transpose(0, 1).reshape({n, H * D}));
+      continue;
+    }
+    const at::Tensor mb = mask.select(0, b).narrow(1, 0, n);  // [1, n, L]
+    const int64_t ctx = mb.any(1).nonzero().max().item<int64_t>() + 1;
+    const at::Tensor idx =
+        at::from_blob(const_cast<int64_t*>(lay.slots + b * lay.L), {ctx}, i64);
     const at::Tensor keys = cache_k.index_select(1, idx).unsqueeze(0);  // [1, Hkv, ctx, D]
     const at::Tensor vals = cache_v.index_select(1, idx).unsqueeze(0);
-    const at::Tensor rows = query_index.select(0, b).narrow(0, 0, n);
+    const at::Tensor rows =
+        at::from_blob(const_cast<int64_t*>(lay.qidx + b * lay.N), {n}, i64);
     const at::Tensor qb = q.index_select(0, rows).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
     const at::Tensor o = at::scaled_dot_product_attention(
-        qb, keys, vals, m.narrow(2, 0, ctx).unsqueeze(0), 0.0, false, std::nullopt, true);
+        qb, keys, vals, mb.narrow(2, 0, ctx).unsqueeze(0), 0.0, false, std::nullopt, true);
     out.index_copy_(0, rows, o.select(0, 0).transpose(0, 1).reshape({n, H * D}));
   }
-  return out;
-}
-
-// cache[hk, slot_mapping[t], :] = x[t, hk, :] for k or v ([T, Hkv, D], rows contiguous).
-void write_cache(const at::Tensor& cache, const at::Tensor& x, const int64_t* slots) {
-  const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2);
-  TORCH_CHECK(x.stride(2) == 1 && cache.stride(2) == 1, "cache rows must be contiguous");
-  const float* src = x.data_ptr<float>();
-  float* dst = cache.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < Hkv; ++h)
-      std::memcpy(dst + h * cache.stride(0) + slots[t] * cache.stride(1),
-                  src + t * x.stride(0) + h * x.stride(1), D * sizeof(float));
-}
-
-// A step of one sequence whose context sits in consecutive cache slots, in the shape the paged
-// loop takes (B = 1): few queries (decoding, verifying a draft) then run through that loop, which
-// sums each query row in the same order whatever the number of queries, instead of the library's
-// attention and its per-call overhead.
-struct RangeArgs {
-  at::Tensor slots, index, valid, mask;  // undefined: use the library's attention
-};
-
-RangeArgs range_args(int64_t T, int64_t kv_start, int64_t kv_end, const at::Tensor& mask) {
-  RangeArgs r;
-  if (kv_start < 0 || T > kDenseQueries) return r;
-  const int64_t L = kv_end - kv_start;
-  const auto i64 = at::TensorOptions().dtype(at::kLong);
-  r.slots = at::arange(kv_start, kv_end, i64).view({1, L});
-  r.index = at::arange(T, i64).view({1, T});
-  r.valid = at::ones({1, T}, at::TensorOptions().dtype(at::kBool));
-  r.mask = mask.numel() ? mask.reshape({1, 1, T, L}).contiguous()
-                        : at::ones({1, 1, T, L}, at::TensorOptions().dtype(at::kBool));
-  return r;
-}
-
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& cache_k, const at::Tensor& cache_v,
-                     const at::Tensor& slot_mapping, int64_t kv_start, int64_t kv_end,
-                     const RangeArgs& range, const at::Tensor& kv_slots,
-                     const at::Tensor& query_index, const at::Tensor& query_valid,
-                     const at::Tensor& mask) {
-  // q [T, H, D], k/v [T, Hkv, D]; caches [Hkv, S, D].
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  write_cache(cache_k, k, slots);
-  write_cache(cache_v, v, slots);
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  if (range.slots.defined())
-    return paged_attention(q, cache_k, cache_v, range.slots, range.index, range.valid, range.mask);
-  if (kv_start >= 0) {
-    auto m = opt(mask);
-    auto keys = cache_k.slice(1, kv_start, kv_end).unsqueeze(0);
-    auto vals = cache_v.slice(1, kv_start, kv_end).unsqueeze(0);
-    auto o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, vals, m, 0.0,
-                                              false, std::nullopt, true);
-    return o.select(0, 0).transpose(0, 1).reshape({T, H * D});
-  }
-  return paged_attention(q, cache_k, cache_v, kv_slots, query_index, query_valid, mask);
 }
 
 }  // namespace
@@ -237,45 +202,108 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 std::vector<at::Tensor> forward_layers(
     at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv,
     const at::Tensor& slot_mapping, int64_t kv_start, int64_t kv_end, const at::Tensor& kv_slots,
-    const at::Tensor& query_index, const at::Tensor& query_valid, const at::Tensor& mask,
+    const at::Tensor& query_index, const at::Tensor& query_valid, const at::Tensor& mask_in,
     const std::vector<at::Tensor>& weights, std::vector<int64_t> dims_in, double eps,
     bool bf16_activations, const std::vector<int64_t>& capture) {
   Dims d{dims_in[0], dims_in[1], dims_in[2], dims_in[3], dims_in[4], eps, bf16_activations};
+  TORCH_CHECK(!d.bf16_activations, "the decoder loop runs fp32 activations");
   const int64_t layers = (static_cast<int64_t>(weights.size()) - 1) / kPerLayer;
-  const int64_t T = h.size(0);
-  const int64_t qs = d.heads * d.head_dim, kvs = d.kv_heads * d.head_dim;
-  std::vector<at::Tensor> out(1);
-  at::Tensor residual = h.contiguous().clone();
+  const int64_t T = h.size(0), Hd = d.hidden, D = d.head_dim;
+  const int64_t qs = d.heads * D, kvs = d.kv_heads * D, W = qs + 2 * kvs, I = d.inter;
+  TORCH_CHECK(h.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(kv.dim() == 5 && kv.stride(4) == 1, "kv cache must be [layers, 2, Hkv, S, D]");
   const at::Tensor slot_map = slot_mapping.contiguous();
   TORCH_CHECK(slot_map.scalar_type() == at::kLong && slot_map.numel() == T, "bad slot_mapping");
-  const RangeArgs range = range_args(T, kv_start, kv_end, mask);
-  at::Tensor x;
+  const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
+  const at::Tensor mask = mask_in.numel() ? mask_in.contiguous() : mask_in;
+
+  // Where the queries look.
+  at::Tensor qi_t, qv_t;
+  Layout lay{};
+  lay.mask = mask.numel() ? mask.data_ptr<bool>() : nullptr;
+  if (kv_start >= 0) {  // one sequence, context in consecutive slots
+    lay.B = 1;
+    lay.N = T;
+    lay.L = kv_end - kv_start;
+    lay.first = kv_start;
+    TORCH_CHECK(!lay.mask || mask.numel() == T * lay.L, "mask must be [1, 1, T, L]");
+  } else {
+    qi_t = query_index.contiguous();
+    qv_t = query_valid.contiguous();
+    lay.B = kv_slots.size(0);
+    lay.L = kv_slots.size(1);
+    lay.N = query_index.size(1);
+    TORCH_CHECK(kv_slots.is_contiguous() && kv_slots.scalar_type() == at::kLong, "bad kv_slots");
+    TORCH_CHECK(mask.numel() == lay.B * lay.N * lay.L, "paged attention needs the [B,1,N,L] mask");
+    lay.slots = kv_slots.data_ptr<int64_t>();
+    lay.qidx = qi_t.data_ptr<int64_t>();
+    lay.qvalid = qv_t.data_ptr<bool>();
+  }
+  bool any_dense = false;
+  for (int64_t b = 0; b < lay.B; ++b) any_dense = any_dense || lay.count(b) > kDenseQueries;
+
+  // Buffers for the whole call.
+  const auto f32 = h.options().dtype(at::kFloat);
+  at::Tensor residual = h.contiguous().clone();
+  at::Tensor xn = at::empty({T, Hd}, f32), mlp = at::empty({T, Hd}, f32);
+  at::Tensor qkv = at::empty({T, W}, f32), attn = at::empty({T, qs}, f32);
+  at::Tensor gu = at::empty({T, 2 * I}, f32), act = at::empty({T, I}, f32);
+  float* res = residual.data_ptr<float>();
+  float* xp = xn.data_ptr<float>();
+  float* mp = mlp.data_ptr<float>();
+  float* qkvp = qkv.data_ptr<float>();
+  float* ap = attn.data_ptr<float>();
+  float* gup = gu.data_ptr<float>();
+  float* actp = act.data_ptr<float>();
+  const int64_t* slots = slot_map.data_ptr<int64_t>();
+
+  std::vector<at::Tensor> out(1);
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = &weights[l * kPerLayer];
-    // For l > 0, `x` is the previous MLP output: the fused norm adds it to the residual first.
-    x = rmsnorm(l == 0 ? residual : x, w[0], d.eps,
-                l == 0 ? std::nullopt : std::optional<at::Tensor>(residual));
+    // For l > 0 the previous MLP output is added to the residual first (fused).
+    if (l == 0)
+      rmsnorm_rows(res, Hd, nullptr, fptr(w[0]), xp, Hd, T, Hd, d.eps);
+    else
+      rmsnorm_rows(mp, Hd, res, fptr(w[0]), xp, Hd, T, Hd, d.eps);
     for (auto c : capture)
       if (c == l) out.push_back(residual.clone());  // the residual stream entering layer l
-    auto qkv = linear(x, w[1], qs + 2 * kvs, d.hidden, opt(w[2]), d.bf16_activations);
-    auto q = qkv.narrow(1, 0, qs).view({T, d.heads, d.head_dim});
-    auto k = qkv.narrow(1, qs, kvs).view({T, d.kv_heads, d.head_dim});
-    auto v = qkv.narrow(1, qs + kvs, kvs).view({T, d.kv_heads, d.head_dim});
-    if (w[7].numel()) {  // Qwen3: RMSNorm per head on q and k
-      q = rmsnorm(q.contiguous(), w[7], d.eps, std::nullopt);
-      k = rmsnorm(k.contiguous(), w[8], d.eps, std::nullopt);
+    linear_rows(xp, Hd, T, w[1], W, Hd, fptr(w[2]), qkvp, W);
+    float* qp = qkvp;
+    float* kp = qkvp + qs;
+    float* vp = qkvp + qs + kvs;
+    if (w[7].numel()) {  // Qwen3: RMSNorm per head on q and k (in place)
+      for (int64_t t = 0; t < T; ++t) {
+        rmsnorm_rows(qp + t * W, D, nullptr, fptr(w[7]), qp + t * W, D, d.heads, D, d.eps);
+        rmsnorm_rows(kp + t * W, D, nullptr, fptr(w[8]), kp + t * W, D, d.kv_heads, D, d.eps);
+      }
     }
-    rope_inplace(q, cos, sin);
-    rope_inplace(k, cos, sin);
-    auto attn = attention(q, k, v, kv.select(0, l).select(0, 0), kv.select(0, l).select(0, 1),
-                          slot_map, kv_start, kv_end, range, kv_slots, query_index,
-                          query_valid, mask);
-    auto o = linear(attn.contiguous(), w[3], d.hidden, qs, std::nullopt, d.bf16_activations);
-    x = rmsnorm(o, w[4], d.eps, residual);  // residual += o
-    auto gu = linear(x, w[5], 2 * d.inter, d.hidden, std::nullopt, d.bf16_activations);
-    x = linear(silu_mul(gu), w[6], d.hidden, d.inter, std::nullopt, d.bf16_activations);
+    rope_rows(qp, T, d.heads, D, W, D, fptr(cos_c), fptr(sin_c));
+    rope_rows(kp, T, d.kv_heads, D, W, D, fptr(cos_c), fptr(sin_c));
+    // Keys and values into their cache slots.
+    const at::Tensor kl = kv.select(0, l);
+    CacheView cv{kl.select(0, 0).data_ptr<float>(), kl.select(0, 1).data_ptr<float>(),
+                 kv.stride(2), kv.stride(3)};
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t hk = 0; hk < d.kv_heads; ++hk) {
+        std::memcpy(cv.k + hk * cv.head_stride + slots[t] * cv.slot_stride,
+                    kp + t * W + hk * D, D * 4);
+        std::memcpy(cv.v + hk * cv.head_stride + slots[t] * cv.slot_stride,
+                    vp + t * W + hk * D, D * 4);
+      }
+    direct_attention(qp, W, d.heads, D, cv, d.kv_heads, lay, ap);
+    if (any_dense) {
+      const at::Tensor q = qkv.narrow(1, 0, qs).view({T, d.heads, D});
+      dense_attention(q, kl.select(0, 0), kl.select(0, 1), lay, mask, attn);
+    }
+    linear_rows(ap, qs, T, w[3], Hd, qs, nullptr, mp, Hd);
+    rmsnorm_rows(mp, Hd, res, fptr(w[4]), xp, Hd, T, Hd, d.eps);  // residual += o
+    linear_rows(xp, Hd, T, w[5], 2 * I, Hd, nullptr, gup, 2 * I);
+    silu_mul_rows(gup, actp, T, I);
+    linear_rows(actp, I, T, w[6], Hd, I, nullptr, mp, Hd);
   }
-  out[0] = rmsnorm(x, weights.back(), d.eps, residual);  // residual += last MLP output
+  at::Tensor final_h = at::empty({T, Hd}, f32);
+  rmsnorm_rows(mp, Hd, res, fptr(weights.back()), final_h.data_ptr<float>(), Hd, T, Hd, d.eps);
+  out[0] = final_h;
   return out;
 }
 

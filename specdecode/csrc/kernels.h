@@ -13,6 +13,19 @@ namespace specdecode {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K,
                   const std::optional<at::Tensor>& bias, bool bf16_activations);
 
+// The same on raw fp32 rows, for the decoder loop (no tensor ops per call): y[M, N] (row stride
+// ldy) = x[M, K] (row stride ldx) @ W^T + bias, fp32 activations.
+void linear_rows(const float* x, int64_t ldx, int64_t M, const at::Tensor& w, int64_t N,
+                 int64_t K, const float* bias, float* y, int64_t ldy);
+
+// out[r, :I] = silu(src[r, :I]) * src[r, I:2I] for `rows` contiguous rows of 2I.
+void silu_mul_rows(const float* src, float* dst, int64_t rows, int64_t I);
+
+// RMSNorm of `rows` rows of H (row strides ldx / ldo; out may alias x); with `res`, res += x in
+// place first (rows of H, contiguous) and the sum is normalized.
+void rmsnorm_rows(const float* x, int64_t ldx, float* res, const float* w, float* out,
+                  int64_t ldo, int64_t rows, int64_t H, double eps);
+
 // silu(gate_up[..., :I]) * gate_up[..., I:] (fp32).
 at::Tensor silu_mul(const at::Tensor& gate_up);
 

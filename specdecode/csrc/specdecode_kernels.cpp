@@ -370,6 +370,29 @@ bool bf16_dot_compiled() {
 #endif
 }
 
+// y[M, N] (row stride ldy) = x[M, K] (fp32, row stride ldx) @ W^T + bias, W packed as described
+// at the top, fp32 activations: the decoder loop's entry, with no tensor ops per call.
+void linear_rows(const float* x, int64_t ldx, int64_t M, const at::Tensor& w, int64_t N,
+                 int64_t K, const float* bias, float* y, int64_t ldy) {
+  if (M <= 0 || N <= 0) return;
+  const bool is_bf16 = w.scalar_type() == at::kBFloat16;
+  const int64_t steps = is_bf16 ? (K + 1) / 2 : K;
+  std::vector<float> padded;
+  if (is_bf16 && K % 2) {  // the bf16 kernel reads x in (k, k+1) pairs
+    padded.assign(M * (K + 1), 0.f);
+    for (int64_t m = 0; m < M; ++m) std::copy(x + m * ldx, x + m * ldx + K, &padded[m * (K + 1)]);
+    x = padded.data();
+    ldx = K + 1;
+  }
+  const TileArgs a{x, ldx, steps, y, ldy, N, bias};
+  const char* wp = static_cast<const char*>(w.data_ptr());
+  const int64_t nblocks = (N + kBlock - 1) / kBlock;
+  if (is_bf16)
+    run<Kind::kBf16>(a, M, wp, nblocks);
+  else
+    run<Kind::kF32>(a, M, wp, nblocks);
+}
+
 // y[..., N] = x[..., K] @ W^T + bias, W packed as described at the top.
 // `bf16_activations` (bf16 weights only) rounds x to bf16 and uses vdpbf16ps.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K,
@@ -456,21 +479,10 @@ void check_f32_cpu(const at::Tensor& t, const char* name) {
 }
 
 // out[..., I] = silu(gate_up[..., :I]) * gate_up[..., I:].
-at::Tensor silu_mul(const at::Tensor& gate_up_in) {
-  check_f32_cpu(gate_up_in, "gate_up");
-  const at::Tensor gate_up = gate_up_in.contiguous();
-  const int64_t two_i = gate_up.size(-1);
-  TORCH_CHECK(two_i % 2 == 0, "last dim of gate_up must be even");
-  const int64_t I = two_i / 2;
-  const int64_t rows = I > 0 ? gate_up.numel() / two_i : 0;
-  auto sizes = gate_up.sizes().vec();
-  sizes.back() = I;
-  auto out = at::empty(sizes, gate_up.options());
-  const float* src = gate_up.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, row_grain(two_i), [&](int64_t r0, int64_t r1) {
+void silu_mul_rows(const float* src, float* dst, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, row_grain(2 * I), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float* g = src + r * two_i;
+      const float* g = src + r * 2 * I;
       const float* u = g + I;
       float* o = dst + r * I;
       for (int64_t i = 0; i < I; i += simd::kLanes) {
@@ -482,7 +494,49 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
       }
     }
   });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  check_f32_cpu(gate_up_in, "gate_up");
+  const at::Tensor gate_up = gate_up_in.contiguous();
+  const int64_t two_i = gate_up.size(-1);
+  TORCH_CHECK(two_i % 2 == 0, "last dim of gate_up must be even");
+  const int64_t I = two_i / 2;
+  const int64_t rows = I > 0 ? gate_up.numel() / two_i : 0;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, gate_up.options());
+  silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, I);
   return out;
+}
+
+// RMSNorm of `rows` rows of H (x row r at x + r * ldx), HF-style: (x * rsqrt(mean(x^2) + eps))
+// * weight, written to out (row stride ldo; may be x itself). With `res` (rows of H, contiguous),
+// first res += x in place and normalize the sum.
+void rmsnorm_rows(const float* xs, int64_t ldx, float* res, const float* w, float* dst,
+                  int64_t ldo, int64_t rows, int64_t H, double eps) {
+  at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* src = xs + r * ldx;
+      using namespace simd;
+      if (res) {
+        float* rr = res + r * H;
+        for (int64_t i = 0; i < H; i += kLanes)
+          store_n(rr + i, add(load_n(rr + i, H - i), load_n(src + i, H - i)), H - i);
+        src = rr;
+      }
+      vf ss = zero();
+      for (int64_t i = 0; i < H; i += kLanes) {
+        const vf v = load_n(src + i, H - i);
+        ss = fmadd(v, v, ss);
+      }
+      const float mean = reduce_add(ss) / static_cast<float>(H);
+      const vf scale = set1(1.0f / std::sqrt(mean + static_cast<float>(eps)));
+      float* o = dst + r * ldo;
+      for (int64_t i = 0; i < H; i += kLanes)
+        store_n(o + i, mul(mul(load_n(src + i, H - i), scale), load_n(w + i, H - i)), H - i);
+    }
+  });
 }
 
 // RMSNorm over the last dim, HF-style: (x * rsqrt(mean(x^2) + eps)) * weight.
@@ -502,32 +556,8 @@ at::Tensor rmsnorm(const at::Tensor& x_in, const at::Tensor& weight_in, double e
   }
   const int64_t rows = H > 0 ? x.numel() / H : 0;
   auto out = at::empty_like(x);
-  const float* xs = x.data_ptr<float>();
-  float* res = residual ? residual->data_ptr<float>() : nullptr;
-  const float* w = weight.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* src = xs + r * H;
-      using namespace simd;
-      if (res) {
-        float* rr = res + r * H;
-        for (int64_t i = 0; i < H; i += kLanes)
-          store_n(rr + i, add(load_n(rr + i, H - i), load_n(src + i, H - i)), H - i);
-        src = rr;
-      }
-      vf ss = zero();
-      for (int64_t i = 0; i < H; i += kLanes) {
-        const vf v = load_n(src + i, H - i);
-        ss = fmadd(v, v, ss);
-      }
-      const float mean = reduce_add(ss) / static_cast<float>(H);
-      const vf scale = set1(1.0f / std::sqrt(mean + static_cast<float>(eps)));
-      float* o = dst + r * H;
-      for (int64_t i = 0; i < H; i += kLanes)
-        store_n(o + i, mul(mul(load_n(src + i, H - i), scale), load_n(w + i, H - i)), H - i);
-    }
-  });
+  rmsnorm_rows(x.data_ptr<float>(), H, residual ? residual->data_ptr<float>() : nullptr,
+               weight.data_ptr<float>(), out.data_ptr<float>(), H, rows, H, eps);
   return out;
 }
 
