@@ -257,8 +257,19 @@ def build_parser() -> argparse.ArgumentParser:
         th.add_argument("--max-len", type=int, default=768)
         th.add_argument("--lr", type=float, default=1e-3)
         th.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
-        th.add_argument("--init", default=None, help="continue training this head")
+        th.add_argument(
+            "--init",
+            default=None,
+            help="continue training this head (on any data; its draft vocabulary is kept)",
+        )
         th.add_argument("--eval-examples", type=int, default=64)
+        th.add_argument(
+            "--precision",
+            choices=["auto", "bf16", "fp32"],
+            default="auto",
+            help="matmul precision (master weights stay fp32); auto: bf16 where this CPU "
+            "multiplies bf16 natively (AVX512-BF16 or AMX), else fp32",
+        )
         if kind == "medusa":
             th.add_argument("--num-heads", type=int, default=4)
         elif kind == "eagle3":
@@ -453,6 +464,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             warmup=args.warmup,
             init=args.init,
             eval_examples=args.eval_examples,
+            bf16={"auto": None, "bf16": True, "fp32": False}[args.precision],
             **extra,
         )
         fn = {"medusa": train_medusa, "eagle": train_eagle, "eagle3": train_eagle3}[args.train]

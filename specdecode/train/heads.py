@@ -56,8 +56,10 @@ class HeadTrainConfig:
     ttt_steps: int = 4
     # continue from this head (same kind and draft vocabulary) instead of a fresh start
     init: str | None = None
-    # bf16 autocast for the matmuls (about 2x on CPUs with AVX512-BF16; master weights fp32)
-    bf16: bool = True
+    # bf16 autocast for the matmuls (master weights fp32). None: only where bf16 matmuls are
+    # native (CUDA, or a CPU with AVX512-BF16 / AMX: about 2x); without them oneDNN emulates
+    # bf16 and a matmul runs ~4x slower than fp32 (measured on a Zen 3 CPU with AVX2).
+    bf16: bool | None = None
 
 
 @dataclass
@@ -101,11 +103,18 @@ class _Trainer:
                 f"{cfg.eval_examples} (the last ones are held out)"
             )
         self.train, self.held = examples[: -cfg.eval_examples], examples[-cfg.eval_examples :]
-        self.vocab_ids = (
-            frequent_tokens(self.train, cfg.draft_vocab, list(eos_ids), target.config.vocab_size)
-            if cfg.draft_vocab and cfg.draft_vocab < target.config.vocab_size
-            else None
-        )
+        if cfg.init:  # continuing: keep the head's own draft vocabulary, whatever the data
+            from specdecode.models.head_io import load_head
+
+            self.vocab_ids = load_head(Path(cfg.init), target).vocab_ids
+            if self.vocab_ids is not None:
+                self.vocab_ids = self.vocab_ids.cpu()
+        elif cfg.draft_vocab and cfg.draft_vocab < target.config.vocab_size:
+            self.vocab_ids = frequent_tokens(
+                self.train, cfg.draft_vocab, list(eos_ids), target.config.vocab_size
+            )
+        else:
+            self.vocab_ids = None
         lm = target.lm_head.weight.detach().float()
         self.lm_full = lm
         self.lm_rows = lm if self.vocab_ids is None else lm[self.vocab_ids]
@@ -160,8 +169,10 @@ class _Trainer:
             ),
         )
 
+        use_bf16 = native_bf16_matmul() if cfg.bf16 is None else cfg.bf16
+
         def autocast():
-            return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16)
+            return torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16)
 
         with autocast():
             history = {"before": evaluate()}
@@ -188,12 +199,19 @@ class _Trainer:
             train_answer_tokens=self.train_tokens,
             held_out_examples=len(self.held),
             draft_vocab_coverage=round(self.coverage, 4),
-            config=asdict(cfg),
+            config={**asdict(cfg), "bf16": use_bf16},
             **info,
         )
         save_head(module, out_dir, self.target.config, {"training": history})
         (out_dir / "training.json").write_text(json.dumps(history, indent=2))
         return history
+
+
+def native_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16)."""
+    from specdecode.kernels import _cpu_flags
+
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
 
 
 def _coverage(examples: list[Example], vocab_ids: torch.Tensor | None) -> float:

@@ -11,7 +11,13 @@ import pytest
 from specdecode import LLM, SamplingParams
 from specdecode.errors import InvalidRequestError
 from specdecode.train.datagen import generate
-from specdecode.train.heads import HeadTrainConfig, train_eagle, train_eagle3, train_medusa
+from specdecode.train.heads import (
+    HeadTrainConfig,
+    native_bf16_matmul,
+    train_eagle,
+    train_eagle3,
+    train_medusa,
+)
 
 PROMPTS = ["say 3 1 9", "abcabc", "xyz", "hello 42"]
 
@@ -48,6 +54,8 @@ def test_training_improves_the_held_out_loss(heads):
     assert history["eagle3"]["after"]["ce"] < history["eagle3"]["before"]["ce"]
     assert len(history["eagle"]["after"]["top1_per_step"]) == 4
     assert len(history["medusa"]["after"]["top1_per_head"]) == 4
+    # matmul precision chosen from the CPU: bf16 only where it is native
+    assert {h["config"]["bf16"] for h in history.values()} == {native_bf16_matmul()}
 
 
 def greedy(n: int) -> SamplingParams:
