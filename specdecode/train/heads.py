@@ -297,12 +297,7 @@ def train_eagle(
     torch.manual_seed(cfg.seed)
     tr = _Trainer(target, data_dir, cfg, eos_ids)
     head = EagleHead(target.config)
-    with torch.no_grad():  # start the layer from the target's last layer (same shapes)
-        src = target.layers[-1]
-        dst = head.layers[0]
-        dst.self_attn.load_state_dict(src.self_attn.state_dict())
-        dst.mlp.load_state_dict(src.mlp.state_dict())
-        dst.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
+    _identity_start(head, target)
     head = head.float()
     head.attach(target.embed_tokens, tr.lm_rows, None)
     head.vocab_ids = tr.vocab_ids
@@ -328,6 +323,27 @@ def train_eagle(
 
     evaluate = _unrolled_evaluation(tr, head, tr.final)
     return tr.run(head, loss_fn, evaluate, out_dir, "eagle", {})
+
+
+@torch.no_grad()
+def _identity_start(head: EagleHead, target: LlamaModel) -> None:
+    """Start EAGLE-1 as the identity on the feature: fc = [0 | I], and the decoder layer (the
+    target's last layer, same shapes) with its output projections zeroed, so the first
+    prediction of f_{t+1} is f_t, already in the LM head's input space. A random fc feeds the
+    layer off-scale inputs and its raw output, projected by the frozen LM head, gives logits of
+    the wrong magnitude (cross-entropy in the hundreds) that a short run never recovers from."""
+    h = head.config.hidden_size
+    src, dst = target.layers[-1], head.layers[0]
+    dst.self_attn.load_state_dict(src.self_attn.state_dict())
+    dst.mlp.load_state_dict(src.mlp.state_dict())
+    dst.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
+    dst.self_attn.o_proj.weight.zero_()
+    dst.mlp.down_proj.weight.zero_()
+    for lin in (dst.self_attn.o_proj, dst.mlp.down_proj, head.fc):
+        if lin.bias is not None:
+            lin.bias.zero_()
+    head.fc.weight.zero_()
+    head.fc.weight[:, h : 2 * h].copy_(torch.eye(h))
 
 
 def _unrolled_steps(tr: _Trainer, head, batch: _Batch, inputs, steps: int, top1: bool = False):

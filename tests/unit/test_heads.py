@@ -47,6 +47,24 @@ def test_medusa_heads_start_as_identity_and_are_separate(target):
     assert sum(p.numel() for p in heads.parameters()) == 3 * (32 * 32 + 32)  # the LM head is not
 
 
+def test_eagle_training_starts_as_identity_on_the_feature(target):
+    """EAGLE-1 training starts from f'_{t+1} = f_t (in the LM head's input space), whatever
+    the token, and every weight still gets a gradient path."""
+    from specdecode.train.heads import _identity_start
+
+    head = EagleHead(CFG)
+    _identity_start(head, target)
+    head.attach(target.embed_tokens, target.lm_head.weight, None)
+    feats = torch.randn(2, 6, CFG.hidden_size)
+    ids = torch.randint(0, CFG.vocab_size, (2, 6))
+    out = head.forward_dense(ids, feats)
+    assert torch.equal(out, feats)
+    out.square().sum().backward()
+    assert head.fc.weight.grad[:, : CFG.hidden_size].abs().sum() > 0  # the embedding half
+    assert head.layers[0].self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert head.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
 def _paged(head: EagleHead, ids, feats, positions, blocks, manager, cache, mask=None):
     meta = build_metadata(
         cache.kv, manager, [blocks], [len(ids)], [mask] if mask is not None else None
