@@ -103,10 +103,13 @@ class _Trainer:
                 f"{cfg.eval_examples} (the last ones are held out)"
             )
         self.train, self.held = examples[: -cfg.eval_examples], examples[-cfg.eval_examples :]
-        if cfg.init:  # continuing: keep the head's own draft vocabulary, whatever the data
+        # continuing: the earlier head (loaded once) keeps its own draft vocabulary
+        self.init_head = None
+        if cfg.init:
             from specdecode.models.head_io import load_head
 
-            self.vocab_ids = load_head(Path(cfg.init), target).vocab_ids
+            self.init_head = load_head(Path(cfg.init), target)
+            self.vocab_ids = self.init_head.vocab_ids
             if self.vocab_ids is not None:
                 self.vocab_ids = self.vocab_ids.cpu()
         elif cfg.draft_vocab and cfg.draft_vocab < target.config.vocab_size:
@@ -238,7 +241,7 @@ def train_medusa(
     heads.attach(tr.lm_rows, None)  # rows already restricted
     heads.vocab_ids = tr.vocab_ids
     if cfg.init:
-        _continue_from(heads, cfg.init, target, tr.vocab_ids)
+        _continue_from(heads, tr, tr.vocab_ids)
     k = cfg.num_heads
 
     def outputs(batch: _Batch, top1: bool = False):
@@ -302,7 +305,7 @@ def train_eagle(
     head.attach(target.embed_tokens, tr.lm_rows, None)
     head.vocab_ids = tr.vocab_ids
     if cfg.init:
-        _continue_from(head, cfg.init, target, tr.vocab_ids)
+        _continue_from(head, tr, tr.vocab_ids)
     target.embed_tokens.requires_grad_(False)
 
     def loss_fn(batch: _Batch):
@@ -417,7 +420,7 @@ def train_eagle3(
         head.lm_head.weight.copy_(tr.lm_rows)
     head = head.float()
     if cfg.init:
-        _continue_from(head, cfg.init, target, vocab)
+        _continue_from(head, tr, vocab)
     head.attach(target.embed_tokens, vocab)
     target.embed_tokens.requires_grad_(False)
     nfeat = head.feature_size
@@ -439,14 +442,14 @@ def train_eagle3(
     return tr.run(head, loss_fn, evaluate, out_dir, "eagle3", {"aux_layers": list(layers)})
 
 
-def _continue_from(head, path: str, target: LlamaModel, vocab: torch.Tensor | None) -> None:
-    """Load the weights of an earlier run of the same head (training continues from them)."""
-    from specdecode.models.head_io import load_head
-
-    prev = load_head(Path(path), target)
-    same_vocab = (prev.vocab_ids is None and vocab is None) or (
-        prev.vocab_ids is not None and vocab is not None and torch.equal(prev.vocab_ids, vocab)
+def _continue_from(head, tr: _Trainer, vocab: torch.Tensor | None) -> None:
+    """Load the weights of the earlier run of the same head (`--init`; training continues
+    from them)."""
+    prev = tr.init_head
+    prev_vocab = None if prev.vocab_ids is None else prev.vocab_ids.cpu()
+    same_vocab = (prev_vocab is None and vocab is None) or (
+        prev_vocab is not None and vocab is not None and torch.equal(prev_vocab, vocab.cpu())
     )
     if type(prev) is not type(head) or not same_vocab:
-        raise ValueError(f"{path} is not a head of this kind with this draft vocabulary")
+        raise ValueError(f"{tr.cfg.init} is not a head of this kind with this draft vocabulary")
     head.load_state_dict({k: v.float() for k, v in prev.state_dict().items()})
