@@ -155,6 +155,7 @@ class EngineConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
+DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 5
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
-    draft_dtype: str | None = None  # the draft only proposes: it may run in lower precision
+    # The draft only proposes, so it may run in lower precision: "float32" | "bfloat16" |
+    # "float16" | "int8" (weights only, per-row scales; needs the CPU kernels)
+    draft_dtype: str | None = None
     # Static draft tree as a choice list (vLLM's key; a JSON string or a list), e.g.
     # [[0], [1], [0, 0], [1, 0], [0, 0, 0]]: top-2 children of the root, then chains below.
     speculative_token_tree: Any = None
@@ -215,6 +218,10 @@ class SpeculativeConfig:
             not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1
         ):
             raise InvalidRequestError("disable_by_batch_size must be a positive integer")
+        if self.draft_dtype is not None and self.draft_dtype not in DRAFT_DTYPES:
+            raise InvalidRequestError(
+                f"unknown draft_dtype {self.draft_dtype!r}; choose from {', '.join(DRAFT_DTYPES)}"
+            )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 

@@ -203,6 +203,8 @@ def _pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reorder [N, K] into the blocked layout the C++ kernels stream."""
     n, k = weight.shape
     nb = -(-n // _BLOCK)
+    if dtype == torch.int8:
+        return _pack_int8(weight, nb)
     if dtype == torch.float32:
         padded = weight.new_zeros((nb * _BLOCK, k), dtype=dtype)
         padded[:n] = weight
@@ -225,6 +227,36 @@ def _pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.cat(parts).view(nb, k2, _BLOCK, 2)
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8: (q [N, K] int8, scale [N] fp32), W ~ q * scale[:, None]."""
+    w = weight.float()
+    scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def _pack_int8(weight: torch.Tensor, nb: int) -> torch.Tensor:
+    """Groups of g blocks as [K/4, g, 4, 16] int8 (see the C++ file), then the fp32 scales."""
+    n, k = weight.shape
+    q, scale = quantize_int8(weight)
+    k4 = -(-k // 4)
+    padded = torch.zeros((nb * _BLOCK, 4 * k4), dtype=torch.int8)
+    padded[:n, :k] = q
+    g = _ext.bf16_group()  # type: ignore[union-attr]  # the same group width as bf16
+    full = nb - nb % g
+    parts = []
+    if full:  # [G, g, 16, K/4, 4] -> [G, K/4, g, 4, 16]
+        head = padded[: full * _BLOCK].view(full // g, g, _BLOCK, k4, 4)
+        parts.append(head.permute(0, 3, 1, 4, 2).reshape(-1))
+    if full < nb:
+        tail = padded[full * _BLOCK :].view(nb - full, _BLOCK, k4, 4)
+        parts.append(tail.permute(2, 0, 3, 1).reshape(-1))
+    scales = torch.zeros(nb * _BLOCK, dtype=torch.float32)
+    scales[:n] = scale
+    parts.append(scales.view(torch.int8))
+    return torch.cat(parts).view(nb, (k4 + 1) * 64)
+
+
 def pack(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -233,8 +265,9 @@ def pack(
 ) -> PackedLinear:
     """Prepare ``weight`` ([N, K]) and optional ``bias`` for :func:`linear`.
 
-    ``dtype`` is the storage dtype (float32 or bfloat16; default: the
-    weight's own when it is one of those, else float32).  With bf16 storage,
+    ``dtype`` is the storage dtype (float32, bfloat16, or int8: symmetric per-row weight-only
+    quantisation for drafters, whose proposals never touch exactness; default: the weight's
+    own when it is float32 or bfloat16, else float32).  With bf16 storage,
     activations stay fp32 unless ``bf16_activations`` is set, which rounds
     them to bf16 and uses vdpbf16ps (about 2x faster at M >= 8, ~1e-3 rel.
     error; ignored without AVX512_BF16).  Non-CPU weights, other dtypes and
@@ -251,11 +284,15 @@ def pack(
     if bf16_activations and not (dtype == torch.bfloat16 and cpu_has_bf16_dot()):
         log.debug("bf16_activations needs bf16 weights and AVX512_BF16; ignored")
         bf16_activations = False
-    use_kernel = (
-        weight.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and available()
-    )
+    if dtype not in (torch.float32, torch.bfloat16, torch.int8):
+        raise ValueError(f"unsupported packed dtype {dtype}")
+    use_kernel = weight.device.type == "cpu" and available()
     if not use_kernel:
-        w = weight.to(dtype) if weight.device.type == "cpu" else weight
+        if dtype == torch.int8:  # no int8 kernel: keep the dequantised weight (same numbers)
+            q, scale = quantize_int8(weight)
+            w = (q.float() * scale[:, None]).to(weight.dtype)
+        else:
+            w = weight.to(dtype) if weight.device.type == "cpu" else weight
         return PackedLinear(w.contiguous(), bias, n, k, w.dtype, packed=False)
     with torch.no_grad():
         packed_w = _pack_weight(weight, dtype)

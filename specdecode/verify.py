@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.sampling import sample
 from specdecode.tree import TreeShape
 
 
@@ -191,10 +192,5 @@ def _subset(generators, mask: torch.Tensor):
 def _sample_rows(probs: torch.Tensor, generators) -> torch.Tensor:
     """One draw per row; rows with their own generator draw from it."""
     if generators is None or all(g is None for g in generators):
-        return torch.multinomial(probs, 1).squeeze(-1)
-    return torch.cat(
-        [
-            torch.multinomial(p[None], 1, generator=g).squeeze(-1)
-            for p, g in zip(probs, generators, strict=True)
-        ]
-    )
+        return sample(probs, None)
+    return torch.cat([sample(p[None], g) for p, g in zip(probs, generators, strict=True)])

@@ -204,7 +204,9 @@ class _HFReference:
             self.extra = {"prompt_lookup_num_tokens": self.k}
         elif spec_cfg.method == "draft_model":
             self.method = "assisted"
-            draft_dtype = resolve_dtype(spec_cfg.draft_dtype or llm.engine.config.dtype)
+            # transformers has no int8 path here: its draft runs in the target's dtype then
+            hf_dtype = spec_cfg.draft_dtype if spec_cfg.draft_dtype != "int8" else None
+            draft_dtype = resolve_dtype(hf_dtype or llm.engine.config.dtype)
             draft = AutoModelForCausalLM.from_pretrained(
                 str(resolve_model(spec_cfg.model)), dtype=draft_dtype
             ).eval()

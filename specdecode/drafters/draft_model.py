@@ -70,10 +70,18 @@ class DraftModelDrafter(Drafter):
         from specdecode.train.draft import is_trained_draft, load_trained_draft
 
         path = resolve_model(config.model or default_draft_path(engine))
+        int8 = config.draft_dtype == "int8"
+        if int8 and not (engine.config.kernels == "auto" and _int8_ready(engine)):
+            raise InvalidRequestError(
+                "draft_dtype int8 needs the CPU kernels (an x86 CPU with AVX-512 or AVX2, "
+                "--kernels auto, the model on the CPU)"
+            )
         if is_trained_draft(path):  # distilled by `specdecode train draft`
             model = load_trained_draft(path, engine.model)
         else:
-            dtype = resolve_dtype(config.draft_dtype or engine.config.dtype)
+            # int8: load in the target's dtype; the fast path quantises the projections
+            wanted = None if int8 else config.draft_dtype
+            dtype = resolve_dtype(wanted or engine.config.dtype)
             model = load_model(
                 path,
                 dtype=dtype,
@@ -88,7 +96,7 @@ class DraftModelDrafter(Drafter):
         if engine.config.kernels == "auto":
             from specdecode.models.fast import accelerate
 
-            accelerate(model)
+            accelerate(model, torch.int8 if int8 else None)
         tree = config.speculative_token_tree
         return cls(
             model,
@@ -130,7 +138,8 @@ class DraftModelDrafter(Drafter):
             logits = self._forward([states[i].blocks for i in active], [feeds[i] for i in active])
             for row, i in enumerate(active):
                 q = warp(logits[row : row + 1], seqs[i].params)
-                tok = int(sample(q, states[i].generator))
+                greedy = seqs[i].params.greedy  # q is one-hot: no draw needed
+                tok = int(q[0].argmax()) if greedy else int(sample(q, states[i].generator))
                 drafts[i].append(tok)
                 qs[i].append(q[0])
             step += 1
@@ -254,6 +263,12 @@ class DraftModelDrafter(Drafter):
         st = self._state.pop(seq.seq_id, None)
         if st is not None:
             self.manager.free(st.blocks)
+
+
+def _int8_ready(engine: LLMEngine) -> bool:
+    from specdecode import kernels
+
+    return engine.model.norm.weight.device.type == "cpu" and kernels.available()
 
 
 def default_draft_path(engine: LLMEngine) -> str:

@@ -2,12 +2,13 @@
 
 `accelerate(model)` transforms a loaded `LlamaModel` after construction (the model code itself
 does not branch on it): every projection is packed for the small-M kernels of `kernels.py`
-(fp32 or bf16 storage, as the model was loaded), the unpacked copies are freed, and
-`model.fast` is set, which `LlamaModel.forward` / `compute_logits` hand over to. Activations,
-norms and the KV cache are fp32 on this path, whatever the weight dtype: bf16 only halves the
-bytes streamed per step. The projections compute each output row in an order independent of the
-batch (so bf16 weights do not flip near-ties between decoding and verification through them);
-attention still sums in a shape-dependent order.
+(fp32 or bf16 storage, as the model was loaded, or int8 for drafters), the unpacked copies are
+freed, and `model.fast` is set, which `LlamaModel.forward` / `compute_logits` hand over to.
+Activations, norms and the KV cache are fp32 on this path, whatever the weight dtype: bf16
+(int8) only halves (quarters) the bytes streamed per step. The projections compute each
+output row in an order independent of the batch (so bf16 weights do not flip near-ties
+between decoding and verification through them); attention still sums in a shape-dependent
+order.
 """
 
 from __future__ import annotations
@@ -112,12 +113,14 @@ def can_accelerate(model) -> bool:
     )
 
 
-def accelerate(model) -> bool:
-    """Switch `model` to the fast path if this machine supports it; True if it did."""
+def accelerate(model, weight_dtype: torch.dtype | None = None) -> bool:
+    """Switch `model` to the fast path if this machine supports it; True if it did.
+    `weight_dtype` (default: the model's) is how the projections are stored: fp32, bf16, or
+    int8 (weight-only, for drafters)."""
     if model.fast is not None:
         return True
     if not can_accelerate(model):
         log.info("CPU kernels unavailable: using the eager PyTorch path")
         return False
-    model.fast = FastPath(model, model.norm.weight.dtype)
+    model.fast = FastPath(model, weight_dtype or model.norm.weight.dtype)
     return True

@@ -285,6 +285,26 @@ def default_head_path(kind: str, engine: LLMEngine) -> Path:
     )
 
 
+def head_weight_dtype(config: SpeculativeConfig, target_dtype: torch.dtype) -> torch.dtype:
+    """Storage dtype of a head's packed weights. The head only proposes, so its precision never
+    touches exactness: `draft_dtype` when given; otherwise bf16 where the kernels run bf16 at
+    full speed (AVX-512: half the bytes of a draft step, which streams its weights like a
+    decode step) or the target is bf16 already, else fp32 (on AVX2 the bf16 kernel's
+    conversions ate the gain, measured)."""
+    from specdecode import kernels
+    from specdecode.engine.engine import resolve_dtype
+
+    if config.draft_dtype == "int8":
+        return torch.int8
+    if config.draft_dtype:
+        dtype = resolve_dtype(config.draft_dtype)
+    elif target_dtype == torch.bfloat16 or kernels.cpu_isa() == "avx512":
+        dtype = torch.bfloat16
+    else:
+        dtype = torch.float32
+    return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
 def load_head_for(config: SpeculativeConfig, engine: LLMEngine, kind: str):
     path = Path(config.model) if config.model else default_head_path(kind, engine)
     if not path.is_dir():
@@ -294,8 +314,7 @@ def load_head_for(config: SpeculativeConfig, engine: LLMEngine, kind: str):
         raise InvalidRequestError(f"{path} holds a {found or 'unrecognised'} head, not {kind!r}")
     head = load_head(path, engine.model, engine.config.allow_pickle)
     if engine.config.kernels == "auto":
-        dtype = engine.model.norm.weight.dtype
-        dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        dtype = head_weight_dtype(config, engine.model.norm.weight.dtype)
         if kind == "medusa":
             head.proj.pack(dtype)
         else:

@@ -4,6 +4,7 @@ sampled outputs identically distributed."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import chi_square_pvalue
 
 from specdecode import LLM, SamplingParams
@@ -135,6 +136,38 @@ def test_draft_model_greedy_equals_plain(plain, tiny_llama_dir, other_draft_dir,
         assert stats.acceptance_rate == 1.0
     else:
         assert 0 < stats.acceptance_rate < 1.0
+
+
+def test_int8_draft_greedy_equals_plain(plain, tiny_llama_dir):
+    """An int8-weight draft (the target drafting for itself) still gives the plain output."""
+    from specdecode import kernels
+
+    if not kernels.available():
+        with pytest.raises(InvalidRequestError, match="int8 needs the CPU kernels"):
+            LLM(
+                str(tiny_llama_dir),
+                speculative_config={"method": "draft_model", "draft_dtype": "int8"},
+            )
+        return
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={
+            "method": "draft_model",
+            "model": str(tiny_llama_dir),
+            "num_speculative_tokens": 3,
+            "draft_dtype": "int8",
+        },
+        speculative_policy="static",
+    )
+    assert spec.engine.drafter.model.fast.lm_head.dtype == torch.int8
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(30))] == want
+    assert spec.engine.spec_stats.acceptance_rate > 0.5  # int8 of itself: mostly agrees
+
+
+def test_draft_dtype_validated(tiny_llama_dir):
+    with pytest.raises(InvalidRequestError, match="unknown draft_dtype"):
+        LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "draft_dtype": "int4"})
 
 
 def test_draft_model_sampled_distribution_unchanged(sharp_llama_dir, tmp_path):

@@ -45,6 +45,35 @@ def test_linear(N, K, M):
             assert torch.equal(kernels.linear(x[i : i + 1], p)[0], y[i])
 
 
+@pytest.mark.parametrize("N,K", [(100, 71), (960, 576), (33, 8), (50, 5)])
+@pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 13])
+def test_linear_int8(N, K, M):
+    """int8 weights: the kernel equals the dequantised weight times x, whatever the batch."""
+    torch.manual_seed(N + K + M)
+    W, b, x = torch.randn(N, K), torch.randn(N), torch.randn(M, K)
+    p = kernels.pack(W, b, dtype=torch.int8)
+    assert p.packed and p.weight.dtype == torch.int8 and p.dtype == torch.int8
+    q, scale = kernels.quantize_int8(W)
+    assert q.abs().max() <= 127 and rel(q.double() * scale[:, None].double(), W) < 0.01
+    y = kernels.linear(x, p)
+    assert rel(y, F.linear(x.double(), q.double() * scale[:, None].double(), b.double())) < 1e-5
+    for i in {0, M - 1}:
+        assert torch.equal(kernels.linear(x[i : i + 1], p)[0], y[i])
+
+
+def test_int8_without_kernels_runs_the_dequantised_weight(monkeypatch):
+    W, x = torch.randn(40, 24), torch.randn(3, 24)
+    packed = kernels.linear(x, kernels.pack(W, dtype=torch.int8))
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    p = kernels.pack(W, dtype=torch.int8)
+    assert not p.packed and p.weight.dtype == torch.float32
+    q, scale = kernels.quantize_int8(W)
+    assert torch.equal(p.weight, q.float() * scale[:, None])
+    assert rel(kernels.linear(x, p), packed) < 1e-5
+    with pytest.raises(ValueError, match="unsupported packed dtype"):
+        kernels.pack(W, dtype=torch.float16)
+
+
 def test_linear_shapes_dtypes():
     W = torch.randn(64, 32)
     x = torch.randn(2, 3, 32)
