@@ -309,7 +309,13 @@ def run_advise(args: argparse.Namespace) -> dict:
         base.engine.calibrate(time_budget_s=args.calibration_seconds, upto=top)
         plain_tok_s, out_tokens = n_tok / secs, n_tok / len(ids)
         for label, cfg in configs.items():
-            llm = LLM(args.model, speculative_config=cfg, speculative_policy="static", **common)
+            llm = LLM(
+                args.model,
+                share_model_with=base,
+                speculative_config=cfg,
+                speculative_policy="static",
+                **common,
+            )
             llm.engine.calibrate(time_budget_s=args.calibration_seconds)
             measured[label] = _measure(llm, label, ids, params, bar)
             llms[label] = llm

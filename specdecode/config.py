@@ -170,6 +170,11 @@ class SpeculativeConfig:
     # The draft only proposes, so it may run in lower precision: "float32" | "bfloat16" |
     # "float16" | "int8" (weights only, per-row scales; needs the CPU kernels)
     draft_dtype: str | None = None
+    # draft_model: keep only the first N token ids (plus special tokens) in the draft's LM head.
+    # Byte-level BPE numbers tokens in merge order, so low ids are the frequent pieces (a
+    # data-free stand-in for FR-Spec's frequency ranking, Zhao et al. 2025): a 152k-token head
+    # is 27% of Qwen2.5-0.5B's weights. Drafts stay proposals: exactness is untouched.
+    draft_vocab_size: int | None = None
     # Static draft tree as a choice list (vLLM's key; a JSON string or a list), e.g.
     # [[0], [1], [0, 0], [1, 0], [0, 0, 0]]: top-2 children of the root, then chains below.
     speculative_token_tree: Any = None
@@ -218,6 +223,11 @@ class SpeculativeConfig:
             not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1
         ):
             raise InvalidRequestError("disable_by_batch_size must be a positive integer")
+        if self.draft_vocab_size is not None:
+            if self.method != "draft_model":
+                raise InvalidRequestError("draft_vocab_size applies to method draft_model only")
+            if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 2:
+                raise InvalidRequestError("draft_vocab_size must be an integer >= 2")
         if self.draft_dtype is not None and self.draft_dtype not in DRAFT_DTYPES:
             raise InvalidRequestError(
                 f"unknown draft_dtype {self.draft_dtype!r}; choose from {', '.join(DRAFT_DTYPES)}"

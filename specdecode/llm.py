@@ -21,12 +21,17 @@ Messages = list[dict[str, str]]
 class LLM:
     """Load a model once, then generate for many prompts (batched inside the engine)."""
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, share_model_with: LLM | None = None, **engine_args: Any
+    ) -> None:
+        """`share_model_with`: another LLM of the same model whose loaded weights this one
+        reuses (e.g. to compare drafters without a second copy of the target)."""
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = set(engine_args) - fields
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        shared = share_model_with.engine if share_model_with is not None else None
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), shared)
         self.tokenizer = self.engine.tokenizer
 
     def get_tokenizer(self):

@@ -38,7 +38,7 @@ def run_speculative(args: argparse.Namespace) -> dict:
     llm = LLM(args.model, **kwargs)
     methods = [(_label(llm.engine.spec_config), llm)]
     for cfg in json.loads(args.compare) if getattr(args, "compare", None) else []:
-        other = LLM(args.model, **{**kwargs, "speculative_config": cfg})
+        other = LLM(args.model, share_model_with=llm, **{**kwargs, "speculative_config": cfg})
         methods.append((_label(other.engine.spec_config), other))
     engine = llm.engine
     hf = _HFReference(llm, engine.spec_config) if not args.skip_transformers else None

@@ -102,7 +102,9 @@ def run_structured_bench(args: argparse.Namespace) -> dict:
     rows = []
     for cfg in configs:
         llm = (
-            first if cfg is configs[0] else LLM(args.model, **{**kwargs, "speculative_config": cfg})
+            first
+            if cfg is configs[0]
+            else LLM(args.model, share_model_with=first, **{**kwargs, "speculative_config": cfg})
         )
         engine = llm.engine
         label = _label(engine.spec_config)

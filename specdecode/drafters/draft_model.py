@@ -93,6 +93,12 @@ class DraftModelDrafter(Drafter):
                 f"the draft model's vocabulary ({model.config.vocab_size}) differs from the "
                 f"target's ({engine.model_config.vocab_size}); they must share a tokenizer"
             )
+        if config.draft_vocab_size and config.draft_vocab_size < model.config.vocab_size:
+            if model.vocab_ids is not None:
+                raise InvalidRequestError(
+                    "this draft already has a reduced vocabulary; drop draft_vocab_size"
+                )
+            model.reduce_vocab(_frequent_ids(engine, config.draft_vocab_size))
         if engine.config.kernels == "auto":
             from specdecode.models.fast import accelerate
 
@@ -263,6 +269,14 @@ class DraftModelDrafter(Drafter):
         st = self._state.pop(seq.seq_id, None)
         if st is not None:
             self.manager.free(st.blocks)
+
+
+def _frequent_ids(engine: LLMEngine, n: int) -> torch.Tensor:
+    """Token ids 0..n-1 (BPE merge order: the frequent pieces) plus every special token."""
+    vocab = engine.model_config.vocab_size
+    special = set(getattr(engine.tokenizer, "all_special_ids", None) or []) | engine._eos_ids()
+    keep = set(range(n)) | {t for t in special if 0 <= t < vocab}
+    return torch.tensor(sorted(keep), device=engine.model.norm.weight.device)
 
 
 def _int8_ready(engine: LLMEngine) -> bool:

@@ -41,21 +41,32 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, share_model_with: LLMEngine | None = None) -> None:
+        """`share_model_with`: reuse that engine's loaded target (same model, dtype, device and
+        kernels; benchmarks compare several drafters on one copy of a large target)."""
         self.config = config
         torch.manual_seed(config.seed)
-        dtype, device = resolve_dtype(config.dtype), resolve_device(config.device)
-        loaded = load_model(
-            config.model, dtype=dtype, device=device, allow_pickle=config.allow_pickle
-        )
-        self.model, self.model_config, self.model_path = loaded.model, loaded.config, loaded.path
         if config.kernels not in ("auto", "off"):
             raise InvalidRequestError(f"kernels must be 'auto' or 'off', got {config.kernels!r}")
-        if config.kernels == "auto":
-            from specdecode.models.fast import accelerate
+        dtype, device = resolve_dtype(config.dtype), resolve_device(config.device)
+        if share_model_with is not None:
+            other = share_model_with
+            keys = ("model", "dtype", "device", "kernels")
+            if any(getattr(other.config, k) != getattr(config, k) for k in keys):
+                raise ValueError("share_model_with needs the same model, dtype, device, kernels")
+            self.model, self.model_config = other.model, other.model_config
+            self.model_path, self.tokenizer = other.model_path, other.tokenizer
+        else:
+            loaded = load_model(
+                config.model, dtype=dtype, device=device, allow_pickle=config.allow_pickle
+            )
+            self.model, self.model_config = loaded.model, loaded.config
+            self.model_path = loaded.path
+            if config.kernels == "auto":
+                from specdecode.models.fast import accelerate
 
-            accelerate(self.model)
-        self.tokenizer = load_tokenizer(loaded.path)
+                accelerate(self.model)
+            self.tokenizer = load_tokenizer(loaded.path)
         mc = self.model_config
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings

@@ -165,9 +165,52 @@ def test_int8_draft_greedy_equals_plain(plain, tiny_llama_dir):
     assert spec.engine.spec_stats.acceptance_rate > 0.5  # int8 of itself: mostly agrees
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_reduced_draft_vocab_is_lossless(plain, tiny_llama_dir, temperature):
+    """A draft LM head cut to the first ids: greedy output unchanged, sampled drafts stay in
+    the kept ids (q is zero elsewhere) and still verify."""
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={
+            "method": "draft_model",
+            "model": str(tiny_llama_dir),
+            "num_speculative_tokens": 3,
+            "draft_vocab_size": 40,
+        },
+        speculative_policy="static",
+    )
+    kept = spec.engine.drafter.model.vocab_ids
+    assert 40 <= len(kept) < spec.engine.model_config.vocab_size
+    if temperature == 0.0:
+        want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
+        assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(30))] == want
+    else:
+        params = SamplingParams(temperature=1.0, max_tokens=30, seed=3)
+        assert spec.generate(PROMPTS, params)[0].outputs[0].token_ids
+    assert spec.engine.spec_stats.num_draft_tokens > 0
+
+
+def test_share_model_with(plain, tiny_llama_dir):
+    """A second engine on the same loaded target (benchmarks comparing drafters)."""
+    spec = LLM(
+        str(tiny_llama_dir),
+        share_model_with=plain,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        speculative_policy="static",
+    )
+    assert spec.engine.model is plain.engine.model
+    assert spec.engine.cache is not plain.engine.cache
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(20))]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(20))] == want
+    with pytest.raises(ValueError, match="same model"):
+        LLM(str(tiny_llama_dir), share_model_with=plain, dtype="bfloat16")
+
+
 def test_draft_dtype_validated(tiny_llama_dir):
     with pytest.raises(InvalidRequestError, match="unknown draft_dtype"):
         LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "draft_dtype": "int4"})
+    with pytest.raises(InvalidRequestError, match="draft_vocab_size applies"):
+        LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "draft_vocab_size": 9})
 
 
 def test_draft_model_sampled_distribution_unchanged(sharp_llama_dir, tmp_path):
