@@ -47,19 +47,14 @@ def run_speculative(args: argparse.Namespace) -> dict:
     for name in args.workloads.split(","):
         prompts = [llm._chat_ids(m) for m in workloads.load(name, args.num_prompts)]
         for temp in temps:
-            policy = engine.controller.policy
-            engine.set_policy("off")
-            plain = _measure(llm, prompts, temp, args.max_tokens)
-            engine.set_policy(policy)
-            for label, m in methods:
+            # every prompt runs plain, then each method, before the next prompt: slow drifts of
+            # the machine (seen here: +-20% over minutes) hit all of them alike
+            plain, measured = _measure_interleaved(llm, methods, prompts, temp, args.max_tokens)
+            for (label, m), got in zip(methods, measured, strict=True):
                 row = {"workload": name, "temperature": temp, "prompts": len(prompts)}
                 row["method"] = label
                 row["plain_tok_s"], row["plain_decode_tok_s"] = plain
-                before = _copy_stats(m.engine)
-                row["spec_tok_s"], row["spec_decode_tok_s"] = _measure(
-                    m, prompts, temp, args.max_tokens
-                )
-                stats = _diff_stats(m.engine, before)
+                row["spec_tok_s"], row["spec_decode_tok_s"], stats = got
                 row.update(
                     speedup=row["spec_tok_s"] / row["plain_tok_s"],
                     decode_speedup=row["spec_decode_tok_s"] / row["plain_decode_tok_s"],
@@ -96,26 +91,57 @@ def _label(cfg) -> str:
         parts.append(f"tree {len(cfg.speculative_token_tree)}")
     else:
         parts.append(f"k={cfg.num_speculative_tokens}")
+    if cfg.draft_dtype:
+        parts.append(cfg.draft_dtype)
+    if cfg.draft_vocab_size:
+        parts.append(f"vocab {cfg.draft_vocab_size}")
     return " ".join(parts)
+
+
+def _measure_interleaved(llm, methods, prompts, temp: float, max_tokens: int):
+    """Plain decoding (on `llm` with speculation off) and every method, prompt by prompt:
+    ((tok/s, decode tok/s) plain, [(tok/s, decode tok/s, SpecDecodeStats) per method])."""
+    engine = llm.engine
+    plain: list = []
+    parts: list[list] = [[] for _ in methods]
+    before = [_copy_stats(m.engine) for _, m in methods]
+    for i, ids in enumerate(prompts):
+        policy = engine.controller.policy
+        engine.set_policy("off")
+        plain.append(_measure_one(llm, ids, i, temp, max_tokens))
+        engine.set_policy(policy)
+        for j, (_, m) in enumerate(methods):
+            parts[j].append(_measure_one(m, ids, i, temp, max_tokens))
+    measured = [
+        (*_rates(p), _diff_stats(m.engine, b))
+        for p, (_, m), b in zip(parts, methods, before, strict=True)
+    ]
+    return _rates(plain), measured
+
+
+def _rates(parts) -> tuple[float, float]:
+    """(tok/s including prefill, decode-only tok/s) from _measure_one results."""
+    n, t, dn, dt = (sum(p[j] for p in parts) for j in range(4))
+    return n / t, dn / max(dt, 1e-9)
+
+
+def _measure_one(llm, ids, i: int, temp: float, max_tokens: int):
+    """(tokens, seconds, decode tokens, decode seconds) of one prompt at batch 1."""
+    from specdecode import SamplingParams
+
+    def run(n):
+        params = SamplingParams(temperature=temp, max_tokens=n, seed=i)
+        out = llm.generate({"prompt_token_ids": ids}, params)
+        return len(out[0].outputs[0].token_ids)
+
+    _, t1 = _timed(lambda: run(1))  # prefill + first token
+    n, dt = _timed(lambda: run(max_tokens))
+    return n, dt, n - 1, dt - t1
 
 
 def _measure(llm, prompts, temp: float, max_tokens: int) -> tuple[float, float]:
     """(tok/s including prefill, decode-only tok/s) over the prompts, batch 1."""
-    from specdecode import SamplingParams
-
-    total_n, total_t, decode_n, decode_t = 0, 0.0, 0, 0.0
-    for i, ids in enumerate(prompts):
-
-        def run(n, ids=ids, i=i):
-            params = SamplingParams(temperature=temp, max_tokens=n, seed=i)
-            out = llm.generate({"prompt_token_ids": ids}, params)
-            return len(out[0].outputs[0].token_ids)
-
-        _, t1 = _timed(lambda: run(1))  # prefill + first token
-        n, dt = _timed(lambda: run(max_tokens))
-        total_n, total_t = total_n + n, total_t + dt
-        decode_n, decode_t = decode_n + n - 1, decode_t + dt - t1
-    return total_n / total_t, decode_n / max(decode_t, 1e-9)
+    return _rates([_measure_one(llm, ids, i, temp, max_tokens) for i, ids in enumerate(prompts)])
 
 
 def _copy_stats(engine):
