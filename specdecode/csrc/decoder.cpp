@@ -206,7 +206,6 @@ std::vector<at::Tensor> forward_layers(
     const std::vector<at::Tensor>& weights, std::vector<int64_t> dims_in, double eps,
     bool bf16_activations, const std::vector<int64_t>& capture) {
   Dims d{dims_in[0], dims_in[1], dims_in[2], dims_in[3], dims_in[4], eps, bf16_activations};
-  TORCH_CHECK(!d.bf16_activations, "the decoder loop runs fp32 activations");
   const int64_t layers = (static_cast<int64_t>(weights.size()) - 1) / kPerLayer;
   const int64_t T = h.size(0), Hd = d.hidden, D = d.head_dim;
   const int64_t qs = d.heads * D, kvs = d.kv_heads * D, W = qs + 2 * kvs, I = d.inter;
@@ -267,7 +266,7 @@ std::vector<at::Tensor> forward_layers(
       rmsnorm_rows(mp, Hd, res, fptr(w[0]), xp, Hd, T, Hd, d.eps);
     for (auto c : capture)
       if (c == l) out.push_back(residual.clone());  // the residual stream entering layer l
-    linear_rows(xp, Hd, T, w[1], W, Hd, fptr(w[2]), qkvp, W);
+    linear_rows(xp, Hd, T, w[1], W, Hd, fptr(w[2]), qkvp, W, d.bf16_activations);
     float* qp = qkvp;
     float* kp = qkvp + qs;
     float* vp = qkvp + qs + kvs;
@@ -295,11 +294,11 @@ std::vector<at::Tensor> forward_layers(
       const at::Tensor q = qkv.narrow(1, 0, qs).view({T, d.heads, D});
       dense_attention(q, kl.select(0, 0), kl.select(0, 1), lay, mask, attn);
     }
-    linear_rows(ap, qs, T, w[3], Hd, qs, nullptr, mp, Hd);
+    linear_rows(ap, qs, T, w[3], Hd, qs, nullptr, mp, Hd, d.bf16_activations);
     rmsnorm_rows(mp, Hd, res, fptr(w[4]), xp, Hd, T, Hd, d.eps);  // residual += o
-    linear_rows(xp, Hd, T, w[5], 2 * I, Hd, nullptr, gup, 2 * I);
+    linear_rows(xp, Hd, T, w[5], 2 * I, Hd, nullptr, gup, 2 * I, d.bf16_activations);
     silu_mul_rows(gup, actp, T, I);
-    linear_rows(actp, I, T, w[6], Hd, I, nullptr, mp, Hd);
+    linear_rows(actp, I, T, w[6], Hd, I, nullptr, mp, Hd, d.bf16_activations);
   }
   at::Tensor final_h = at::empty({T, Hd}, f32);
   rmsnorm_rows(mp, Hd, res, fptr(weights.back()), final_h.data_ptr<float>(), Hd, T, Hd, d.eps);

@@ -14,9 +14,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K
                   const std::optional<at::Tensor>& bias, bool bf16_activations);
 
 // The same on raw fp32 rows, for the decoder loop (no tensor ops per call): y[M, N] (row stride
-// ldy) = x[M, K] (row stride ldx) @ W^T + bias, fp32 activations.
+// ldy) = x[M, K] (row stride ldx) @ W^T + bias, fp32 activations; `bf16_activations` (bf16
+// weights, AVX512_BF16 builds) rounds x to bf16 and multiplies with vdpbf16ps.
 void linear_rows(const float* x, int64_t ldx, int64_t M, const at::Tensor& w, int64_t N,
-                 int64_t K, const float* bias, float* y, int64_t ldy);
+                 int64_t K, const float* bias, float* y, int64_t ldy,
+                 bool bf16_activations = false);
 
 // out[r, :I] = silu(src[r, :I]) * src[r, I:2I] for `rows` contiguous rows of 2I.
 void silu_mul_rows(const float* src, float* dst, int64_t rows, int64_t I);

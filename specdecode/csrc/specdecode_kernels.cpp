@@ -45,6 +45,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <optional>
 #include <utility>
@@ -204,17 +205,19 @@ constexpr int blocks_for_rows(int mr) {
 // of 1 with 4-row tiles).
 // int8 tiles span their group too; one widened weight vector is live at a time, so AVX-512
 // fits 6 rows x 4 blocks of accumulators.
+// vdpbf16ps (kBf16Dot) needs no widening: 4 raw weight vectors + 6 x 4 accumulators.
 template <Kind KIND>
 constexpr int max_rows() {
   if (!kAvx512) return KIND == Kind::kBf16 || KIND == Kind::kI8 ? 2 : 6;
-  return KIND == Kind::kBf16 ? 5 : (KIND == Kind::kI8 ? 6 : 8);
+  if (KIND == Kind::kBf16) return 5;
+  return KIND == Kind::kI8 || KIND == Kind::kBf16Dot ? 6 : 8;
 }
 
 // Output blocks per micro-tile of `mr` rows: bf16 (kBf16) and int8 tiles span the whole packed
 // group.
 template <Kind KIND>
 constexpr int tile_blocks(int mr) {
-  return KIND == Kind::kBf16 || KIND == Kind::kI8 ? kGroup : blocks_for_rows(mr);
+  return KIND == Kind::kF32 ? blocks_for_rows(mr) : kGroup;
 }
 
 // Arguments shared by all micro-tiles.  `x` is fp32 [M, ldx] for kF32/kBf16
@@ -442,9 +445,24 @@ bool bf16_dot_compiled() {
 // y[M, N] (row stride ldy) = x[M, K] (fp32, row stride ldx) @ W^T + bias, W packed as described
 // at the top, fp32 activations: the decoder loop's entry, with no tensor ops per call.
 void linear_rows(const float* x, int64_t ldx, int64_t M, const at::Tensor& w, int64_t N,
-                 int64_t K, const float* bias, float* y, int64_t ldy) {
+                 int64_t K, const float* bias, float* y, int64_t ldy, bool bf16_activations) {
   if (M <= 0 || N <= 0) return;
   const bool is_bf16 = w.scalar_type() == at::kBFloat16;
+  if (bf16_activations && is_bf16 && bf16_dot_compiled()) {
+    // x rounded to bf16 (nearest even), packed in (k, k+1) pairs for vdpbf16ps
+    const int64_t steps = (K + 1) / 2;
+    std::vector<uint32_t> xb(M * steps, 0u);
+    auto* h = reinterpret_cast<uint16_t*>(xb.data());
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) {
+        uint32_t bits;
+        std::memcpy(&bits, x + m * ldx + k, 4);
+        h[m * 2 * steps + k] = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+      }
+    const TileArgs a{xb.data(), steps, steps, y, ldy, N, bias};
+    run<Kind::kBf16Dot>(a, M, static_cast<const char*>(w.data_ptr()), (N + kBlock - 1) / kBlock);
+    return;
+  }
   const bool is_i8 = w.scalar_type() == at::kChar;
   const int64_t per = is_i8 ? 4 : (is_bf16 ? 2 : 1);  // k's per step
   const int64_t steps = (K + per - 1) / per;

@@ -37,6 +37,9 @@ class FastPath:
             cfg.intermediate_size,
         ]
         self.eps = cfg.rms_norm_eps
+        # bf16 weights on a CPU with vdpbf16ps: round the projections' inputs to bf16 (as a
+        # bf16 model does anyway) and multiply pairs natively, ~2x less compute per row
+        self.bf16_activations = weight_dtype == torch.bfloat16 and kernels.cpu_has_bf16_dot()
         self.weights: list[torch.Tensor] = []
         self._keep: list[kernels.PackedLinear] = []
         for layer in model.layers:
@@ -54,7 +57,11 @@ class FastPath:
                 _f32(attn.k_norm.weight) if attn.k_norm is not None else _EMPTY,
             ]
         self.weights.append(_f32(model.norm.weight))
-        self.lm_head = kernels.pack(model.lm_head.weight.detach(), dtype=weight_dtype)
+        self.lm_head = kernels.pack(
+            model.lm_head.weight.detach(),
+            dtype=weight_dtype,
+            bf16_activations=self.bf16_activations,
+        )
         self.cos, self.sin = (t.contiguous() for t in model.rope_tables(torch.float32))
 
     def _pack(self, linear: torch.nn.Linear, dtype: torch.dtype) -> kernels.PackedLinear:
@@ -92,7 +99,7 @@ class FastPath:
             self.weights,
             self.dims,
             self.eps,
-            False,
+            self.bf16_activations,
             list(capture_layers),
         )
         return ModelOutput(out[0], list(out[1:]))
