@@ -453,12 +453,21 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const at::Tensor& w, in
     const int64_t steps = (K + 1) / 2;
     std::vector<uint32_t> xb(M * steps, 0u);
     auto* h = reinterpret_cast<uint16_t*>(xb.data());
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) {
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = x + m * ldx;
+      uint16_t* hr = h + m * 2 * steps;
+      int64_t k = 0;
+#if defined(__AVX512BF16__)
+      for (; k + 16 <= K; k += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(hr + k),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xr + k)));
+#endif
+      for (; k < K; ++k) {
         uint32_t bits;
-        std::memcpy(&bits, x + m * ldx + k, 4);
-        h[m * 2 * steps + k] = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+        std::memcpy(&bits, xr + k, 4);
+        hr[k] = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
       }
+    }
     const TileArgs a{xb.data(), steps, steps, y, ldy, N, bias};
     run<Kind::kBf16Dot>(a, M, static_cast<const char*>(w.data_ptr()), (N + kBlock - 1) / kBlock);
     return;

@@ -5,7 +5,8 @@ does not branch on it): every projection is packed for the small-M kernels of `k
 (fp32 or bf16 storage, as the model was loaded, or int8 for drafters), the unpacked copies are
 freed, and `model.fast` is set, which `LlamaModel.forward` / `compute_logits` hand over to.
 Activations, norms and the KV cache are fp32 on this path, whatever the weight dtype: bf16
-(int8) only halves (quarters) the bytes streamed per step. The projections compute each
+(int8) only halves (quarters) the bytes streamed per step; with bf16 weights on a CPU with
+AVX512_BF16 the projections' inputs are rounded to bf16 for vdpbf16ps. The projections compute each
 output row in an order independent of the batch (so bf16 weights do not flip near-ties
 between decoding and verification through them); attention still sums in a shape-dependent
 order.

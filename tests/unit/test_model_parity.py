@@ -83,3 +83,28 @@ def test_dense_forward_matches_transformers(ours_and_hf):
     logits = ours.compute_logits(out.hidden)
     torch.testing.assert_close(logits[0], hf_logits(hf, a), atol=ATOL, rtol=0)
     torch.testing.assert_close(logits[1, : len(b)], hf_logits(hf, b), atol=ATOL, rtol=0)
+
+
+def test_bf16_fast_path_stays_close(tiny_family):
+    """bf16 weights on the fast path (vdpbf16ps with bf16-rounded inputs where the CPU has it):
+    logits close to the fp32 reference, and a row's projections independent of the batch, so
+    one decoded token equals the same token inside a 4-token forward up to attention order."""
+    from specdecode import kernels
+
+    family, path, hf = tiny_family
+    model = load_model(path, dtype=torch.bfloat16).model
+    if not accelerate(model):
+        pytest.skip("CPU kernels unavailable here")
+    assert model.fast.bf16_activations == kernels.cpu_has_bf16_dot()
+    ids = torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    r = Runner(model)
+    seq = r.new_seq()
+    (logits,) = r.feed([seq], [ids])
+    ref = hf_logits(hf, ids)
+    assert (logits - ref).abs().max() / ref.abs().max() < 0.05
+    one = r.feed([seq], [[7]])[0][-1]
+    r2 = Runner(model)
+    s2 = r2.new_seq()
+    r2.feed([s2], [ids])
+    four = r2.feed([s2], [[7, 8, 9, 10]])[0][0]
+    torch.testing.assert_close(one, four, atol=1e-3, rtol=0)
