@@ -365,11 +365,19 @@ class GoodputController:
         best = plain = self._rate(tokens, fed, depth)
         while heap:
             _, i, k, reach, extra = heapq.heappop(heap)
-            g = self._rate(tokens + reach, fed + extra, depth + 1)
-            if g > best:
-                best, plan[i] = g, k
-                tokens, fed, depth = tokens + reach, fed + extra, depth + 1
-                nxt = offer(i, k + 1)
+            # Take this level together with as many deeper ones as pay best: a draft step has a
+            # fixed part (the drafter's catch-up), so one level alone can lose where four win.
+            add_t, add_f, take, g_take = 0.0, 0, 0, best
+            for j in range(k, self.max_depth + 1):
+                o = offer(i, j)
+                add_t, add_f = add_t + o[3], add_f + o[4]
+                g = self._rate(tokens + add_t, fed + add_f, depth + j - k + 1)
+                if g > g_take:
+                    g_take, take, t_take, f_take = g, j, add_t, add_f
+            if take:
+                best, plan[i] = g_take, take
+                tokens, fed, depth = tokens + t_take, fed + f_take, depth + take - k + 1
+                nxt = offer(i, take + 1)
                 if nxt is not None:
                     heapq.heappush(heap, nxt)
         previous = [self._last_plan.get(s.seq_id, p) for s, p in zip(seqs, plan, strict=True)]

@@ -160,3 +160,21 @@ def test_levels_that_add_no_nodes_are_still_reached():
     for n in (1, 2, 4, 8, 16):
         c.step_cost.calibrate(n, memory_bound(n))
     assert c.plan(seqs(1), 1, 1) == [3]
+
+
+def test_a_fixed_draft_cost_does_not_block_deep_drafts():
+    """Each draft step has a fixed part (a draft model catching up): one level alone loses,
+    four win. The planner must look past the first level (the int8 Qwen pair's case)."""
+    c = GoodputController("adaptive", 4, lambda k: k)
+    for n in (1, 2, 4, 8, 16):
+        c.step_cost.calibrate(n, memory_bound(n))
+    for _ in range(20):  # 25 ms whatever the depth, + 4 ms a level
+        for x in (1, 2, 4):
+            c.record_draft(x, 0.025 + 0.004 * x)
+    warm = seqs(1)[0]
+    for _ in range(100):
+        c.record_verification(warm, 4, 4)  # everything accepted: a ~ 1
+    c.release(warm)
+    one = c.expected_tokens(c.acceptance(seqs(1)[0]), 1)
+    assert one / (0.0201 + 0.029) < 1 / 0.0201  # depth 1 alone is slower than plain decoding
+    assert c.plan(seqs(1), 1, 1) == [4]
