@@ -149,15 +149,12 @@ def test_int8_draft_greedy_equals_plain(plain, tiny_llama_dir):
                 speculative_config={"method": "draft_model", "draft_dtype": "int8"},
             )
         return
-    spec = LLM(
-        str(tiny_llama_dir),
-        speculative_config={
-            "method": "draft_model",
-            "model": str(tiny_llama_dir),
-            "num_speculative_tokens": 3,
-            "draft_dtype": "int8",
-        },
-        speculative_policy="static",
+    spec = spec_llm(
+        tiny_llama_dir,
+        method="draft_model",
+        model=str(tiny_llama_dir),
+        num_speculative_tokens=3,
+        draft_dtype="int8",
     )
     assert spec.engine.drafter.model.fast.lm_head.dtype == torch.int8
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
@@ -169,15 +166,12 @@ def test_int8_draft_greedy_equals_plain(plain, tiny_llama_dir):
 def test_reduced_draft_vocab_is_lossless(plain, tiny_llama_dir, temperature):
     """A draft LM head cut to the first ids: greedy output unchanged, sampled drafts stay in
     the kept ids (q is zero elsewhere) and still verify."""
-    spec = LLM(
-        str(tiny_llama_dir),
-        speculative_config={
-            "method": "draft_model",
-            "model": str(tiny_llama_dir),
-            "num_speculative_tokens": 3,
-            "draft_vocab_size": 40,
-        },
-        speculative_policy="static",
+    spec = spec_llm(
+        tiny_llama_dir,
+        method="draft_model",
+        model=str(tiny_llama_dir),
+        num_speculative_tokens=3,
+        draft_vocab_size=40,
     )
     kept = spec.engine.drafter.model.vocab_ids
     assert 40 <= len(kept) < spec.engine.model_config.vocab_size
