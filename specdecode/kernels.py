@@ -213,18 +213,22 @@ def _pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     k2 = -(-k // 2)
     padded = weight.new_zeros((nb * _BLOCK, 2 * k2), dtype=dtype)
     padded[:n, :k] = weight
-    # Groups of g blocks (the last may be smaller): [g, 16, K/2, 2] -> [K/2, g, 16, 2],
-    # one 32-bit lane = (k, k+1) of one output; a micro-tile then streams contiguously.
+    # [g, 16, K/2, 2] -> [K/2, g, 16, 2]: one 32-bit lane = (k, k+1) of one output
+    return _interleave_groups(padded, nb, 2, (0, 3, 1, 2, 4)).view(nb, k2, _BLOCK, 2)
+
+
+def _interleave_groups(padded: torch.Tensor, nb: int, per: int, order: tuple) -> torch.Tensor:
+    """Flat groups of g blocks (the last may be smaller), each [K/per, g, ...] per `order` from
+    [groups, g, 16, K/per, per]: a micro-tile then streams one contiguous run (bf16, int8)."""
+    ks = padded.shape[1] // per
     g = _ext.bf16_group()  # type: ignore[union-attr]  # 4 (AVX-512) or 2 (AVX2)
     full = nb - nb % g
     parts = []
-    if full:
-        head = padded[: full * _BLOCK].view(full // g, g, _BLOCK, k2, 2)
-        parts.append(head.permute(0, 3, 1, 2, 4).reshape(-1))
-    if full < nb:
-        tail = padded[full * _BLOCK :].view(nb - full, _BLOCK, k2, 2)
-        parts.append(tail.permute(2, 0, 1, 3).reshape(-1))
-    return torch.cat(parts).view(nb, k2, _BLOCK, 2)
+    for start, count, size in ((0, full, g), (full, nb - full, nb - full)):
+        if count:
+            rows = padded[start * _BLOCK : (start + count) * _BLOCK]
+            parts.append(rows.view(count // size, size, _BLOCK, ks, per).permute(order).reshape(-1))
+    return torch.cat(parts)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,19 +246,11 @@ def _pack_int8(weight: torch.Tensor, nb: int) -> torch.Tensor:
     k4 = -(-k // 4)
     padded = torch.zeros((nb * _BLOCK, 4 * k4), dtype=torch.int8)
     padded[:n, :k] = q
-    g = _ext.bf16_group()  # type: ignore[union-attr]  # the same group width as bf16
-    full = nb - nb % g
-    parts = []
-    if full:  # [G, g, 16, K/4, 4] -> [G, K/4, g, 4, 16]
-        head = padded[: full * _BLOCK].view(full // g, g, _BLOCK, k4, 4)
-        parts.append(head.permute(0, 3, 1, 4, 2).reshape(-1))
-    if full < nb:
-        tail = padded[full * _BLOCK :].view(nb - full, _BLOCK, k4, 4)
-        parts.append(tail.permute(2, 0, 3, 1).reshape(-1))
     scales = torch.zeros(nb * _BLOCK, dtype=torch.float32)
     scales[:n] = scale
-    parts.append(scales.view(torch.int8))
-    return torch.cat(parts).view(nb, (k4 + 1) * 64)
+    # [g, 16, K/4, 4] -> [K/4, g, 4, 16]: 16 outputs of one k per 16 bytes
+    blocks = _interleave_groups(padded, nb, 4, (0, 3, 1, 4, 2))
+    return torch.cat([blocks, scales.view(torch.int8)]).view(nb, (k4 + 1) * 64)
 
 
 def pack(

@@ -122,20 +122,23 @@ def position_uniforms(seed: int, positions: list[int]) -> list[float]:
 def inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
     """[N, V] probabilities and N uniforms -> N tokens: the first token whose cumulative
     probability exceeds u * total (never a zero-probability token)."""
-    cdf = probs.double().cumsum(-1)
     u = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)[:, None]
+    return _inverse_cdf(probs, u).tolist()
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[N, V] probabilities, [N, 1] float64 uniforms -> [N] token ids."""
+    cdf = probs.double().cumsum(-1)
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
-    return idx.clamp_(max=probs.shape[-1] - 1).tolist()
+    return idx.clamp_(max=probs.shape[-1] - 1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """[N, V] probabilities (need not be normalised) -> [N] token ids, drawn with the request's
     own generator: inverse CDF of one uniform per row (never a zero-probability token). Exact,
     and ~4x faster than torch.multinomial over a 152k vocabulary on a CPU."""
-    cdf = probs.double().cumsum(-1)
     u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
-    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
-    return idx.clamp_(max=probs.shape[-1] - 1)
+    return _inverse_cdf(probs, u)
 
 
 def sample_logits(
