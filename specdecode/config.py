@@ -155,7 +155,8 @@ class EngineConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
-DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8")
+DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
+QUANTIZED_DRAFT_DTYPES = ("int8", "int4")  # packed by the CPU kernels only
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     # The draft only proposes, so it may run in lower precision: "float32" | "bfloat16" |
-    # "float16" | "int8" (weights only, per-row scales; needs the CPU kernels)
+    # "float16" | "int8" (per-row scales) | "int4" (a scale per 128 k's; needs AVX512_VNNI).
+    # int8 / int4 need the CPU kernels; with AVX512_VNNI the activations are quantised per row
+    # to int8 as well (vpdpbusd), else int8 is weight-only.
     draft_dtype: str | None = None
     # draft_model: keep only the first N token ids (plus special tokens) in the draft's LM head.
     # Byte-level BPE numbers tokens in merge order, so low ids are the frequent pieces (a

@@ -12,6 +12,11 @@ Typical use::
     packed = kernels.pack(layer.weight, layer.bias, dtype=torch.bfloat16)
     y = kernels.linear(x, packed)          # y = x @ W^T + b, any M
 
+Weights are stored fp32, bf16, int8 (per-row scales) or int4 (a scale per 128 k's); int8
+and int4 are for drafters, whose proposals never touch exactness.  On CPUs with AVX512_VNNI
+both multiply int8-quantised activations with vpdpbusd (int4 needs it; int8 falls back to
+weight-only, fp32 activations, without it or with ``SPECDECODE_INT8_DOT=0``).
+
 The linear kernel targets M = 1..16 rows (it stays correct for larger M).
 Every output row is computed in a fixed order that does not depend on M or
 on the thread split, so results are bitwise batch-invariant.
@@ -58,6 +63,7 @@ _ISA_FLAGS = {
     "avx2": ("avx2", "fma"),
 }
 _BF16_FLAG = "avx512_bf16"
+_VNNI_FLAG = "avx512_vnni"
 _BLOCK = 16  # outputs per packed block, must match the C++ kBlock
 
 _lock = threading.Lock()
@@ -101,6 +107,17 @@ def cpu_supported() -> bool:
 def cpu_has_bf16_dot() -> bool:
     """Whether the CPU supports vdpbf16ps (needed for ``bf16_activations``)."""
     return _BF16_FLAG in _cpu_flags() and cpu_isa() == "avx512"
+
+
+def cpu_has_int8_dot() -> bool:
+    """Whether the CPU supports vpdpbusd (AVX512_VNNI): int8 weights then multiply int8-quantised
+    activations (W8A8) instead of widening every weight to fp32."""
+    return _VNNI_FLAG in _cpu_flags() and cpu_isa() == "avx512"
+
+
+def int4_ready() -> bool:
+    """Whether int4 weights run packed here (the int4 kernel needs vpdpbusd)."""
+    return available() and bool(_ext.int8_dot_compiled())  # type: ignore[union-attr]
 
 
 def cache_dir() -> Path:
@@ -151,6 +168,8 @@ def _compile(verbose: bool) -> ModuleType | None:
         cflags += [f"-m{f.replace('_', '')}" for f in _ISA_FLAGS[isa]]
         if isa == "avx512" and cpu_has_bf16_dot():
             cflags.append("-mavx512bf16")
+        if cpu_has_int8_dot():
+            cflags.append("-mavx512vnni")
         if not any(build_dir.glob(f"{_EXT_NAME}*.so")):
             log.info("building specdecode kernels in %s (first use, ~15 s)", build_dir)
         start = time.perf_counter()
@@ -205,6 +224,8 @@ def _pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     nb = -(-n // _BLOCK)
     if dtype == torch.int8:
         return _pack_int8(weight, nb)
+    if dtype == torch.int4:
+        return _pack_int4(weight, nb)
     if dtype == torch.float32:
         padded = weight.new_zeros((nb * _BLOCK, k), dtype=dtype)
         padded[:n] = weight
@@ -240,7 +261,9 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pack_int8(weight: torch.Tensor, nb: int) -> torch.Tensor:
-    """Groups of g blocks as [K/4, g, 4, 16] int8 (see the C++ file), then the fp32 scales."""
+    """Groups of g blocks as [K/4, g, 4, 16] int8 (see the C++ file), then the fp32 scales; on
+    CPUs with vpdpbusd the int8 dot layout instead: [K/4, g, 16, 4], the scales, then the int32
+    row sums of q, in a uint8 tensor (the kernels dispatch on it)."""
     n, k = weight.shape
     q, scale = quantize_int8(weight)
     k4 = -(-k // 4)
@@ -248,9 +271,54 @@ def _pack_int8(weight: torch.Tensor, nb: int) -> torch.Tensor:
     padded[:n, :k] = q
     scales = torch.zeros(nb * _BLOCK, dtype=torch.float32)
     scales[:n] = scale
+    dot = _ext.int8_dot_compiled()  # type: ignore[union-attr]
+    if dot and os.environ.get("SPECDECODE_INT8_DOT", "1") != "0":
+        # [g, 16, K/4, 4] -> [K/4, g, 16, 4]: one 32-bit lane = 4 k's of one output
+        blocks = _interleave_groups(padded, nb, 4, (0, 3, 1, 2, 4))
+        sums = torch.zeros(nb * _BLOCK, dtype=torch.int32)
+        sums[:n] = q.sum(1, dtype=torch.int32)
+        parts = [blocks, scales.view(torch.int8), sums.view(torch.int8)]
+        return torch.cat(parts).view(torch.uint8).view(nb, (k4 + 2) * 64)
     # [g, 16, K/4, 4] -> [K/4, g, 4, 16]: 16 outputs of one k per 16 bytes
     blocks = _interleave_groups(padded, nb, 4, (0, 3, 1, 4, 2))
     return torch.cat([blocks, scales.view(torch.int8)]).view(nb, (k4 + 1) * 64)
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int4 per output row and group of `group` k's (K zero-padded to whole groups):
+    (q [N, Kp] int8 in [-8, 7], scale [N, Kp / group] fp32), W ~ q * scale per group."""
+    n, k = weight.shape
+    kp = -(-k // group) * group
+    w = torch.zeros((n, kp), dtype=torch.float32)
+    w[:, :k] = weight.float()
+    w = w.view(n, kp // group, group)
+    scale = (w.abs().amax(2) / 7.0).clamp_min(1e-12)
+    q = torch.round(w / scale[..., None]).clamp_(-8, 7).to(torch.int8)
+    return q.view(n, kp), scale
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, k: int) -> torch.Tensor:
+    n, kp = q.shape
+    w = q.float().view(n, scale.shape[1], -1) * scale[..., None]
+    return w.view(n, kp)[:, :k]
+
+
+def _pack_int4(weight: torch.Tensor, nb: int) -> torch.Tensor:
+    """The int4 dot layout (see the C++ file) in an int16 tensor (the kernels dispatch on it)."""
+    n, k = weight.shape
+    group = _ext.int4_group()  # type: ignore[union-attr]
+    q, scale = quantize_int4(weight, group)
+    kp, ng, npad = q.shape[1], scale.shape[1], nb * _BLOCK
+    u = torch.full((npad, kp), 8, dtype=torch.int32)  # u = q + 8; padded rows: q = 0
+    u[:n] = q.int() + 8
+    # byte h of step j: u[8 j + h] | u[8 j + 4 + h] << 4
+    quads = u.view(npad, kp // 8, 2, 4)
+    nibbles = (quads[:, :, 0] | (quads[:, :, 1] << 4)).to(torch.uint8).view(npad, kp // 2)
+    blocks = _interleave_groups(nibbles.view(torch.int8), nb, 4, (0, 3, 1, 2, 4))
+    scales = torch.zeros((ng, npad), dtype=torch.float32)
+    scales[:, :n] = scale.T
+    parts = [blocks, scales.reshape(-1).view(torch.int8)]
+    return torch.cat(parts).view(torch.int16).view(nb, (kp // 8 + ng) * 32)
 
 
 def pack(
@@ -280,9 +348,13 @@ def pack(
     if bf16_activations and not (dtype == torch.bfloat16 and cpu_has_bf16_dot()):
         log.debug("bf16_activations needs bf16 weights and AVX512_BF16; ignored")
         bf16_activations = False
-    if dtype not in (torch.float32, torch.bfloat16, torch.int8):
+    if dtype not in (torch.float32, torch.bfloat16, torch.int8, torch.int4):
         raise ValueError(f"unsupported packed dtype {dtype}")
     use_kernel = weight.device.type == "cpu" and available()
+    if dtype == torch.int4 and not (use_kernel and _ext.int8_dot_compiled()):  # type: ignore[union-attr]
+        q, scale = quantize_int4(weight, 128)  # no int4 kernel: the dequantised weight
+        w = dequantize_int4(q, scale, k).to(weight.dtype)
+        return PackedLinear(w.contiguous(), bias, n, k, w.dtype, packed=False)
     if not use_kernel:
         if dtype == torch.int8:  # no int8 kernel: keep the dequantised weight (same numbers)
             q, scale = quantize_int8(weight)

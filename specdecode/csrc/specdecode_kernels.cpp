@@ -11,11 +11,30 @@
 //         each stored as [ceil(K/2), g, 16, 2]:
 //         group[j][c][i][h] = W[16 (4 q + c) + i, 2 j + h] for group q
 //
-//   int8: groups of G blocks like bf16, each stored as [ceil(K/4), g, 4, 16]:
+//   int8 (weight-only, fp32 activations): groups of G blocks like bf16, each stored as
+//         [ceil(K/4), g, 4, 16]:
 //         group[j][c][h][i] = round(W[16 (G q + c) + i, 4 j + h] / scale[n]), followed by
 //         the per-output fp32 scales (max |W[n, :]| / 127), padded to whole blocks.
 //         Weight-only quantisation for drafters (their proposals never touch exactness):
 //         half the bytes of bf16; each k widens with one sign-extending load and a convert.
+//
+//   int8 dot (AVX512_VNNI CPUs; a uint8 tensor marks this layout): groups of G blocks, each
+//         [ceil(K/4), g, 16, 4]: group[j][c][i][h] = q[16 (G q + c) + i, 4 j + h], followed by
+//         the per-output fp32 scales and the per-output int32 sums of q, padded to whole
+//         blocks.  The activations are quantised per row too (x ~ xq * sx, xq in [-127, 127],
+//         fed as xq + 128 in [1, 255]) and one vpdpbusd multiplies 4 k's of 16 outputs:
+//         y = (sum (xq + 128) q - 128 sum q) * sx * scale + bias.  Weight-only int8 at M = 1
+//         is bound by widening each weight to fp32 (~15-28 GB/s on Zen 4); this is not.
+//
+//   int4 dot (AVX512_VNNI CPUs; an int16 tensor marks this layout): K padded to groups of
+//         kI4Group k's with one fp32 scale per (output, k group) (q = round(w / scale) in
+//         [-8, 7], stored as u = q + 8 in [0, 15]); groups of G blocks, each
+//         [Kp/8, g, 16, 4] bytes, byte h of lane i at step j = u[i, 8 j + h] | u[i, 8 j + 4 + h] << 4;
+//         then the scales [Kp / kI4Group, Npad].  A step unpacks the low and high nibbles
+//         (one and, one shift + and) into two vpdpbusd (the unsigned operand) against the
+//         per-row int8-quantised activations (the signed one); each k group's int32 sum is
+//         exact, sum u xq = sum q xq + 8 sum xq, so it is corrected by the row's 8 sum xq and
+//         scaled in fp32.  Drafters only, like int8.
 //
 // Padding is zero.  The bf16 blocks of a group (one micro-tile's worth) are
 // interleaved per k-step so that a tile streams one contiguous run of memory
@@ -173,7 +192,8 @@ constexpr bool kAvx512 = false;
 // width, 4 blocks with AVX-512, 2 with AVX2 (whose 16 registers hold 2 rows x 2 blocks).
 constexpr int64_t kGroup = kAvx512 ? 4 : 2;
 
-enum class Kind { kF32, kBf16, kBf16Dot, kI8 };
+enum class Kind { kF32, kBf16, kBf16Dot, kI8, kI8Dot, kI4Dot };
+constexpr int64_t kI4Group = 128;  // k's per int4 scale (kernels.py reads it: int4_group())
 
 // Software prefetch on the AVX2 fp32 path (see `run`); switchable for A/B measurements.
 static bool g_prefetch = true;
@@ -210,7 +230,8 @@ template <Kind KIND>
 constexpr int max_rows() {
   if (!kAvx512) return KIND == Kind::kBf16 || KIND == Kind::kI8 ? 2 : 6;
   if (KIND == Kind::kBf16) return 5;
-  return KIND == Kind::kI8 || KIND == Kind::kBf16Dot ? 6 : 8;
+  if (KIND == Kind::kI4Dot) return 2;  // int32 and fp32 accumulators + 8 unpacked vectors
+  return KIND == Kind::kI8 || KIND == Kind::kBf16Dot || KIND == Kind::kI8Dot ? 6 : 8;
 }
 
 // Output blocks per micro-tile of `mr` rows: bf16 (kBf16) and int8 tiles span the whole packed
@@ -220,8 +241,8 @@ constexpr int tile_blocks(int mr) {
   return KIND == Kind::kF32 ? blocks_for_rows(mr) : kGroup;
 }
 
-// Arguments shared by all micro-tiles.  `x` is fp32 [M, ldx] for kF32/kBf16
-// and packed bf16 pairs (uint32) [M, ldx] for kBf16Dot.
+// Arguments shared by all micro-tiles.  `x` is fp32 [M, ldx] for kF32/kBf16/kI8, packed
+// bf16 pairs (uint32) [M, ldx] for kBf16Dot and quads of uint8 (uint32) for kI8Dot.
 struct TileArgs {
   const void* x;
   int64_t ldx;
@@ -232,6 +253,12 @@ struct TileArgs {
   const float* bias;
   bool pf_ahead = false;  // AVX2 fp32: prefetch each panel 1 KiB ahead of the loads (`run`)
   const float* scale = nullptr;  // int8: per-output scales
+  const int32_t* wsum = nullptr;  // int8 dot: per-output sums of the quantised weights
+  const float* xscale = nullptr;  // int8 dot: per-row activation scales
+  const float* gscale = nullptr;  // int4: scales [k groups, Npad]
+  int64_t ldg = 0;                // int4: Npad
+  const int32_t* xsum = nullptr;  // int4: per row and k group, sum of xq [M, ldxs]
+  int64_t ldxs = 0;
 };
 
 // `wblock` points at the tile's first block at step 0; step s of block c is at
@@ -321,6 +348,18 @@ void tile(const TileArgs& a, const void* wblock, int64_t sstride_bytes, int64_t 
             acc[m][c][v] = fmadd(x1[m], w1, acc[m][c][v]);
           }
         }
+    } else if constexpr (KIND == Kind::kI8Dot) {
+#if defined(__AVX512VNNI__)
+      const uint32_t* x = static_cast<const uint32_t*>(a.x);
+      __m512i wv[CB];
+      for (int c = 0; c < CB; ++c) wv[c] = _mm512_loadu_si512(p0 + c * bstride_bytes);
+      for (int m = 0; m < MR; ++m) {
+        const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(x[m * a.ldx + s]));
+        for (int c = 0; c < CB; ++c)
+          acc[m][c][0] = _mm512_castsi512_ps(
+              _mm512_dpbusd_epi32(_mm512_castps_si512(acc[m][c][0]), xv, wv[c]));
+      }
+#endif
     } else {
 #if defined(__AVX512BF16__)
       const uint32_t* x = static_cast<const uint32_t*>(a.x);
@@ -340,7 +379,17 @@ void tile(const TileArgs& a, const void* wblock, int64_t sstride_bytes, int64_t 
       const int64_t n = n0 + c * kBlock + v * kLanes;
       if (n >= a.N) continue;
       const vf b = a.bias ? load_n(a.bias + n, a.N - n) : zero();
-      if constexpr (KIND == Kind::kI8) {
+      if constexpr (KIND == Kind::kI8Dot) {
+#if defined(__AVX512VNNI__)
+        // the int32 sums, less 128 x the weight sums (exact), then the two scales
+        const vf sc = load_n(a.scale + n, a.N - n);
+        const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(a.wsum + n), 7);
+        for (int m = 0; m < MR; ++m) {
+          const vf dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_castps_si512(acc[m][c][v]), off));
+          store_n(a.y + m * a.ldy + n, fmadd(dot, mul(sc, set1(a.xscale[m])), b), a.N - n);
+        }
+#endif
+      } else if constexpr (KIND == Kind::kI8) {
         const vf sc = load_n(a.scale + n, a.N - n);
         for (int m = 0; m < MR; ++m)
           store_n(a.y + m * a.ldy + n, fmadd(acc[m][c][v], sc, b), a.N - n);
@@ -350,7 +399,69 @@ void tile(const TileArgs& a, const void* wblock, int64_t sstride_bytes, int64_t 
     }
 }
 
+// int4 dot micro-tile (layout at the top): per k group, int32 sums over its steps, then one
+// correction and fp32 scale per output; the epilogue applies the row scale.
+template <int MR, int CB>
+void tile_i4(const TileArgs& a, const void* wblock, int64_t sstride_bytes, int64_t n0) {
+#if defined(__AVX512VNNI__)
+  constexpr int64_t kGroupSteps = kI4Group / 8;
+  const uint32_t* x = static_cast<const uint32_t*>(a.x);
+  const char* wb = static_cast<const char*>(wblock);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 accf[MR][CB];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < CB; ++c) accf[m][c] = _mm512_setzero_ps();
+  const int64_t groups = a.steps / kGroupSteps;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[MR][CB];
+    for (int m = 0; m < MR; ++m)
+      for (int c = 0; c < CB; ++c) acc[m][c] = _mm512_setzero_si512();
+    for (int64_t s = g * kGroupSteps; s < (g + 1) * kGroupSteps; ++s) {
+      const char* p0 = wb + s * sstride_bytes;
+      __m512i lo[CB], hi[CB];
+      for (int c = 0; c < CB; ++c) {
+        const __m512i v = _mm512_loadu_si512(p0 + c * 64);
+        lo[c] = _mm512_and_si512(v, low4);
+        hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512i x0 = _mm512_set1_epi32(static_cast<int32_t>(x[m * a.ldx + 2 * s]));
+        const __m512i x1 = _mm512_set1_epi32(static_cast<int32_t>(x[m * a.ldx + 2 * s + 1]));
+        for (int c = 0; c < CB; ++c) {
+          acc[m][c] = _mm512_dpbusd_epi32(acc[m][c], lo[c], x0);
+          acc[m][c] = _mm512_dpbusd_epi32(acc[m][c], hi[c], x1);
+        }
+      }
+    }
+    for (int c = 0; c < CB; ++c) {
+      const __m512 sc = _mm512_loadu_ps(a.gscale + g * a.ldg + n0 + c * kBlock);
+      for (int m = 0; m < MR; ++m) {
+        const __m512i corr = _mm512_set1_epi32(8 * a.xsum[m * a.ldxs + g]);
+        accf[m][c] = _mm512_fmadd_ps(
+            sc, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][c], corr)), accf[m][c]);
+      }
+    }
+  }
+  for (int c = 0; c < CB; ++c) {
+    const int64_t n = n0 + c * kBlock;
+    if (n >= a.N) continue;
+    const __m512 b = a.bias ? simd::load_n(a.bias + n, a.N - n) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m)
+      simd::store_n(a.y + m * a.ldy + n,
+                    _mm512_fmadd_ps(accf[m][c], _mm512_set1_ps(a.xscale[m]), b), a.N - n);
+  }
+#endif
+}
+
 using TileFn = void (*)(const TileArgs&, const void*, int64_t, int64_t);
+
+template <Kind KIND, int MR, int CB>
+constexpr TileFn tile_fn() {
+  if constexpr (KIND == Kind::kI4Dot)
+    return &tile_i4<MR, CB>;
+  else
+    return &tile<KIND, MR, CB>;
+}
 
 // Table of micro-tiles indexed by [rows - 1][blocks - 1].
 template <Kind KIND>
@@ -367,10 +478,10 @@ struct TileTable {
   template <int MR>
   constexpr void fill_row() {
     if constexpr (MR <= max_rows<KIND>()) {
-      fn[MR - 1][0] = &tile<KIND, MR, 1>;
-      fn[MR - 1][1] = &tile<KIND, MR, 2>;
-      if constexpr (tile_blocks<KIND>(MR) >= 3) fn[MR - 1][2] = &tile<KIND, MR, 3>;
-      if constexpr (tile_blocks<KIND>(MR) >= 4) fn[MR - 1][3] = &tile<KIND, MR, 4>;
+      fn[MR - 1][0] = tile_fn<KIND, MR, 1>();
+      fn[MR - 1][1] = tile_fn<KIND, MR, 2>();
+      if constexpr (tile_blocks<KIND>(MR) >= 3) fn[MR - 1][2] = tile_fn<KIND, MR, 3>();
+      if constexpr (tile_blocks<KIND>(MR) >= 4) fn[MR - 1][3] = tile_fn<KIND, MR, 4>();
     }
   }
 };
@@ -419,6 +530,8 @@ void run(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
         TileArgs sub = a;
         sub.x = static_cast<const char*>(a.x) + m0 * a.ldx * 4;
         sub.y = a.y + m0 * a.ldy;
+        if (a.xscale) sub.xscale = a.xscale + m0;
+        if (a.xsum) sub.xsum = a.xsum + m0 * a.ldxs;
         sub.pf_ahead = pf_ahead;
         for (int c = 0; c < cb; c += step) {
           const int n = std::min(step, cb - c);
@@ -433,6 +546,50 @@ void run(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
 }
 
 int64_t bf16_group() { return kGroup; }
+int64_t int4_group() { return kI4Group; }
+
+bool int8_dot_compiled() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Rows of x (fp32, row stride ldx) quantised for vpdpbusd: per row sx = max|x| / 127 and
+// xq = round(x / sx) + 128 (uint8, K padded with 128 to whole quads, which meet zero weights).
+void quantize_rows_u8(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t steps,
+                      std::vector<uint32_t>& xq, std::vector<float>& sx) {
+  xq.assign(M * steps, 0x80808080u);
+  sx.assign(M, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * ldx;
+    auto* qr = reinterpret_cast<uint8_t*>(xq.data() + m * steps);
+    float mx = 0.f;
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    __m512 vmx = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) vmx = _mm512_max_ps(vmx, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
+    mx = _mm512_reduce_max_ps(vmx);
+#endif
+    for (; k < K; ++k) mx = std::max(mx, std::fabs(xr[k]));
+    const float scale = mx > 0.f ? mx / 127.f : 1.f;
+    const float inv = 1.f / scale;
+    sx[m] = scale;
+    k = 0;
+#if defined(__AVX512F__)
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i bias = _mm512_set1_epi32(128);
+    for (; k + 16 <= K; k += 16) {
+      const __m512i q = _mm512_add_epi32(
+          _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + k), vinv)), bias);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + k), _mm512_cvtusepi32_epi8(q));
+    }
+#endif
+    for (; k < K; ++k)
+      qr[k] = static_cast<uint8_t>(std::lrintf(xr[k] * inv) + 128);
+  }
+}
 
 bool bf16_dot_compiled() {
 #if defined(__AVX512BF16__)
@@ -472,6 +629,45 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const at::Tensor& w, in
     run<Kind::kBf16Dot>(a, M, static_cast<const char*>(w.data_ptr()), (N + kBlock - 1) / kBlock);
     return;
   }
+  if (w.scalar_type() == at::kShort) {  // int4 dot layout
+    TORCH_CHECK(int8_dot_compiled(), "built without AVX512_VNNI");
+    const int64_t ng = (K + kI4Group - 1) / kI4Group, quads = ng * kI4Group / 4;
+    const int64_t nblocks = (N + kBlock - 1) / kBlock;
+    std::vector<uint32_t> xq;
+    std::vector<float> sx;
+    quantize_rows_u8(x, ldx, M, K, quads, xq, sx);
+    std::vector<int32_t> xs(M * ng, 0);  // sum of xq per row and k group
+    for (int64_t m = 0; m < M; ++m) {
+      auto* qr = reinterpret_cast<int8_t*>(xq.data() + m * quads);
+      for (int64_t k = 0; k < ng * kI4Group; ++k) {
+        qr[k] = static_cast<int8_t>(static_cast<uint8_t>(qr[k]) ^ 0x80u);  // xq + 128 -> xq
+        xs[m * ng + k / kI4Group] += qr[k];
+      }
+    }
+    const char* wp = static_cast<const char*>(w.data_ptr());
+    TileArgs a{xq.data(), quads, quads / 2, y, ldy, N, bias};
+    a.gscale = reinterpret_cast<const float*>(wp + nblocks * (quads / 2) * 64);
+    a.ldg = nblocks * kBlock;
+    a.xscale = sx.data();
+    a.xsum = xs.data();
+    a.ldxs = ng;
+    run<Kind::kI4Dot>(a, M, wp, nblocks);
+    return;
+  }
+  if (w.scalar_type() == at::kByte) {  // int8 dot layout
+    TORCH_CHECK(int8_dot_compiled(), "built without AVX512_VNNI");
+    const int64_t steps = (K + 3) / 4, nblocks = (N + kBlock - 1) / kBlock;
+    std::vector<uint32_t> xq;
+    std::vector<float> sx;
+    quantize_rows_u8(x, ldx, M, K, steps, xq, sx);
+    const char* wp = static_cast<const char*>(w.data_ptr());
+    TileArgs a{xq.data(), steps, steps, y, ldy, N, bias};
+    a.scale = reinterpret_cast<const float*>(wp + nblocks * steps * 64);
+    a.wsum = reinterpret_cast<const int32_t*>(wp + nblocks * (steps + 1) * 64);
+    a.xscale = sx.data();
+    run<Kind::kI8Dot>(a, M, wp, nblocks);
+    return;
+  }
   const bool is_i8 = w.scalar_type() == at::kChar;
   const int64_t per = is_i8 ? 4 : (is_bf16 ? 2 : 1);  // k's per step
   const int64_t steps = (K + per - 1) / per;
@@ -504,6 +700,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K
   TORCH_CHECK(x.is_floating_point(), "x must be a floating-point tensor");
   TORCH_CHECK(K > 0 && x.dim() >= 1 && x.size(-1) == K, "x last dim must be K = ", K);
   TORCH_CHECK(w.is_contiguous() && w.size(0) * kBlock >= N, "bad packed weight");
+  if (w.scalar_type() == at::kByte || w.scalar_type() == at::kShort) {
+    // int8 / int4 dot layouts: fp32 rows through linear_rows
+    const int64_t ng = (K + kI4Group - 1) / kI4Group;
+    TORCH_CHECK(w.scalar_type() == at::kByte
+                    ? w.numel() == w.size(0) * ((K + 3) / 4 + 2) * 64
+                    : w.numel() * 2 == w.size(0) * (ng * kI4Group / 8 + ng) * 64,
+                "packed weight does not match K");
+    TORCH_CHECK(!bias || (bias->numel() == N && bias->device().is_cpu()),
+                "bias must have N elements");
+    const at::Tensor x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();
+    const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    auto y = at::empty({x2.size(0), N}, x2.options());
+    linear_rows(x2.data_ptr<float>(), K, x2.size(0), w, N, K,
+                b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), N, false);
+    auto sizes = x.sizes().vec();
+    sizes.back() = N;
+    y = y.view(sizes);
+    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  }
   const bool is_bf16 = w.scalar_type() == at::kBFloat16;
   const bool is_i8 = w.scalar_type() == at::kChar;
   TORCH_CHECK(is_bf16 || is_i8 || w.scalar_type() == at::kFloat,
@@ -688,5 +903,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "RMSNorm (fp32); with residual, residual += x first (in place)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("bf16_group", &bf16_group, "bf16 blocks interleaved per k-step in the packed layout");
+  m.def("int4_group", &int4_group, "k's per int4 scale in the int4 dot layout");
+  m.def("int8_dot_compiled", &int8_dot_compiled, "whether vpdpbusd support was compiled in");
   m.def("bf16_dot_compiled", &bf16_dot_compiled, "whether vdpbf16ps support was compiled in");
 }

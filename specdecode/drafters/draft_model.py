@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.cache import BlockManager, KVCache, SeqBlocks, keep_path
-from specdecode.config import SpeculativeConfig
+from specdecode.config import QUANTIZED_DRAFT_DTYPES, SpeculativeConfig
 from specdecode.core import Sequence
 from specdecode.drafters.base import Drafter, DraftProposal
 from specdecode.errors import InvalidRequestError
@@ -70,17 +70,12 @@ class DraftModelDrafter(Drafter):
         from specdecode.train.draft import is_trained_draft, load_trained_draft
 
         path = resolve_model(config.model or default_draft_path(engine))
-        int8 = config.draft_dtype == "int8"
-        if int8 and not (engine.config.kernels == "auto" and _int8_ready(engine)):
-            raise InvalidRequestError(
-                "draft_dtype int8 needs the CPU kernels (an x86 CPU with AVX-512 or AVX2, "
-                "--kernels auto, the model on the CPU)"
-            )
+        quantized = quantized_draft_dtype(config, engine)
         if is_trained_draft(path):  # distilled by `specdecode train draft`
             model = load_trained_draft(path, engine.model)
         else:
-            # int8: load in the target's dtype; the fast path quantises the projections
-            wanted = None if int8 else config.draft_dtype
+            # int8 / int4: load in the target's dtype; the fast path quantises the projections
+            wanted = None if quantized else config.draft_dtype
             dtype = resolve_dtype(wanted or engine.config.dtype)
             model = load_model(
                 path,
@@ -102,7 +97,7 @@ class DraftModelDrafter(Drafter):
         if engine.config.kernels == "auto":
             from specdecode.models.fast import accelerate
 
-            accelerate(model, torch.int8 if int8 else None)
+            accelerate(model, quantized)
         tree = config.speculative_token_tree
         return cls(
             model,
@@ -279,10 +274,28 @@ def _frequent_ids(engine: LLMEngine, n: int) -> torch.Tensor:
     return torch.tensor(sorted(keep), device=engine.model.norm.weight.device)
 
 
-def _int8_ready(engine: LLMEngine) -> bool:
+def quantized_draft_dtype(config: SpeculativeConfig, engine: LLMEngine) -> torch.dtype | None:
+    """torch.int8 / torch.int4 for a quantised `draft_dtype` (None otherwise), or a clear error
+    where the CPU kernels cannot run it."""
     from specdecode import kernels
 
-    return engine.model.norm.weight.device.type == "cpu" and kernels.available()
+    if config.draft_dtype not in QUANTIZED_DRAFT_DTYPES:
+        return None
+    ready = (
+        engine.config.kernels == "auto"
+        and engine.model.norm.weight.device.type == "cpu"
+        and kernels.available()
+    )
+    if not ready:
+        raise InvalidRequestError(
+            f"draft_dtype {config.draft_dtype} needs the CPU kernels (an x86 CPU with AVX-512 or "
+            "AVX2, --kernels auto, the model on the CPU)"
+        )
+    if config.draft_dtype == "int4" and not kernels.int4_ready():
+        raise InvalidRequestError(
+            "draft_dtype int4 needs a CPU with AVX512_VNNI (vpdpbusd); use int8 here"
+        )
+    return torch.int8 if config.draft_dtype == "int8" else torch.int4
 
 
 def default_draft_path(engine: LLMEngine) -> str:

@@ -296,6 +296,12 @@ def head_weight_dtype(config: SpeculativeConfig, target_dtype: torch.dtype) -> t
 
     if config.draft_dtype == "int8":
         return torch.int8
+    if config.draft_dtype == "int4":
+        if not kernels.int4_ready():
+            raise InvalidRequestError(
+                "draft_dtype int4 needs the CPU kernels on a CPU with AVX512_VNNI; use int8 here"
+            )
+        return torch.int4
     if config.draft_dtype:
         dtype = resolve_dtype(config.draft_dtype)
     elif target_dtype == torch.bfloat16 or kernels.cpu_isa() == "avx512":

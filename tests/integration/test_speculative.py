@@ -138,15 +138,18 @@ def test_draft_model_greedy_equals_plain(plain, tiny_llama_dir, other_draft_dir,
         assert 0 < stats.acceptance_rate < 1.0
 
 
-def test_int8_draft_greedy_equals_plain(plain, tiny_llama_dir):
-    """An int8-weight draft (the target drafting for itself) still gives the plain output."""
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_draft_greedy_equals_plain(plain, tiny_llama_dir, dtype):
+    """An int8 / int4 draft (the target drafting for itself) still gives the plain output."""
     from specdecode import kernels
 
-    if not kernels.available():
-        with pytest.raises(InvalidRequestError, match="int8 needs the CPU kernels"):
+    ready = kernels.available() and (dtype == "int8" or kernels.int4_ready())
+    if not ready:
+        wanted = "CPU kernels" if not kernels.available() else "AVX512_VNNI"
+        with pytest.raises(InvalidRequestError, match=f"{dtype} needs .*{wanted}"):
             LLM(
                 str(tiny_llama_dir),
-                speculative_config={"method": "draft_model", "draft_dtype": "int8"},
+                speculative_config={"method": "draft_model", "draft_dtype": dtype},
             )
         return
     spec = spec_llm(
@@ -154,12 +157,12 @@ def test_int8_draft_greedy_equals_plain(plain, tiny_llama_dir):
         method="draft_model",
         model=str(tiny_llama_dir),
         num_speculative_tokens=3,
-        draft_dtype="int8",
+        draft_dtype=dtype,
     )
-    assert spec.engine.drafter.model.fast.lm_head.dtype == torch.int8
+    assert spec.engine.drafter.model.fast.lm_head.dtype == getattr(torch, dtype)
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(30))] == want
-    assert spec.engine.spec_stats.acceptance_rate > 0.5  # int8 of itself: mostly agrees
+    assert spec.engine.spec_stats.acceptance_rate > 0.5  # itself, quantised: mostly agrees
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -202,7 +205,7 @@ def test_share_model_with(plain, tiny_llama_dir):
 
 def test_draft_dtype_validated(tiny_llama_dir):
     with pytest.raises(InvalidRequestError, match="unknown draft_dtype"):
-        LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "draft_dtype": "int4"})
+        LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "draft_dtype": "int2"})
     with pytest.raises(InvalidRequestError, match="draft_vocab_size applies"):
         LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "draft_vocab_size": 9})
 

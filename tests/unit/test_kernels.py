@@ -45,23 +45,68 @@ def test_linear(N, K, M):
             assert torch.equal(kernels.linear(x[i : i + 1], p)[0], y[i])
 
 
+def quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 dot kernels see it: per row round(x / s) * s, s = max|x| / 127."""
+    s = x.double().abs().amax(1, keepdim=True) / 127
+    return torch.round(x.double() / s) * s
+
+
 @pytest.mark.parametrize("N,K", [(100, 71), (960, 576), (33, 8), (50, 5)])
 @pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 13])
-def test_linear_int8(N, K, M):
-    """int8 weights: the kernel equals the dequantised weight times x, whatever the batch."""
+@pytest.mark.parametrize("dot", [False, True])
+def test_linear_int8(N, K, M, dot, monkeypatch):
+    """int8 weights: the kernel equals the dequantised weight times x (weight-only) or times x
+    quantised per row (vpdpbusd, AVX512_VNNI), whatever the batch."""
+    ext = kernels.load_extension()
+    if dot and not ext.int8_dot_compiled():
+        pytest.skip("no AVX512_VNNI")
+    monkeypatch.setenv("SPECDECODE_INT8_DOT", "1" if dot else "0")
     torch.manual_seed(N + K + M)
     W, b, x = torch.randn(N, K), torch.randn(N), torch.randn(M, K)
     p = kernels.pack(W, b, dtype=torch.int8)
-    assert p.packed and p.weight.dtype == torch.int8 and p.dtype == torch.int8
+    assert p.packed and p.dtype == torch.int8
+    assert p.weight.dtype == (torch.uint8 if dot else torch.int8)  # the layout's tag
     q, scale = kernels.quantize_int8(W)
     assert q.abs().max() <= 127 and rel(q.double() * scale[:, None].double(), W) < 0.01
     y = kernels.linear(x, p)
-    assert rel(y, F.linear(x.double(), q.double() * scale[:, None].double(), b.double())) < 1e-5
+    xr = quantized_rows(x) if dot else x.double()
+    assert rel(y, F.linear(xr, q.double() * scale[:, None].double(), b.double())) < 1e-5
     for i in {0, M - 1}:
         assert torch.equal(kernels.linear(x[i : i + 1], p)[0], y[i])
 
 
+@pytest.mark.parametrize("N,K", [(100, 71), (960, 576), (33, 8), (70, 300)])
+@pytest.mark.parametrize("M", [1, 2, 3, 7])
+def test_linear_int4(N, K, M):
+    """int4 weights (a scale per 128 k's) times x quantised per row, whatever the batch."""
+    if not kernels.int4_ready():
+        pytest.skip("no AVX512_VNNI")
+    torch.manual_seed(N + K + M)
+    W, b, x = torch.randn(N, K), torch.randn(N), torch.randn(M, K)
+    p = kernels.pack(W, b, dtype=torch.int4)
+    assert p.packed and p.dtype == torch.int4 and p.weight.dtype == torch.int16
+    q, scale = kernels.quantize_int4(W, 128)
+    assert q.min() >= -8 and q.max() <= 7 and q.shape[1] % 128 == 0
+    Wd = kernels.dequantize_int4(q, scale, K).double()
+    assert rel(Wd, W) < 0.1
+    y = kernels.linear(x, p)
+    assert rel(y, F.linear(quantized_rows(x), Wd, b.double())) < 1e-5
+    for i in {0, M - 1}:
+        assert torch.equal(kernels.linear(x[i : i + 1], p)[0], y[i])
+
+
+def test_int4_without_kernels_runs_the_dequantised_weight(monkeypatch):
+    W, x = torch.randn(40, 200), torch.randn(3, 200)
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    p = kernels.pack(W, dtype=torch.int4)
+    assert not p.packed and p.weight.dtype == torch.float32
+    q, scale = kernels.quantize_int4(W, 128)
+    assert torch.equal(p.weight, kernels.dequantize_int4(q, scale, 200))
+    assert torch.allclose(kernels.linear(x, p), x @ p.weight.T)
+
+
 def test_int8_without_kernels_runs_the_dequantised_weight(monkeypatch):
+    monkeypatch.setenv("SPECDECODE_INT8_DOT", "0")  # weight-only: the same numbers as torch
     W, x = torch.randn(40, 24), torch.randn(3, 24)
     packed = kernels.linear(x, kernels.pack(W, dtype=torch.int8))
     monkeypatch.setattr(kernels, "available", lambda: False)
