@@ -18,6 +18,7 @@ import time
 import torch
 
 from specdecode.bench import workloads
+from specdecode.config import QUANTIZED_DRAFT_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +231,9 @@ class _HFReference:
             self.extra = {"prompt_lookup_num_tokens": self.k}
         elif spec_cfg.method == "draft_model":
             self.method = "assisted"
-            # transformers has no int8 path here: its draft runs in the target's dtype then
-            hf_dtype = spec_cfg.draft_dtype if spec_cfg.draft_dtype != "int8" else None
+            # transformers has no int8 / int4 path here: its draft runs in the target's dtype then
+            quantized = spec_cfg.draft_dtype in QUANTIZED_DRAFT_DTYPES
+            hf_dtype = None if quantized else spec_cfg.draft_dtype
             draft_dtype = resolve_dtype(hf_dtype or llm.engine.config.dtype)
             draft = AutoModelForCausalLM.from_pretrained(
                 str(resolve_model(spec_cfg.model)), dtype=draft_dtype
