@@ -289,7 +289,7 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     (q [N, Kp] int8 in [-8, 7], scale [N, Kp / group] fp32), W ~ q * scale per group."""
     n, k = weight.shape
     kp = -(-k // group) * group
-    w = torch.zeros((n, kp), dtype=torch.float32)
+    w = weight.new_zeros((n, kp), dtype=torch.float32)
     w[:, :k] = weight.float()
     w = w.view(n, kp // group, group)
     scale = (w.abs().amax(2) / 7.0).clamp_min(1e-12)
@@ -329,9 +329,10 @@ def pack(
 ) -> PackedLinear:
     """Prepare ``weight`` ([N, K]) and optional ``bias`` for :func:`linear`.
 
-    ``dtype`` is the storage dtype (float32, bfloat16, or int8: symmetric per-row weight-only
-    quantisation for drafters, whose proposals never touch exactness; default: the weight's
-    own when it is float32 or bfloat16, else float32).  With bf16 storage,
+    ``dtype`` is the storage dtype (float32, bfloat16, or for drafters, whose proposals never
+    touch exactness, int8 (symmetric per row) or int4 (symmetric per row and 128 k's), which
+    multiply int8-quantised activations on AVX512_VNNI CPUs; default: the weight's own when it
+    is float32 or bfloat16, else float32).  With bf16 storage,
     activations stay fp32 unless ``bf16_activations`` is set, which rounds
     them to bf16 and uses vdpbf16ps (about 2x faster at M >= 8, ~1e-3 rel.
     error; ignored without AVX512_BF16).  Non-CPU weights, other dtypes and

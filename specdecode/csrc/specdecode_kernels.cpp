@@ -66,6 +66,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <utility>
 
@@ -242,11 +243,12 @@ constexpr int tile_blocks(int mr) {
 }
 
 // Arguments shared by all micro-tiles.  `x` is fp32 [M, ldx] for kF32/kBf16/kI8, packed
-// bf16 pairs (uint32) [M, ldx] for kBf16Dot and quads of uint8 (uint32) for kI8Dot.
+// bf16 pairs (uint32) [M, ldx] for kBf16Dot, quads of uint8 xq + 128 (uint32) for kI8Dot and
+// of int8 xq for kI4Dot.
 struct TileArgs {
   const void* x;
   int64_t ldx;
-  int64_t steps;  // K for fp32, ceil(K/2) for bf16, ceil(K/4) for int8
+  int64_t steps;  // K for fp32, ceil(K/2) for bf16, ceil(K/4) for int8, Kp/8 for int4
   float* y;
   int64_t ldy;
   int64_t N;
@@ -557,7 +559,8 @@ bool int8_dot_compiled() {
 }
 
 // Rows of x (fp32, row stride ldx) quantised for vpdpbusd: per row sx = max|x| / 127 and
-// xq = round(x / sx) + 128 (uint8, K padded with 128 to whole quads, which meet zero weights).
+// xq = round(x * (1 / sx)) + 128 (uint8; K padded with 128, i.e. xq = 0, to `steps` quads).
+// A row with a NaN or infinity gets sx = NaN, so its outputs are NaN as on the fp32 path.
 void quantize_rows_u8(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t steps,
                       std::vector<uint32_t>& xq, std::vector<float>& sx) {
   xq.assign(M * steps, 0x80808080u);
@@ -566,14 +569,28 @@ void quantize_rows_u8(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t
     const float* xr = x + m * ldx;
     auto* qr = reinterpret_cast<uint8_t*>(xq.data() + m * steps);
     float mx = 0.f;
+    bool nan = false;  // max drops NaN operands: tracked apart
     int64_t k = 0;
 #if defined(__AVX512F__)
     __m512 vmx = _mm512_setzero_ps();
-    for (; k + 16 <= K; k += 16) vmx = _mm512_max_ps(vmx, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
+    __mmask16 unordered = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m512 v = _mm512_loadu_ps(xr + k);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      vmx = _mm512_max_ps(vmx, _mm512_abs_ps(v));
+    }
     mx = _mm512_reduce_max_ps(vmx);
+    nan = unordered != 0;
 #endif
-    for (; k < K; ++k) mx = std::max(mx, std::fabs(xr[k]));
-    const float scale = mx > 0.f ? mx / 127.f : 1.f;
+    for (; k < K; ++k) {
+      nan = nan || std::isnan(xr[k]);
+      mx = std::max(mx, std::fabs(xr[k]));
+    }
+    if (nan || !std::isfinite(mx)) {
+      sx[m] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    const float scale = mx > 0.f ? std::max(mx / 127.f, std::numeric_limits<float>::min()) : 1.f;
     const float inv = 1.f / scale;
     sx[m] = scale;
     k = 0;

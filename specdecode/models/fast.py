@@ -2,11 +2,12 @@
 
 `accelerate(model)` transforms a loaded `LlamaModel` after construction (the model code itself
 does not branch on it): every projection is packed for the small-M kernels of `kernels.py`
-(fp32 or bf16 storage, as the model was loaded, or int8 for drafters), the unpacked copies are
-freed, and `model.fast` is set, which `LlamaModel.forward` / `compute_logits` hand over to.
-Activations, norms and the KV cache are fp32 on this path, whatever the weight dtype: bf16
-(int8) only halves (quarters) the bytes streamed per step; with bf16 weights on a CPU with
-AVX512_BF16 the projections' inputs are rounded to bf16 for vdpbf16ps. The projections compute each
+(fp32 or bf16 storage, as the model was loaded, or int8 / int4 for drafters), the unpacked
+copies are freed, and `model.fast` is set, which `LlamaModel.forward` / `compute_logits` hand
+over to. Activations, norms and the KV cache are fp32 on this path, whatever the weight dtype:
+bf16 (int8, int4) only halves (quarters, eighths) the bytes streamed per step; with bf16
+weights on a CPU with AVX512_BF16 the projections' inputs are rounded to bf16 for vdpbf16ps
+(int8 / int4 on AVX512_VNNI: to int8 per row, for vpdpbusd). The projections compute each
 output row in an order independent of the batch (so bf16 weights do not flip near-ties
 between decoding and verification through them); attention still sums in a shape-dependent
 order.
@@ -124,7 +125,7 @@ def can_accelerate(model) -> bool:
 def accelerate(model, weight_dtype: torch.dtype | None = None) -> bool:
     """Switch `model` to the fast path if this machine supports it; True if it did.
     `weight_dtype` (default: the model's) is how the projections are stored: fp32, bf16, or
-    int8 (weight-only, for drafters)."""
+    int8 / int4 (for drafters; see kernels.pack)."""
     if model.fast is not None:
         return True
     if not can_accelerate(model):

@@ -201,3 +201,18 @@ def test_cpu_without_avx2_fma_falls_back(monkeypatch):
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: frozenset({"sse2", "avx2"}))
     assert kernels.cpu_isa() is None and not kernels.cpu_supported()
     assert kernels._compile(False) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int4])
+def test_quantized_activations_keep_nan_rows_apart(dtype):
+    """A row with NaN or inf gives no finite output (NaN with quantised activations), the other
+    rows are untouched."""
+    if dtype == torch.int4 and not kernels.int4_ready():
+        pytest.skip("no AVX512_VNNI")
+    W, x = torch.randn(40, 300), torch.randn(3, 300)
+    p = kernels.pack(W, dtype=dtype)
+    clean = kernels.linear(x[1:2], p)
+    x[0, 5], x[2, 299] = float("nan"), float("inf")
+    y = kernels.linear(x, p)
+    assert not y[0].isfinite().any() and not y[2].isfinite().any()
+    assert torch.equal(y[1:2], clean)
