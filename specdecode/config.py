@@ -190,6 +190,12 @@ class SpeculativeConfig:
     # are running. None: never.
     disable_by_batch_size: int | None = None
 
+    @property
+    def load_dtype(self) -> str | None:
+        """The dtype to load the draft's weights in: `draft_dtype`, except for int8 / int4,
+        which load in the target's dtype (None) and are quantised when packed."""
+        return None if self.draft_dtype in QUANTIZED_DRAFT_DTYPES else self.draft_dtype
+
     def __post_init__(self) -> None:
         from specdecode.errors import InvalidRequestError
 

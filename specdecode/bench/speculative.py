@@ -18,7 +18,6 @@ import time
 import torch
 
 from specdecode.bench import workloads
-from specdecode.config import QUANTIZED_DRAFT_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -232,9 +231,7 @@ class _HFReference:
         elif spec_cfg.method == "draft_model":
             self.method = "assisted"
             # transformers has no int8 / int4 path here: its draft runs in the target's dtype then
-            quantized = spec_cfg.draft_dtype in QUANTIZED_DRAFT_DTYPES
-            hf_dtype = None if quantized else spec_cfg.draft_dtype
-            draft_dtype = resolve_dtype(hf_dtype or llm.engine.config.dtype)
+            draft_dtype = resolve_dtype(spec_cfg.load_dtype or llm.engine.config.dtype)
             draft = AutoModelForCausalLM.from_pretrained(
                 str(resolve_model(spec_cfg.model)), dtype=draft_dtype
             ).eval()

@@ -350,27 +350,27 @@ void tile(const TileArgs& a, const void* wblock, int64_t sstride_bytes, int64_t 
             acc[m][c][v] = fmadd(x1[m], w1, acc[m][c][v]);
           }
         }
-    } else if constexpr (KIND == Kind::kI8Dot) {
-#if defined(__AVX512VNNI__)
-      const uint32_t* x = static_cast<const uint32_t*>(a.x);
-      __m512i wv[CB];
-      for (int c = 0; c < CB; ++c) wv[c] = _mm512_loadu_si512(p0 + c * bstride_bytes);
-      for (int m = 0; m < MR; ++m) {
-        const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(x[m * a.ldx + s]));
-        for (int c = 0; c < CB; ++c)
-          acc[m][c][0] = _mm512_castsi512_ps(
-              _mm512_dpbusd_epi32(_mm512_castps_si512(acc[m][c][0]), xv, wv[c]));
-      }
-#endif
     } else {
-#if defined(__AVX512BF16__)
+      // kBf16Dot / kI8Dot: one 32-bit lane per output holds its k pair (quad); one broadcast
+      // x lane per row, one dot instruction per block (the int32 sums live in the fp32 regs)
+#if defined(__AVX512F__)
       const uint32_t* x = static_cast<const uint32_t*>(a.x);
       __m512i wv[CB];
       for (int c = 0; c < CB; ++c) wv[c] = _mm512_loadu_si512(p0 + c * bstride_bytes);
       for (int m = 0; m < MR; ++m) {
         const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(x[m * a.ldx + s]));
-        for (int c = 0; c < CB; ++c)
-          acc[m][c][0] = _mm512_dpbf16_ps(acc[m][c][0], (__m512bh)xv, (__m512bh)wv[c]);
+        for (int c = 0; c < CB; ++c) {
+          if constexpr (KIND == Kind::kI8Dot) {
+#if defined(__AVX512VNNI__)
+            acc[m][c][0] = _mm512_castsi512_ps(
+                _mm512_dpbusd_epi32(_mm512_castps_si512(acc[m][c][0]), xv, wv[c]));
+#endif
+          } else {
+#if defined(__AVX512BF16__)
+            acc[m][c][0] = _mm512_dpbf16_ps(acc[m][c][0], (__m512bh)xv, (__m512bh)wv[c]);
+#endif
+          }
+        }
       }
 #endif
     }

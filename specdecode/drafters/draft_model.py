@@ -74,9 +74,7 @@ class DraftModelDrafter(Drafter):
         if is_trained_draft(path):  # distilled by `specdecode train draft`
             model = load_trained_draft(path, engine.model)
         else:
-            # int8 / int4: load in the target's dtype; the fast path quantises the projections
-            wanted = None if quantized else config.draft_dtype
-            dtype = resolve_dtype(wanted or engine.config.dtype)
+            dtype = resolve_dtype(config.load_dtype or engine.config.dtype)
             model = load_model(
                 path,
                 dtype=dtype,
