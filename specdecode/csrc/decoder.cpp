@@ -99,6 +99,7 @@ void direct_attention(const float* qp, int64_t ldq, int64_t H, int64_t D, const 
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   at::parallel_for(0, lay.B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<const float*> qrows, krows, vrows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, hk = task % Hkv;
       const int64_t n = lay.count(b);
@@ -113,50 +114,30 @@ void direct_attention(const float* qp, int64_t ldq, int64_t H, int64_t D, const 
               break;
             }
       const int64_t R = n * G;  // query rows of this task: (i, g)
-      scores.assign(R * ctx, -std::numeric_limits<float>::infinity());
+      qrows.resize(R);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t g = 0; g < G; ++g)
+          qrows[i * G + g] = qp + lay.query(b, i) * ldq + (hk * G + g) * D;
+      krows.resize(ctx);
+      vrows.resize(ctx);
       for (int64_t j = 0; j < ctx; ++j) {
-        const float* krow = c.k + hk * c.head_stride + lay.slot(b, j) * c.slot_stride;
-        for (int64_t i = 0; i < n; ++i) {
-          if (!lay.sees(b, i, j)) continue;
-          const int64_t t = lay.query(b, i);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qr = qp + t * ldq + (hk * G + g) * D;
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t d = 0; d < D; ++d) acc += qr[d] * krow[d];
-            scores[(i * G + g) * ctx + j] = acc * scale;
-          }
-        }
+        krows[j] = c.k + hk * c.head_stride + lay.slot(b, j) * c.slot_stride;
+        vrows[j] = c.v + hk * c.head_stride + lay.slot(b, j) * c.slot_stride;
+      }
+      scores.resize(R * ctx);
+      for (int64_t j = 0; j < ctx; ++j) {
+        dot_rows(qrows.data(), R, krows[j], D, scale, scores.data() + j, ctx);
+        if (lay.mask)
+          for (int64_t i = 0; i < n; ++i)
+            if (!lay.sees(b, i, j))
+              for (int64_t g = 0; g < G; ++g)
+                scores[(i * G + g) * ctx + j] = -std::numeric_limits<float>::infinity();
       }
       for (int64_t r = 0; r < R; ++r) {
-        float* s = scores.data() + r * ctx;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < ctx; ++j) mx = s[j] > mx ? s[j] : mx;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < ctx; ++j) {
-          s[j] = std::exp(s[j] - mx);
-          sum += s[j];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < ctx; ++j) s[j] *= inv;
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = lay.query(b, i);
-        for (int64_t g = 0; g < G; ++g) std::memset(op + t * H * D + (hk * G + g) * D, 0, D * 4);
-      }
-      for (int64_t j = 0; j < ctx; ++j) {
-        const float* vrow = c.v + hk * c.head_stride + lay.slot(b, j) * c.slot_stride;
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t t = lay.query(b, i);
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[(i * G + g) * ctx + j];
-            if (p == 0.f) continue;
-            float* o = op + t * H * D + (hk * G + g) * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) o[d] += p * vrow[d];
-          }
-        }
+        softmax_row(scores.data() + r * ctx, ctx);
+        const int64_t i = r / G, g = r % G;
+        weighted_rows(scores.data() + r * ctx, vrows.data(), ctx, D,
+                      op + lay.query(b, i) * H * D + (hk * G + g) * D);
       }
     }
   });

@@ -28,6 +28,17 @@ void silu_mul_rows(const float* src, float* dst, int64_t rows, int64_t I);
 void rmsnorm_rows(const float* x, int64_t ldx, float* res, const float* w, float* out,
                   int64_t ldo, int64_t rows, int64_t H, double eps);
 
+// out[r * ldo] = scale * <q[r][:D], k[:D]> for r < R (each row summed in the same order
+// whatever R: rows are only interleaved, for independent FMA chains).
+void dot_rows(const float* const* q, int64_t R, const float* k, int64_t D, float scale, float* out,
+              int64_t ldo);
+
+// out[:D] = sum_j p[j] * v[j][:D] over j < n in order (p[j] == 0 skipped), held in registers.
+void weighted_rows(const float* p, const float* const* v, int64_t n, int64_t D, float* out);
+
+// s[:n] = softmax(s[:n]) in place (fp32, vectorised exp; -inf entries become 0).
+void softmax_row(float* s, int64_t n);
+
 // silu(gate_up[..., :I]) * gate_up[..., I:] (fp32).
 at::Tensor silu_mul(const at::Tensor& gate_up);
 

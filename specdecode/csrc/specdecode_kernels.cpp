@@ -110,6 +110,8 @@ inline void store_n(float* p, vf v, int64_t n) {
   _mm512_mask_storeu_ps(p, n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u), v);
 }
 inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline float vreduce_max(vf v) { return _mm512_reduce_max_ps(v); }
 // exp(x) per lane: 2^n * 2^f, |f| <= 1/2, degree-7 polynomial (rel. err ~1e-7).
 inline vf exp2_split(vf t, vf* n) {
   *n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -154,6 +156,13 @@ inline void store_n(float* p, vf v, int64_t n) {
     _mm256_storeu_ps(p, v);
   else
     _mm256_maskstore_ps(p, lane_mask(n), v);
+}
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline float vreduce_max(vf v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 inline float reduce_add(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -808,6 +817,86 @@ inline simd::vf vexp(simd::vf x) {
   p = fmadd(p, f, set1(6.9314718055994531e-01f));
   p = fmadd(p, f, set1(1.0f));
   return exp_scale(p, n, x);
+}
+
+void dot_rows(const float* const* q, int64_t R, const float* k, int64_t D, float scale, float* out,
+              int64_t ldo) {
+  using namespace simd;
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) {
+    vf a0 = zero(), a1 = zero(), a2 = zero(), a3 = zero();
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const vf kv = load_n(k + d, D - d);
+      a0 = fmadd(load_n(q[r] + d, D - d), kv, a0);
+      a1 = fmadd(load_n(q[r + 1] + d, D - d), kv, a1);
+      a2 = fmadd(load_n(q[r + 2] + d, D - d), kv, a2);
+      a3 = fmadd(load_n(q[r + 3] + d, D - d), kv, a3);
+    }
+    out[r * ldo] = reduce_add(a0) * scale;
+    out[(r + 1) * ldo] = reduce_add(a1) * scale;
+    out[(r + 2) * ldo] = reduce_add(a2) * scale;
+    out[(r + 3) * ldo] = reduce_add(a3) * scale;
+  }
+  for (; r < R; ++r) {
+    vf a = zero();
+    for (int64_t d = 0; d < D; d += kLanes) a = fmadd(load_n(q[r] + d, D - d), load_n(k + d, D - d), a);
+    out[r * ldo] = reduce_add(a) * scale;
+  }
+}
+
+namespace {
+// NV vectors of out (from d0) as register accumulators over all j.
+template <int NV>
+void weighted_block(const float* p, const float* const* v, int64_t n, int64_t D, int64_t d0,
+                    float* out) {
+  using namespace simd;
+  vf acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = zero();
+  for (int64_t j = 0; j < n; ++j) {
+    if (p[j] == 0.f) continue;
+    const vf pj = set1(p[j]);
+    for (int c = 0; c < NV; ++c) {
+      const int64_t d = d0 + c * kLanes;
+      acc[c] = fmadd(pj, load_n(v[j] + d, D - d), acc[c]);
+    }
+  }
+  for (int c = 0; c < NV; ++c) store_n(out + d0 + c * kLanes, acc[c], D - d0 - c * kLanes);
+}
+}  // namespace
+
+void weighted_rows(const float* p, const float* const* v, int64_t n, int64_t D, float* out) {
+  using namespace simd;
+  constexpr int64_t kBlockVecs = 8;
+  for (int64_t d0 = 0; d0 < D; d0 += kBlockVecs * kLanes) {
+    switch ((std::min(D - d0, kBlockVecs * kLanes) + kLanes - 1) / kLanes) {
+      case 1: weighted_block<1>(p, v, n, D, d0, out); break;
+      case 2: weighted_block<2>(p, v, n, D, d0, out); break;
+      case 3: weighted_block<3>(p, v, n, D, d0, out); break;
+      case 4: weighted_block<4>(p, v, n, D, d0, out); break;
+      case 5: weighted_block<5>(p, v, n, D, d0, out); break;
+      case 6: weighted_block<6>(p, v, n, D, d0, out); break;
+      case 7: weighted_block<7>(p, v, n, D, d0, out); break;
+      default: weighted_block<8>(p, v, n, D, d0, out); break;
+    }
+  }
+}
+
+void softmax_row(float* s, int64_t n) {
+  using namespace simd;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  vf vmx = set1(-kInf);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) vmx = vmax(vmx, load(s + j));
+  float mx = vreduce_max(vmx);
+  for (; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+  const vf m = set1(mx);
+  vf sum = zero();
+  for (j = 0; j < n; j += kLanes) {
+    store_n(s + j, vexp(sub(load_n(s + j, n - j), m)), n - j);
+    sum = add(sum, load_n(s + j, n - j));  // lanes past n read as zero
+  }
+  const vf inv = set1(1.f / reduce_add(sum));
+  for (j = 0; j < n; j += kLanes) store_n(s + j, mul(load_n(s + j, n - j), inv), n - j);
 }
 
 // Rows per parallel task so that tiny decode-sized inputs stay single-threaded.
