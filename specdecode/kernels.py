@@ -64,6 +64,8 @@ _ISA_FLAGS = {
 }
 _BF16_FLAG = "avx512_bf16"
 _VNNI_FLAG = "avx512_vnni"
+_AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
+AMX_ENV = "SPECDECODE_AMX"  # "0": keep bf16 projections on vdpbf16ps where AMX exists
 _BLOCK = 16  # outputs per packed block, must match the C++ kBlock
 
 _lock = threading.Lock()
@@ -115,6 +117,17 @@ def cpu_has_int8_dot() -> bool:
     return _VNNI_FLAG in _cpu_flags() and cpu_isa() == "avx512"
 
 
+def cpu_has_amx() -> bool:
+    """Whether the CPU has AMX tiles with bf16 products (Intel Sapphire Rapids and later)."""
+    return _AMX_FLAGS <= _cpu_flags() and cpu_has_bf16_dot()
+
+
+def amx_active() -> bool:
+    """Whether bf16-activation projections with K a multiple of 32 run on AMX tiles here
+    (compiled in, granted by the OS, not switched off with SPECDECODE_AMX=0)."""
+    return available() and bool(_ext.amx_active())  # type: ignore[union-attr]
+
+
 def int4_ready() -> bool:
     """Whether int4 weights run packed here (the int4 kernel needs vpdpbusd)."""
     return available() and bool(_ext.int8_dot_compiled())  # type: ignore[union-attr]
@@ -143,6 +156,8 @@ def load_extension(verbose: bool = False) -> ModuleType | None:
             return _ext
         try:
             _ext = _compile(verbose)
+            if _ext is not None and os.environ.get(AMX_ENV, "") == "0":
+                _ext.set_amx(False)
         finally:
             _load_attempted = True
     return _ext
@@ -170,6 +185,8 @@ def _compile(verbose: bool) -> ModuleType | None:
             cflags.append("-mavx512bf16")
         if cpu_has_int8_dot():
             cflags.append("-mavx512vnni")
+        if cpu_has_amx():
+            cflags += ["-mamx-tile", "-mamx-bf16"]
         if not any(build_dir.glob(f"{_EXT_NAME}*.so")):
             log.info("building specdecode kernels in %s (first use, ~15 s)", build_dir)
         start = time.perf_counter()

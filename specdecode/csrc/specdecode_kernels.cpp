@@ -61,6 +61,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -556,6 +558,126 @@ void run(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
   });
 }
 
+
+// ---------------------------------------------------------------------------
+// AMX (Intel AMX-BF16): the bf16-activation projections as 16-row tile products.
+//
+// The packed bf16 layout is already AMX's VNNI layout for the second operand: 16 k-steps of
+// one 16-output block (64 bytes each, a pair per output) form one B tile, rows `sstride`
+// bytes apart (the group's blocks are interleaved per step).  The activations, packed in bf16
+// pairs [rows, steps], give the A tile (up to 16 rows x 16 pairs); one TDPBF16PS per block
+// and 32 k's accumulates a [rows, 16] fp32 C tile.  Verifying up to 16 tokens then costs one
+// pass over the weights like decoding one (vdpbf16ps pays one instruction per row and block).
+// Each C row depends only on its own A row, so a row's result is the same whatever M; it is
+// not bitwise the vdpbf16ps path's, so a matrix takes AMX for every M or for none (K a
+// multiple of 32).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define SPECDECODE_AMX 1
+#endif
+
+static bool g_amx = true;  // switchable for A/B measurements (kernels.set_amx)
+
+bool amx_compiled() {
+#if defined(SPECDECODE_AMX)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Linux hands out the 8 KiB of tile state only on request (once per process).
+bool amx_permitted() {
+#if defined(SPECDECODE_AMX)
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+void set_amx(bool on) { g_amx = on; }
+bool amx_active() { return g_amx && amx_compiled() && amx_permitted(); }
+
+// Whether the bf16-activation path of a [N, K] bf16 weight runs on AMX here.
+inline bool use_amx(int64_t K) { return K % 32 == 0 && amx_active(); }
+
+#if defined(SPECDECODE_AMX)
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// tmm0-3: C, one per block of the group; tmm4: A; tmm5-7: B (gcc's tile intrinsics take
+// literal register numbers).
+#define SPECDECODE_AMX_BLOCK(C, B, ptr, stride) \
+  do {                                          \
+    _tile_loadd(B, ptr, stride);                \
+    _tile_dpbf16ps(C, 4, B);                    \
+  } while (0)
+
+// x: bf16 pairs [rows padded to a multiple of 16 when M > 16, ldx]; steps % 16 == 0.
+void run_amx(const uint32_t* x, int64_t ldx, int64_t M, const char* w, int64_t steps,
+             int64_t N, const float* bias, float* y, int64_t ldy) {
+  const int64_t nblocks = (N + kBlock - 1) / kBlock;
+  const int64_t block_bytes = steps * 64;
+  constexpr int64_t G = kGroup;
+  const int64_t nunits = (nblocks + G - 1) / G;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / (block_bytes * G));
+  const int rows = static_cast<int>(std::min<int64_t>(M, 16));
+  at::parallel_for(0, nunits, grain, [&](int64_t u0, int64_t u1) {
+    TileConfig cfg{};
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = t < 5 ? rows : 16;
+    }
+    _tile_loadconfig(&cfg);
+    alignas(64) float cbuf[16 * 64];
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u * G;
+      const int cb = static_cast<int>(std::min<int64_t>(G, nblocks - b));
+      const int64_t sstride = cb * 64;
+      const char* wg = w + b * block_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < steps; s += 16) {
+          _tile_loadd(4, x + m0 * ldx + s, ldx * 4);
+          const char* ws = wg + s * sstride;
+          SPECDECODE_AMX_BLOCK(0, 5, ws, sstride);
+          if (cb > 1) SPECDECODE_AMX_BLOCK(1, 6, ws + 64, sstride);
+          if (cb > 2) SPECDECODE_AMX_BLOCK(2, 7, ws + 128, sstride);
+          if (cb > 3) SPECDECODE_AMX_BLOCK(3, 5, ws + 192, sstride);
+        }
+        _tile_stored(0, cbuf, 256);
+        if (cb > 1) _tile_stored(1, cbuf + 16, 256);
+        if (cb > 2) _tile_stored(2, cbuf + 32, 256);
+        if (cb > 3) _tile_stored(3, cbuf + 48, 256);
+        const int mr = static_cast<int>(std::min<int64_t>(16, M - m0));
+        for (int c = 0; c < cb; ++c) {
+          const int64_t n = (b + c) * kBlock;
+          if (n >= N) break;
+          const int64_t left = N - n;
+          const __m512 bv = bias ? simd::load_n(bias + n, left) : _mm512_setzero_ps();
+          for (int m = 0; m < mr; ++m)
+            simd::store_n(y + (m0 + m) * ldy + n, _mm512_add_ps(_mm512_load_ps(cbuf + m * 64 + c * 16), bv),
+                          left);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 int64_t bf16_group() { return kGroup; }
 int64_t int4_group() { return kI4Group; }
 
@@ -632,9 +754,12 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const at::Tensor& w, in
   if (M <= 0 || N <= 0) return;
   const bool is_bf16 = w.scalar_type() == at::kBFloat16;
   if (bf16_activations && is_bf16 && bf16_dot_compiled()) {
-    // x rounded to bf16 (nearest even), packed in (k, k+1) pairs for vdpbf16ps
+    // x rounded to bf16 (nearest even), packed in (k, k+1) pairs for vdpbf16ps / AMX (whose
+    // A tiles read 16 rows: more rows than that are padded to a multiple of 16)
     const int64_t steps = (K + 1) / 2;
-    std::vector<uint32_t> xb(M * steps, 0u);
+    const bool amx = use_amx(K);
+    const int64_t rows = amx && M > 16 ? (M + 15) / 16 * 16 : M;
+    std::vector<uint32_t> xb(rows * steps, 0u);
     auto* h = reinterpret_cast<uint16_t*>(xb.data());
     for (int64_t m = 0; m < M; ++m) {
       const float* xr = x + m * ldx;
@@ -651,6 +776,12 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const at::Tensor& w, in
         hr[k] = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
       }
     }
+#if defined(SPECDECODE_AMX)
+    if (amx) {
+      run_amx(xb.data(), steps, M, static_cast<const char*>(w.data_ptr()), steps, N, bias, y, ldy);
+      return;
+    }
+#endif
     const TileArgs a{xb.data(), steps, steps, y, ldy, N, bias};
     run<Kind::kBf16Dot>(a, M, static_cast<const char*>(w.data_ptr()), (N + kBlock - 1) / kBlock);
     return;
@@ -759,6 +890,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K
 
   auto x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
+  if (bf16_activations && use_amx(K)) {  // rows padded for the A tiles by linear_rows
+    TORCH_CHECK(!bias || (bias->numel() == N && bias->device().is_cpu()),
+                "bias must have N elements");
+    const at::Tensor xf = x2.to(at::kFloat).contiguous();
+    const at::Tensor bf = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    auto y = at::empty({M, N}, xf.options());
+    linear_rows(xf.data_ptr<float>(), K, M, w, N, K, bf.defined() ? bf.data_ptr<float>() : nullptr,
+                y.data_ptr<float>(), N, true);
+    auto sizes = x.sizes().vec();
+    sizes.back() = N;
+    y = y.view(sizes);
+    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  }
   const int64_t kpad = per * steps;
   at::Tensor xa;  // activations in kernel format
   if (bf16_activations) {
@@ -1011,5 +1155,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_group", &bf16_group, "bf16 blocks interleaved per k-step in the packed layout");
   m.def("int4_group", &int4_group, "k's per int4 scale in the int4 dot layout");
   m.def("int8_dot_compiled", &int8_dot_compiled, "whether vpdpbusd support was compiled in");
+  m.def("amx_compiled", &amx_compiled, "whether AMX-BF16 support was compiled in");
+  m.def("amx_active", &amx_active,
+        "whether bf16-activation projections (K a multiple of 32) run on AMX tiles here");
+  m.def("set_amx", &set_amx, "AMX on/off for A/B measurements (when compiled and permitted)");
   m.def("bf16_dot_compiled", &bf16_dot_compiled, "whether vdpbf16ps support was compiled in");
 }
