@@ -187,6 +187,8 @@ def _compile(verbose: bool) -> ModuleType | None:
             cflags.append("-mavx512vnni")
         if cpu_has_amx():
             cflags += ["-mamx-tile", "-mamx-bf16"]
+            if "amx_int8" in _cpu_flags() and cpu_has_int8_dot():
+                cflags.append("-mamx-int8")
         if not any(build_dir.glob(f"{_EXT_NAME}*.so")):
             log.info("building specdecode kernels in %s (first use, ~15 s)", build_dir)
         start = time.perf_counter()

@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import time
 
 import torch
+
+from specdecode.bench import machine
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,7 @@ def run_latency(args: argparse.Namespace) -> dict:
     result = {
         "model": str(llm.engine.model_path.name),
         "dtype": args.dtype,
-        "machine": f"{platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+        "machine": machine(),
         "max_tokens": args.max_tokens,
         "tok_s": {k: sum(v) / len(v) for k, v in rates.items()},
         "per_prompt_tok_s": rates,

@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from specdecode.bench import workloads
+from specdecode.bench import machine, workloads
 from specdecode.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
         "temperature": args.temperature,
         "max_tokens": args.max_tokens,
         "dtype": args.dtype,
+        "machine": machine(),
         "rows": rows,
         "summary": summarize(rows),
     }
@@ -255,7 +256,9 @@ def markdown(result: dict) -> str:
         f"Workload `{result['workload']}`, temperature {result['temperature']}, "
         f"{result['max_tokens']} output tokens per request on average (0.5x-1.5x), "
         f"{result['dtype']}, speculative "
-        f"method `{cfg['method']}` (k={cfg['num_speculative_tokens']}).\n\n"
+        f"method `{cfg['method']}` (k={cfg['num_speculative_tokens']})"
+        + (f"; {result['machine']}" if result.get("machine") else "")
+        + ".\n\n"
         + "\n".join(lines)
         + "\n\n"
         + result["summary"]["text"]

@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import time
 
 import torch
 
-from specdecode.bench import workloads
+from specdecode.bench import machine, workloads
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +71,7 @@ def run_speculative(args: argparse.Namespace) -> dict:
         "model": engine.model_path.name,
         "speculative_configs": [m.engine.spec_config.__dict__ for _, m in methods],
         "dtype": args.dtype,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}",
+        "machine": machine(),
         "max_tokens": args.max_tokens,
         "rows": rows,
     }

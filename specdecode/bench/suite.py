@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import shlex
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.bench import workloads
+from specdecode.bench import machine, workloads
 from specdecode.bench.speculative import _copy_stats, _diff_stats, _measure
 from specdecode.errors import InvalidRequestError
 
@@ -165,16 +164,6 @@ def run_suite(args: argparse.Namespace) -> dict:
         write_report([(result, out)], Path(args.report))
         print(f"wrote {args.report}")
     return result
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def _floats(text: str) -> list[float]:

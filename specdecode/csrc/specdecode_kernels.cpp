@@ -573,9 +573,25 @@ void run(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
 // multiple of 32).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define SPECDECODE_AMX 1
+#if defined(__AMX_INT8__) && defined(__AVX512VNNI__)
+#define SPECDECODE_AMX_I8 1
+#endif
 #endif
 
 static bool g_amx = true;  // switchable for A/B measurements (kernels.set_amx)
+// int8 / int4 weights on AMX from this many rows on: both paths give the same bits, so the
+// choice is speed's.  Measured on a 2-core Sapphire Rapids-class VM (Qwen2.5-0.5B shapes):
+// int8 AMX 0.9x of vpdpbusd at 1 row, 1.2-1.4x at 2-4, 2-3.6x at 8-32; int4 (whose nibbles
+// AMX must unpack first) 0.45-0.7x at 1 row, about even at 4, 1.2-1.7x from 8 rows on.
+static int64_t g_amx_i8_rows = 2;
+static int64_t g_amx_i4_rows = 6;
+// Sets the thresholds; returns the previous ones.
+std::pair<int64_t, int64_t> set_amx_rows(int64_t i8_rows, int64_t i4_rows) {
+  const std::pair<int64_t, int64_t> before{g_amx_i8_rows, g_amx_i4_rows};
+  g_amx_i8_rows = i8_rows;
+  g_amx_i4_rows = i4_rows;
+  return before;
+}
 
 bool amx_compiled() {
 #if defined(SPECDECODE_AMX)
@@ -604,6 +620,15 @@ bool amx_active() { return g_amx && amx_compiled() && amx_permitted(); }
 // Whether the bf16-activation path of a [N, K] bf16 weight runs on AMX here.
 inline bool use_amx(int64_t K) { return K % 32 == 0 && amx_active(); }
 
+// Whether the W8A8 path of a [N, K] int8 weight does (AMX-INT8; K a multiple of 64).
+inline bool use_amx_i8(int64_t K) {
+#if defined(SPECDECODE_AMX_I8)
+  return K % 64 == 0 && amx_active();
+#else
+  return false;
+#endif
+}
+
 #if defined(SPECDECODE_AMX)
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -615,17 +640,32 @@ struct alignas(64) TileConfig {
 
 // tmm0-3: C, one per block of the group; tmm4: A; tmm5-7: B (gcc's tile intrinsics take
 // literal register numbers).
-#define SPECDECODE_AMX_BLOCK(C, B, ptr, stride) \
-  do {                                          \
-    _tile_loadd(B, ptr, stride);                \
-    _tile_dpbf16ps(C, 4, B);                    \
+#define SPECDECODE_AMX_BLOCK(OP, C, B, ptr, stride) \
+  do {                                              \
+    _tile_loadd(B, ptr, stride);                    \
+    OP(C, 4, B);                                    \
   } while (0)
 
-// x: bf16 pairs [rows padded to a multiple of 16 when M > 16, ldx]; steps % 16 == 0.
-void run_amx(const uint32_t* x, int64_t ldx, int64_t M, const char* w, int64_t steps,
-             int64_t N, const float* bias, float* y, int64_t ldy) {
-  const int64_t nblocks = (N + kBlock - 1) / kBlock;
+// The group's up-to-4 blocks over all k, for A rows at x (row stride ldx_bytes).
+#define SPECDECODE_AMX_GROUP(OP)                                             \
+  for (int64_t s = 0; s < steps; s += 16) {                                  \
+    _tile_loadd(4, xr + s * 4, ldx_bytes);                                   \
+    const char* ws = wg + s * sstride;                                       \
+    SPECDECODE_AMX_BLOCK(OP, 0, 5, ws, sstride);                             \
+    if (cb > 1) SPECDECODE_AMX_BLOCK(OP, 1, 6, ws + 64, sstride);            \
+    if (cb > 2) SPECDECODE_AMX_BLOCK(OP, 2, 7, ws + 128, sstride);           \
+    if (cb > 3) SPECDECODE_AMX_BLOCK(OP, 3, 5, ws + 192, sstride);           \
+  }
+
+// KIND kBf16Dot: x is bf16 pairs, TDPBF16PS; kI8Dot: x is uint8 quads (xq + 128) against the
+// signed int8 weights, TDPBUSD, and the epilogue is the vpdpbusd path's (the int32 sums are
+// exact, so the two paths agree bitwise).  x has `rows` rows, M padded to a multiple of 16 when
+// M > 16; a.steps % 16 == 0.
+template <Kind KIND>
+void run_amx(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
+  const int64_t steps = a.steps;
   const int64_t block_bytes = steps * 64;
+  const int64_t ldx_bytes = a.ldx * 4;
   constexpr int64_t G = kGroup;
   const int64_t nunits = (nblocks + G - 1) / G;
   const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / (block_bytes * G));
@@ -649,13 +689,13 @@ void run_amx(const uint32_t* x, int64_t ldx, int64_t M, const char* w, int64_t s
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t s = 0; s < steps; s += 16) {
-          _tile_loadd(4, x + m0 * ldx + s, ldx * 4);
-          const char* ws = wg + s * sstride;
-          SPECDECODE_AMX_BLOCK(0, 5, ws, sstride);
-          if (cb > 1) SPECDECODE_AMX_BLOCK(1, 6, ws + 64, sstride);
-          if (cb > 2) SPECDECODE_AMX_BLOCK(2, 7, ws + 128, sstride);
-          if (cb > 3) SPECDECODE_AMX_BLOCK(3, 5, ws + 192, sstride);
+        const char* xr = static_cast<const char*>(a.x) + m0 * ldx_bytes;
+        if constexpr (KIND == Kind::kI8Dot) {
+#if defined(SPECDECODE_AMX_I8)
+          SPECDECODE_AMX_GROUP(_tile_dpbusd)
+#endif
+        } else {
+          SPECDECODE_AMX_GROUP(_tile_dpbf16ps)
         }
         _tile_stored(0, cbuf, 256);
         if (cb > 1) _tile_stored(1, cbuf + 16, 256);
@@ -664,13 +704,114 @@ void run_amx(const uint32_t* x, int64_t ldx, int64_t M, const char* w, int64_t s
         const int mr = static_cast<int>(std::min<int64_t>(16, M - m0));
         for (int c = 0; c < cb; ++c) {
           const int64_t n = (b + c) * kBlock;
-          if (n >= N) break;
-          const int64_t left = N - n;
-          const __m512 bv = bias ? simd::load_n(bias + n, left) : _mm512_setzero_ps();
-          for (int m = 0; m < mr; ++m)
-            simd::store_n(y + (m0 + m) * ldy + n, _mm512_add_ps(_mm512_load_ps(cbuf + m * 64 + c * 16), bv),
-                          left);
+          if (n >= a.N) break;
+          const int64_t left = a.N - n;
+          const __m512 bv = a.bias ? simd::load_n(a.bias + n, left) : _mm512_setzero_ps();
+          if constexpr (KIND == Kind::kI8Dot) {
+            const __m512 sc = simd::load_n(a.scale + n, left);
+            const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(a.wsum + n), 7);
+            for (int m = 0; m < mr; ++m) {
+              const __m512i acc = _mm512_load_si512(cbuf + m * 64 + c * 16);
+              const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, off));
+              simd::store_n(a.y + (m0 + m) * a.ldy + n,
+                            _mm512_fmadd_ps(dot, _mm512_mul_ps(sc, _mm512_set1_ps(a.xscale[m0 + m])), bv),
+                            left);
+            }
+          } else {
+            for (int m = 0; m < mr; ++m)
+              simd::store_n(a.y + (m0 + m) * a.ldy + n,
+                            _mm512_add_ps(_mm512_load_ps(cbuf + m * 64 + c * 16), bv), left);
+          }
         }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+#if defined(SPECDECODE_AMX_I8)
+// int4 weights on AMX: per k group (128 k's = 16 steps) the group's blocks are unpacked once
+// into byte tiles (low nibbles: quad 2j, high nibbles: quad 2j + 1 of step j, the VNNI order),
+// then every 16-row chunk of the signed int8 activations multiplies them with TDPBSUD; the
+// int32 group sums, their correction and fp32 scaling are the vpdpbusd path's, in its order,
+// so the two paths agree bitwise.
+void run_amx_i4(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
+  constexpr int64_t kGroupSteps = kI4Group / 8;
+  const int64_t steps = a.steps, groups = steps / kGroupSteps;
+  const int64_t block_bytes = steps * 64;
+  const int64_t ldx_bytes = a.ldx * 4;
+  constexpr int64_t G = kGroup;
+  const int64_t nunits = (nblocks + G - 1) / G;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / (block_bytes * G));
+  const int rows = static_cast<int>(std::min<int64_t>(M, 16));
+  const int64_t mpad = (M + 15) / 16 * 16;
+  at::parallel_for(0, nunits, grain, [&](int64_t u0, int64_t u1) {
+    TileConfig cfg{};
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = t < 5 ? rows : 16;
+    }
+    _tile_loadconfig(&cfg);
+    alignas(64) uint8_t bbuf[2][G][16 * 64];  // the group's byte tiles: [half][block]
+    alignas(64) int32_t cbuf[16 * 64];
+    std::vector<__m512> accf(mpad * G);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u * G;
+      const int cb = static_cast<int>(std::min<int64_t>(G, nblocks - b));
+      const int64_t sstride = cb * 64;
+      const char* wg = w + b * block_bytes;
+      std::fill(accf.begin(), accf.end(), _mm512_setzero_ps());
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t r = 0; r < kGroupSteps; ++r) {
+          const char* p0 = wg + (g * kGroupSteps + r) * sstride;
+          uint8_t* row = &bbuf[r / 8][0][0] + (r % 8) * 128;
+          for (int c = 0; c < cb; ++c) {
+            const __m512i v = _mm512_loadu_si512(p0 + c * 64);
+            _mm512_store_si512(row + c * 16 * 64, _mm512_and_si512(v, low4));
+            _mm512_store_si512(row + c * 16 * 64 + 64,
+                               _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+          }
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int h = 0; h < 2; ++h) {
+            _tile_loadd(4, static_cast<const char*>(a.x) + m0 * ldx_bytes + (g * 32 + h * 16) * 4,
+                        ldx_bytes);
+            SPECDECODE_AMX_BLOCK(_tile_dpbsud, 0, 5, bbuf[h][0], 64);
+            if (cb > 1) SPECDECODE_AMX_BLOCK(_tile_dpbsud, 1, 6, bbuf[h][1], 64);
+            if (cb > 2) SPECDECODE_AMX_BLOCK(_tile_dpbsud, 2, 7, bbuf[h][2], 64);
+            if (cb > 3) SPECDECODE_AMX_BLOCK(_tile_dpbsud, 3, 5, bbuf[h][3], 64);
+          }
+          _tile_stored(0, cbuf, 256);
+          if (cb > 1) _tile_stored(1, cbuf + 16, 256);
+          if (cb > 2) _tile_stored(2, cbuf + 32, 256);
+          if (cb > 3) _tile_stored(3, cbuf + 48, 256);
+          const int mr = static_cast<int>(std::min<int64_t>(16, M - m0));
+          for (int c = 0; c < cb; ++c) {
+            const __m512 sc = _mm512_loadu_ps(a.gscale + g * a.ldg + (b + c) * kBlock);
+            for (int m = 0; m < mr; ++m) {
+              const __m512i corr = _mm512_set1_epi32(8 * a.xsum[(m0 + m) * a.ldxs + g]);
+              __m512& acc = accf[(m0 + m) * G + c];
+              acc = _mm512_fmadd_ps(
+                  sc, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(cbuf + m * 64 + c * 16), corr)),
+                  acc);
+            }
+          }
+        }
+      }
+      for (int c = 0; c < cb; ++c) {
+        const int64_t n = (b + c) * kBlock;
+        if (n >= a.N) break;
+        const __m512 bv = a.bias ? simd::load_n(a.bias + n, a.N - n) : _mm512_setzero_ps();
+        for (int64_t m = 0; m < M; ++m)
+          simd::store_n(a.y + m * a.ldy + n,
+                        _mm512_fmadd_ps(accf[m * G + c], _mm512_set1_ps(a.xscale[m]), bv), a.N - n);
       }
     }
     _tile_release();
@@ -778,7 +919,8 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const at::Tensor& w, in
     }
 #if defined(SPECDECODE_AMX)
     if (amx) {
-      run_amx(xb.data(), steps, M, static_cast<const char*>(w.data_ptr()), steps, N, bias, y, ldy);
+      const TileArgs a{xb.data(), steps, steps, y, ldy, N, bias};
+      run_amx<Kind::kBf16Dot>(a, M, static_cast<const char*>(w.data_ptr()), (N + kBlock - 1) / kBlock);
       return;
     }
 #endif
@@ -808,6 +950,14 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const at::Tensor& w, in
     a.xscale = sx.data();
     a.xsum = xs.data();
     a.ldxs = ng;
+#if defined(SPECDECODE_AMX_I8)
+    if (amx_active() && g_amx_i4_rows <= M) {
+      if (M > 16) xq.resize((M + 15) / 16 * 16 * quads, 0u);  // whole A tiles (xq = 0)
+      a.x = xq.data();
+      run_amx_i4(a, M, wp, nblocks);
+      return;
+    }
+#endif
     run<Kind::kI4Dot>(a, M, wp, nblocks);
     return;
   }
@@ -822,6 +972,14 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const at::Tensor& w, in
     a.scale = reinterpret_cast<const float*>(wp + nblocks * steps * 64);
     a.wsum = reinterpret_cast<const int32_t*>(wp + nblocks * (steps + 1) * 64);
     a.xscale = sx.data();
+#if defined(SPECDECODE_AMX_I8)
+    if (use_amx_i8(K) && M >= g_amx_i8_rows) {
+      if (M > 16) xq.resize((M + 15) / 16 * 16 * steps, 0x80808080u);  // whole A tiles
+      a.x = xq.data();
+      run_amx<Kind::kI8Dot>(a, M, wp, nblocks);
+      return;
+    }
+#endif
     run<Kind::kI8Dot>(a, M, wp, nblocks);
     return;
   }
@@ -1158,6 +1316,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_compiled", &amx_compiled, "whether AMX-BF16 support was compiled in");
   m.def("amx_active", &amx_active,
         "whether bf16-activation projections (K a multiple of 32) run on AMX tiles here");
+  m.def("set_amx_rows", &set_amx_rows, "int8 / int4 weights use AMX from these many rows on; returns the previous pair");
   m.def("set_amx", &set_amx, "AMX on/off for A/B measurements (when compiled and permitted)");
   m.def("bf16_dot_compiled", &bf16_dot_compiled, "whether vdpbf16ps support was compiled in");
 }

@@ -54,6 +54,11 @@ class Drafter(ABC):
         most `max_nodes(k)` drafts. The root is `seq.last_token`; any other state the drafter
         needs is its own."""
 
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        """Tokens this drafter would process for `seq` before its first draft token, beyond
+        the root (a draft model's prefill of what it has not seen); priced by the controller."""
+        return 0
+
     def observe(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None:
         """Every step (speculating or not), for drafters with `feature_layers`: `features[i]`
         [m, F] are the target's features at the m tokens sequence i committed to the cache

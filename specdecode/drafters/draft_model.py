@@ -107,6 +107,10 @@ class DraftModelDrafter(Drafter):
     def max_nodes(self, k: int) -> int:
         return len(self.tree) - 1 if self.tree is not None else k
 
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        st = self._state.get(seq.seq_id)
+        return max(0, seq.num_tokens - (st.blocks.length if st else 0) - 1)
+
     def _get_state(self, seq: Sequence) -> _DraftState:
         st = self._state.get(seq.seq_id)
         if st is None:

@@ -17,7 +17,12 @@ Policies (`--speculative-policy`):
   - N(k) = tokens fed to the target: every request's root (and prefill chunks) plus its draft
     nodes; T_target(N) is a measured step-time curve (`StepCostModel`), calibrated at start-up
     by timing forwards of N tokens and refined by every step the engine runs;
-  - T_draft = d0 + d1 * (draft depth summed over requests), fitted online from timed proposals.
+  - T_draft = d0 + d1 * (draft depth summed over requests), fitted online from timed proposals,
+    plus each drafting request's catch-up (tokens a draft model must prefill before it can
+    draft: the prompt, or what the request committed while it was not drafting), priced by the
+    same fit (d2 per token) and spread over the steps the request is expected to have left,
+    since it is paid once. Probes of idle requests (below) wait until their catch-up costs at
+    most `probe_share` of the time since their last one.
   E_i is concave in k and the cost grows with N, so the plan adds draft levels in the order of
   their expected tokens per fed token and stops when the next level lowers G.
   Hysteresis: the plan changes only when it beats the previous one (re-scored with today's
@@ -130,34 +135,61 @@ class StepCostModel:
 
 
 class DraftCostModel:
-    """Drafting time = d0 + d1 * depth summed over the drafting requests, by a forgetting
-    least-squares fit over the recent proposals."""
+    """Drafting time = d0 + d1 * depth + d2 * catch-up, by a forgetting least-squares fit over
+    the recent proposals: `depth` summed over the drafting requests, `catch-up` the tokens the
+    drafter had to process before it could draft (a draft model's prefill of what the target
+    committed while the request was not drafting; 0 for heads and n-gram lookup)."""
 
     def __init__(self, window: int = 64) -> None:
-        self._obs: deque[tuple[float, float]] = deque(maxlen=window)
+        self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
 
-    def observe(self, depth_sum: int, seconds: float) -> None:
+    def observe(self, depth_sum: int, seconds: float, catch_up: int = 0) -> None:
         if depth_sum > 0:
-            self._obs.append((float(depth_sum), seconds))
+            self._obs.append((float(depth_sum), float(catch_up), seconds))
 
-    def coefficients(self) -> tuple[float, float]:
+    def coefficients(self) -> tuple[float, float, float]:
         if not self._obs:
-            return 0.0, 0.0
-        n = len(self._obs)
-        mx = sum(x for x, _ in self._obs) / n
-        my = sum(y for _, y in self._obs) / n
-        var = sum((x - mx) ** 2 for x, _ in self._obs)
-        if var < 1e-9:
-            return 0.0, my / mx
-        slope = sum((x - mx) * (y - my) for x, y in self._obs) / var
-        slope = max(slope, 0.0)
-        return max(0.0, my - slope * mx), slope
+            return 0.0, 0.0, 0.0
+        d0, d1, d2 = _fit([(1.0, x, c) for x, c, _ in self._obs], [y for *_, y in self._obs])
+        return d0, d1, d2
 
-    def predict(self, depth_sum: int) -> float:
+    def predict(self, depth_sum: int, catch_up: float = 0.0) -> float:
         if depth_sum <= 0:
             return 0.0
-        d0, d1 = self.coefficients()
-        return d0 + d1 * depth_sum
+        d0, d1, d2 = self.coefficients()
+        return d0 + d1 * depth_sum + d2 * catch_up
+
+    def catch_up_seconds(self, tokens: float) -> float:
+        return self.coefficients()[2] * tokens if tokens > 0 else 0.0
+
+
+def _fit(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]:
+    """Non-negative least squares for a few columns (the first an intercept): ordinary least
+    squares (lightly ridged, so a column that never varies stays near 0), then any negative
+    slope is dropped and the rest refitted. A model with no intercept falls back to the mean
+    time per unit of the first slope."""
+    import numpy as np
+
+    a, y = np.asarray(rows, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    cols = list(range(a.shape[1]))
+    while True:
+        sub = a[:, cols]
+        scale = np.maximum(np.abs(sub).max(axis=0), 1e-12)
+        x = sub / scale
+        gram = x.T @ x + 1e-6 * len(y) * np.eye(len(cols))
+        coef = np.linalg.solve(gram, x.T @ y) / scale
+        negative = [c for c, v in zip(cols, coef, strict=True) if v < 0]
+        if not negative:
+            out = [0.0] * a.shape[1]
+            for c, v in zip(cols, coef, strict=True):
+                out[c] = float(v)
+            return out
+        if 0 in negative:  # no intercept: time proportional to the first slope's column
+            cols = [c for c in cols if c != 0]
+        else:
+            cols = [c for c in cols if c not in negative]
+        if not cols:
+            return [0.0] * a.shape[1]
 
 
 @dataclass
@@ -207,6 +239,7 @@ class GoodputController:
         probe_interval: int = 64,
         shadow_interval: int = 4,
         shadow_capable: bool = False,
+        probe_share: float = 0.02,
     ) -> None:
         if policy not in POLICIES:
             raise InvalidRequestError(
@@ -220,6 +253,7 @@ class GoodputController:
         self.probe_interval = probe_interval
         self.shadow_interval = shadow_interval
         self.shadow_capable = shadow_capable  # the drafter's proposals have no side effects
+        self.probe_share = probe_share  # of the time between probes, at most, spent catching up
         self.shadow_requests: list[Sequence] = []  # to draft in shadow this step
         self._shadows: dict[int, tuple] = {}  # seq_id -> (output length, tokens, children, depth)
         self.step_cost = StepCostModel()
@@ -255,22 +289,50 @@ class GoodputController:
             total += run
         return total
 
-    def goodput(self, base_tokens: int, rates: list[list[float]], plan: list[int]) -> float:
+    def goodput(
+        self,
+        base_tokens: int,
+        rates: list[list[float]],
+        plan: list[int],
+        catch_up: list[float] | None = None,
+    ) -> float:
         tokens = sum(self.expected_tokens(r, k) for r, k in zip(rates, plan, strict=True))
         fed = base_tokens + sum(self.nodes_for_depth(k) for k in plan if k)
-        return self._rate(tokens, fed, sum(plan))
+        extra = sum(c for c, k in zip(catch_up, plan, strict=True) if k) if catch_up else 0.0
+        return self._rate(tokens, fed, sum(plan), extra)
 
-    def _rate(self, tokens: float, fed: int, depth: int) -> float:
-        """Expected tokens per second of a step feeding `fed` tokens with `depth` draft levels."""
-        t = self.step_cost.predict(fed) + self.draft_cost.predict(depth)
+    def _rate(self, tokens: float, fed: int, depth: int, extra: float = 0.0) -> float:
+        """Expected tokens per second of a step feeding `fed` tokens with `depth` draft levels
+        (and `extra` seconds of catch-up)."""
+        t = self.step_cost.predict(fed) + self.draft_cost.predict(depth) + extra
         return tokens / t if t > 0 else 0.0
+
+    def _catch_up_costs(self, seqs: list[Sequence], rates, catch_up: list[int]) -> list[float]:
+        """Seconds of catch-up per request, spread over the steps it is expected to have left
+        (at full depth; at most 256 tokens ahead)."""
+        out = []
+        for s, r, n in zip(seqs, rates, catch_up, strict=True):
+            left = 256
+            if s.params.max_tokens is not None:
+                left = min(left, s.params.max_tokens - len(s.output_token_ids))
+            steps = max(1.0, left / self.expected_tokens(r, self.max_depth))
+            out.append(self.draft_cost.catch_up_seconds(n) / steps)
+        return out
 
     # ---- decisions -----------------------------------------------------------------------------
 
-    def plan(self, seqs: list[Sequence], base_tokens: int, num_running: int) -> list[int]:
+    def plan(
+        self,
+        seqs: list[Sequence],
+        base_tokens: int,
+        num_running: int,
+        catch_up: list[int] | None = None,
+    ) -> list[int]:
         """Draft depth for each decoding sequence. `base_tokens`: the decode tokens the step
         feeds without drafts (one root per decoding request; prefill chunks are left out, see
-        the engine); `num_running`: requests in the batch."""
+        the engine); `num_running`: requests in the batch; `catch_up`: tokens the drafter
+        would have to process for each before drafting (the drafter's `catch_up_tokens`)."""
+        catch_up = catch_up or [0] * len(seqs)
         if self.policy == "off" or not seqs:
             budgets = [0] * len(seqs)
         elif self.policy == "static":
@@ -278,26 +340,30 @@ class GoodputController:
             k = 0 if limit is not None and num_running > limit else self.max_depth
             budgets = [k] * len(seqs)
         else:
-            budgets = self._adaptive(seqs, base_tokens)
+            budgets = self._adaptive(seqs, base_tokens, catch_up)
         for s, k in zip(seqs, budgets, strict=True):
             self._last_plan[s.seq_id] = k
             self._idle_steps[s.seq_id] = 0 if k else self._idle_steps.get(s.seq_id, 0) + 1
         self.shadow_requests = []
         if self.policy == "adaptive":
-            budgets = self._explore(seqs, budgets)
+            budgets = self._explore(seqs, budgets, catch_up, base_tokens)
         self.last_budgets = budgets
         self.num_decisions += len(budgets)
         self.num_drafting += sum(1 for k in budgets if k)
         return budgets
 
-    def _explore(self, seqs: list[Sequence], plan: list[int]) -> list[int]:
+    def _explore(
+        self, seqs: list[Sequence], plan: list[int], catch_up: list[int], base_tokens: int
+    ) -> list[int]:
         """Keep the estimates of requests that are not drafting fresh. With a drafter whose
         proposals have no side effects (n-gram lookup), a shadow draft every `shadow_interval`
         idle steps is scored later against the tokens the request really produced: for
         deterministic drafts that is exactly the verification outcome, at no verification cost.
-        Other drafters get a real one-token probe, one request per step at most."""
+        Other drafters get a real one-token probe, one request per step at most, once its
+        catch-up costs at most `probe_share` of the idle steps' time."""
         plan = list(plan)
         probed = False
+        step_s = self.step_cost.predict(base_tokens) if self.step_cost.calibrated else 0.0
         for i, s in enumerate(seqs):
             idle = self._idle_steps.get(s.seq_id, 0)
             if plan[i] or s.seq_id in self._shadows:
@@ -305,7 +371,13 @@ class GoodputController:
             if self.shadow_capable and idle >= self.shadow_interval:
                 self.shadow_requests.append(s)
                 self._idle_steps[s.seq_id] = 0
-            elif not self.shadow_capable and not probed and idle >= self.probe_interval:
+            elif (
+                not self.shadow_capable
+                and not probed
+                and idle >= self.probe_interval
+                and self.draft_cost.catch_up_seconds(catch_up[i])
+                <= self.probe_share * idle * step_s
+            ):
                 plan[i] = 1
                 probed = True
                 self._idle_steps[s.seq_id] = 0
@@ -341,10 +413,11 @@ class GoodputController:
         if accepted == depth or len(produced) > accepted:  # else it ended undecided
             self.record_verification(seq, depth, accepted)
 
-    def _adaptive(self, seqs: list[Sequence], base_tokens: int) -> list[int]:
+    def _adaptive(self, seqs: list[Sequence], base_tokens: int, catch_up: list[int]) -> list[int]:
         if not self.step_cost.calibrated:
             return [self.max_depth] * len(seqs)
         rates = [self.acceptance(s) for s in seqs]
+        cost = self._catch_up_costs(seqs, rates, catch_up)
         plan = [0] * len(seqs)
 
         # Add draft levels best first: each request offers its next level, ranked by expected
@@ -361,28 +434,30 @@ class GoodputController:
 
         heap = [o for i in range(len(seqs)) if (o := offer(i, 1)) is not None]
         heapq.heapify(heap)
-        tokens, fed, depth = float(len(seqs)), base_tokens, 0
+        tokens, fed, depth, paid = float(len(seqs)), base_tokens, 0, 0.0  # paid: catch-up s
         best = plain = self._rate(tokens, fed, depth)
         while heap:
             _, i, k, reach, extra = heapq.heappop(heap)
             # Take this level together with as many deeper ones as pay best: a draft step has a
             # fixed part (the drafter's catch-up), so one level alone can lose where four win.
             add_t, add_f, take, g_take = 0.0, 0, 0, best
+            add_x = cost[i] if k == 1 else 0.0  # a request's first level pays its catch-up
             for j in range(k, self.max_depth + 1):
                 o = offer(i, j)
                 add_t, add_f = add_t + o[3], add_f + o[4]
-                g = self._rate(tokens + add_t, fed + add_f, depth + j - k + 1)
+                g = self._rate(tokens + add_t, fed + add_f, depth + j - k + 1, paid + add_x)
                 if g > g_take:
                     g_take, take, t_take, f_take = g, j, add_t, add_f
             if take:
                 best, plan[i] = g_take, take
                 tokens, fed, depth = tokens + t_take, fed + f_take, depth + take - k + 1
+                paid += add_x
                 nxt = offer(i, take + 1)
                 if nxt is not None:
                     heapq.heappush(heap, nxt)
         previous = [self._last_plan.get(s.seq_id, p) for s, p in zip(seqs, plan, strict=True)]
         if previous != plan:
-            kept = self.goodput(base_tokens, rates, previous)
+            kept = self.goodput(base_tokens, rates, previous, cost)
             if best < kept * (1 + self.hysteresis):
                 plan, best = previous, kept
         self.last_predicted_gain = best / plain if plain > 0 else 1.0
@@ -399,8 +474,8 @@ class GoodputController:
     def record_step(self, num_tokens: int, seconds: float) -> None:
         self.step_cost.observe(num_tokens, seconds)
 
-    def record_draft(self, depth_sum: int, seconds: float) -> None:
-        self.draft_cost.observe(depth_sum, seconds)
+    def record_draft(self, depth_sum: int, seconds: float, catch_up: int = 0) -> None:
+        self.draft_cost.observe(depth_sum, seconds, catch_up)
 
     def release(self, seq: Sequence) -> None:
         self._requests.pop(seq.seq_id, None)

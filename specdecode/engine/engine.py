@@ -266,7 +266,7 @@ class LLMEngine:
             ctrl.record_step(self.runner.num_fed_tokens, (t1 - t0) + (t3 - t2) + (t5 - t4))
         if spec:
             drafted = sum(max(proposals[i].shape.depths) for i in spec)
-            ctrl.record_draft(drafted, (t2 - t1) - self._shadow_time + (t4 - t3))
+            ctrl.record_draft(drafted, (t2 - t1) - self._shadow_time + (t4 - t3), self._catch_up)
         return updated
 
     def _propose(self, batch, k: int) -> list[DraftProposal | None]:
@@ -274,6 +274,7 @@ class LLMEngine:
         self._last_budgets: list[int] = []
         self._pruned: dict[int, tuple[DraftProposal, list[int]]] = {}
         self._shadow_time = 0.0
+        self._catch_up = 0
         if not self.drafter or k == 0:
             return proposals
         decoding = [
@@ -288,9 +289,11 @@ class LLMEngine:
         # the step does anyway, and pricing drafts on top of it would make them look cheap
         # relative to the tokens it yields (on a compute-bound CPU they are not).
         decode_tokens = sum(1 for n in batch.num_new if n == 1)
-        plan = self.controller.plan(seqs, decode_tokens, len(batch))
+        catch_up = [self.drafter.catch_up_tokens(s) for s in seqs]
+        plan = self.controller.plan(seqs, decode_tokens, len(batch), catch_up)
         budgets = [self._budget(s, b) for s, b in zip(seqs, plan, strict=True)]
         self._last_budgets = budgets
+        self._catch_up = sum(n for n, b in zip(catch_up, budgets, strict=True) if b)
         shadows = self.controller.shadow_requests
         t0 = time.perf_counter()
         if shadows:  # drafts scored later against the real output (see GoodputController)

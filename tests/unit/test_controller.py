@@ -62,7 +62,54 @@ def test_curves_interpolate_and_prefer_measurements():
     d = DraftCostModel()
     for x in (1, 2, 3, 4, 8):
         d.observe(x, 0.5 + 0.25 * x)
-    assert d.coefficients() == pytest.approx((0.5, 0.25))
+    assert d.coefficients() == pytest.approx((0.5, 0.25, 0.0), abs=1e-4)
+    d = DraftCostModel()  # a draft model's prefill of what it has not seen: d2 per token
+    for x, c in ((1, 0), (2, 160), (4, 0), (8, 320), (4, 40), (2, 0)):
+        d.observe(x, 0.01 + 0.02 * x + 0.003 * c, catch_up=c)
+    assert d.coefficients() == pytest.approx((0.01, 0.02, 0.003), rel=0.01)
+    assert d.catch_up_seconds(100) == pytest.approx(0.3, rel=0.01)
+    d = DraftCostModel()  # never a catch-up: no price for one, and no negative slopes
+    for x in (1, 2, 4):
+        d.observe(x, 0.1 * x)
+    assert d.catch_up_seconds(100) == 0.0 and min(d.coefficients()) >= 0.0
+
+
+def catch_up_controller(step_time, catch_up_s: float, acceptance: float = 0.9) -> GoodputController:
+    """Depth-4 chains accepted `acceptance` of the time, drafting 2 ms per level, and a draft
+    model's catch-up costing `catch_up_s` per token (learned from timed proposals)."""
+    c = controller(step_time, acceptance=acceptance)
+    c.draft_cost = DraftCostModel()
+    for x, n in ((1, 0), (4, 0), (8, 100), (4, 200), (16, 0), (2, 50)):
+        c.record_draft(x, 0.002 * x + catch_up_s * n, catch_up=n)
+    return c
+
+
+def test_catch_up_is_priced_once_and_spread_over_the_request():
+    """A draft model must prefill a new request's prompt before drafting for it: at one request
+    that pays back over its answer, in a compute-bound batch of 64 it does not."""
+    c = catch_up_controller(memory_bound, catch_up_s=0.001)
+    long = [Sequence([1] * 160, SamplingParams(temperature=0, max_tokens=64)) for _ in range(1)]
+    assert c.plan(long, 1, 1, catch_up=[159]) == [4]
+    c = catch_up_controller(compute_bound, catch_up_s=0.001)
+    batch = [Sequence([1] * 160, SamplingParams(temperature=0, max_tokens=64)) for _ in range(64)]
+    # without a catch-up these requests would draft (verification is cheap relative to plain
+    # decoding here only if drafts are free: check the catch-up is what stops them)
+    assert c.plan(batch, 64, 64, catch_up=[159] * 64) == [0] * 64
+
+
+def test_probes_wait_while_the_catch_up_is_dear():
+    """An idle request is probed once its catch-up costs at most probe_share of the time since
+    its last draft; a dear catch-up postpones the probe instead of paying it every 64 steps."""
+    c = catch_up_controller(compute_bound, catch_up_s=0.01, acceptance=0.1)
+    s = [Sequence([1] * 160, SamplingParams(temperature=0, max_tokens=4096)) for _ in range(64)]
+    probes = 0
+    for step in range(200):
+        probes += sum(1 for k in c.plan(s, 64, 64, catch_up=[159 + step] * 64) if k)
+    assert probes == 0  # 1.6 s of catch-up against 0.02 x 200 steps x 64 ms
+    cheap = catch_up_controller(compute_bound, catch_up_s=1e-6, acceptance=0.1)
+    per_step = [sum(1 for k in cheap.plan(s, 64, 64, catch_up=[159] * 64) if k) for _ in range(200)]
+    assert sum(per_step[:63]) == 0 and sum(per_step[63:]) > 0  # after 64 idle steps
+    assert max(per_step) == 1  # one request per step at most
 
 
 def test_high_acceptance_on_a_memory_bound_step_drafts_deep():

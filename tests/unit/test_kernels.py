@@ -70,6 +70,30 @@ def test_linear_amx_against_vdpbf16ps(N, K, M):
     assert torch.equal(kernels.linear(x.bfloat16(), p), y_amx.bfloat16())
 
 
+@pytest.mark.skipif(not kernels.amx_active(), reason="no AMX here")
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int4])
+@pytest.mark.parametrize("N,K", [(70, 128), (100, 256), (200, 896)])
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 40])
+def test_quantized_amx_matches_vpdpbusd_bitwise(dtype, N, K, M):
+    """int8 (TDPBUSD) and int4 (unpacked nibbles, TDPBSUD) tiles sum the same exact int32s and
+    scale them in the same order as the vpdpbusd kernels: the same bits, whatever the rows."""
+    if dtype == torch.int8 and not kernels.cpu_has_int8_dot():
+        pytest.skip("no AVX512_VNNI")
+    ext = kernels.load_extension()
+    torch.manual_seed(N + K + M)
+    W, b, x = torch.randn(N, K) * 0.05, torch.randn(N), torch.randn(M, K)
+    p = kernels.pack(W, b, dtype=dtype)
+    before = ext.set_amx_rows(1, 1)  # AMX at every M
+    try:
+        y_amx = kernels.linear(x, p)
+        ext.set_amx(False)
+        y_dot = kernels.linear(x, p)
+    finally:
+        ext.set_amx(True)
+        ext.set_amx_rows(*before)
+    assert torch.equal(y_amx, y_dot)
+
+
 def test_amx_env_switch_off(tmp_path):
     """SPECDECODE_AMX=0 keeps the vdpbf16ps path (A/B measurements)."""
     code = "from specdecode import kernels; print(kernels.amx_active())"
