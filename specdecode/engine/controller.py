@@ -21,8 +21,8 @@ Policies (`--speculative-policy`):
     plus each drafting request's catch-up (tokens a draft model must prefill before it can
     draft: the prompt, or what the request committed while it was not drafting), priced by the
     same fit (d2 per token) and spread over the steps the request is expected to have left,
-    since it is paid once. Probes of idle requests (below) wait until their catch-up costs at
-    most `probe_share` of the time since their last one.
+    since it is paid once. Probes of idle requests (below) take at most `probe_share` of the
+    time, their catch-up included.
   E_i is concave in k and the cost grows with N, so the plan adds draft levels in the order of
   their expected tokens per fed token and stops when the next level lowers G.
   Hysteresis: the plan changes only when it beats the previous one (re-scored with today's
@@ -142,16 +142,21 @@ class DraftCostModel:
 
     def __init__(self, window: int = 64) -> None:
         self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._coef: tuple[float, float, float] | None = None  # fitted on demand, then cached
 
     def observe(self, depth_sum: int, seconds: float, catch_up: int = 0) -> None:
         if depth_sum > 0:
             self._obs.append((float(depth_sum), float(catch_up), seconds))
+            self._coef = None
 
     def coefficients(self) -> tuple[float, float, float]:
-        if not self._obs:
-            return 0.0, 0.0, 0.0
-        d0, d1, d2 = _fit([(1.0, x, c) for x, c, _ in self._obs], [y for *_, y in self._obs])
-        return d0, d1, d2
+        if self._coef is None:
+            if not self._obs:
+                return 0.0, 0.0, 0.0
+            rows = [(1.0, x, c) for x, c, _ in self._obs]
+            d0, d1, d2 = _fit(rows, [y for *_, y in self._obs])
+            self._coef = (d0, d1, d2)
+        return self._coef
 
     def predict(self, depth_sum: int, catch_up: float = 0.0) -> float:
         if depth_sum <= 0:
@@ -253,7 +258,8 @@ class GoodputController:
         self.probe_interval = probe_interval
         self.shadow_interval = shadow_interval
         self.shadow_capable = shadow_capable  # the drafter's proposals have no side effects
-        self.probe_share = probe_share  # of the time between probes, at most, spent catching up
+        self.probe_share = probe_share  # of the time, at most, spent on probes
+        self._probe_credit = 0.0  # seconds of probing earned and not yet spent
         self.shadow_requests: list[Sequence] = []  # to draft in shadow this step
         self._shadows: dict[int, tuple] = {}  # seq_id -> (output length, tokens, children, depth)
         self.step_cost = StepCostModel()
@@ -359,11 +365,14 @@ class GoodputController:
         proposals have no side effects (n-gram lookup), a shadow draft every `shadow_interval`
         idle steps is scored later against the tokens the request really produced: for
         deterministic drafts that is exactly the verification outcome, at no verification cost.
-        Other drafters get a real one-token probe, one request per step at most, once its
-        catch-up costs at most `probe_share` of the idle steps' time."""
+        Other drafters get a real one-token probe, one request per step at most, paid from a
+        credit that grows by `probe_share` of every step's time: however many requests are
+        idle, probes (a draft model's catch-up included) take at most that share of the time."""
         plan = list(plan)
         probed = False
         step_s = self.step_cost.predict(base_tokens) if self.step_cost.calibrated else 0.0
+        grow = self.probe_share * step_s
+        self._probe_credit = min(self._probe_credit + grow, 4 * self.probe_interval * grow)
         for i, s in enumerate(seqs):
             idle = self._idle_steps.get(s.seq_id, 0)
             if plan[i] or s.seq_id in self._shadows:
@@ -371,16 +380,13 @@ class GoodputController:
             if self.shadow_capable and idle >= self.shadow_interval:
                 self.shadow_requests.append(s)
                 self._idle_steps[s.seq_id] = 0
-            elif (
-                not self.shadow_capable
-                and not probed
-                and idle >= self.probe_interval
-                and self.draft_cost.catch_up_seconds(catch_up[i])
-                <= self.probe_share * idle * step_s
-            ):
-                plan[i] = 1
-                probed = True
-                self._idle_steps[s.seq_id] = 0
+            elif not self.shadow_capable and not probed and idle >= self.probe_interval:
+                cost = self.draft_cost.catch_up_seconds(catch_up[i]) + self.draft_cost.predict(1)
+                if cost <= self._probe_credit:
+                    self._probe_credit -= cost
+                    plan[i] = 1
+                    probed = True
+                    self._idle_steps[s.seq_id] = 0
         return plan
 
     def add_shadow(self, seq: Sequence, tokens: list[int], children: list[list[int]]) -> None:
