@@ -461,6 +461,14 @@ class GoodputController:
                 nxt = offer(i, take + 1)
                 if nxt is not None:
                     heapq.heappush(heap, nxt)
+        # The greedy adds one request at a time, so a fixed part of the draft cost (a draft
+        # model runs its forwards whatever the batch) can stop it at the first request where
+        # all of them together would win: weigh every uniform depth too.
+        for k in range(1, self.max_depth + 1):
+            uniform = [k] * len(seqs)
+            g = self.goodput(base_tokens, rates, uniform, cost)
+            if g > best:
+                best, plan = g, uniform
         previous = [self._last_plan.get(s.seq_id, p) for s, p in zip(seqs, plan, strict=True)]
         if previous != plan:
             kept = self.goodput(base_tokens, rates, previous, cost)

@@ -210,6 +210,27 @@ def test_levels_that_add_no_nodes_are_still_reached():
     assert c.plan(seqs(1), 1, 1) == [3]
 
 
+def test_a_fixed_draft_cost_shared_by_the_batch_does_not_block_drafting():
+    """A draft model's forwards cost about the same for 1 request as for 8 (bandwidth-bound):
+    one request alone does not pay its fixed part, all 8 together do. The planner must weigh
+    the batch drafting together, not only one request at a time (the Qwen pair at 8 clients)."""
+    c = GoodputController("adaptive", 4, lambda k: k)
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        c.step_cost.calibrate(n, memory_bound(n))
+    for _ in range(20):  # 60 ms per proposal, + 0.5 ms per request and level
+        for x in (4, 16, 32):
+            c.record_draft(x, 0.060 + 0.0005 * x)
+    warm = seqs(1)[0]
+    for _ in range(100):
+        c.record_verification(warm, 4, 4)
+    c.release(warm)
+    batch = seqs(8)
+    rates = [c.acceptance(s) for s in batch]
+    alone = c.goodput(8, rates, [4] + [0] * 7)
+    assert alone < c.goodput(8, rates, [0] * 8) < c.goodput(8, rates, [4] * 8)
+    assert c.plan(batch, 8, 8) == [4] * 8
+
+
 def test_a_fixed_draft_cost_does_not_block_deep_drafts():
     """Each draft step has a fixed part (a draft model catching up): one level alone loses,
     four win. The planner must look past the first level (the int8 Qwen pair's case)."""
