@@ -638,8 +638,35 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// tmm0-3: C, one per block of the group; tmm4: A; tmm5-7: B (gcc's tile intrinsics take
-// literal register numbers).
+// tmm0-3: C, one per block of the group ([rows, 16] fp32 / int32); tmm4: A ([rows, 64 bytes]);
+// tmm5-7: B ([16, 64 bytes]).  Loaded by each thread before its tiles.
+inline void load_tile_config(int rows) {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = t < 5 ? rows : 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+inline void zero_c_tiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// The group's cb C tiles into a [16, 64] buffer of 4-byte values (block c at column 16 c).
+inline void store_c_tiles(void* buf, int cb) {
+  char* p = static_cast<char*>(buf);
+  _tile_stored(0, p, 256);
+  if (cb > 1) _tile_stored(1, p + 64, 256);
+  if (cb > 2) _tile_stored(2, p + 128, 256);
+  if (cb > 3) _tile_stored(3, p + 192, 256);
+}
+
+// gcc's tile intrinsics take literal register numbers.
 #define SPECDECODE_AMX_BLOCK(OP, C, B, ptr, stride) \
   do {                                              \
     _tile_loadd(B, ptr, stride);                    \
@@ -671,13 +698,7 @@ void run_amx(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
   const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / (block_bytes * G));
   const int rows = static_cast<int>(std::min<int64_t>(M, 16));
   at::parallel_for(0, nunits, grain, [&](int64_t u0, int64_t u1) {
-    TileConfig cfg{};
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = t < 5 ? rows : 16;
-    }
-    _tile_loadconfig(&cfg);
+    load_tile_config(rows);
     alignas(64) float cbuf[16 * 64];
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u * G;
@@ -685,10 +706,7 @@ void run_amx(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
       const int64_t sstride = cb * 64;
       const char* wg = w + b * block_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        zero_c_tiles();
         const char* xr = static_cast<const char*>(a.x) + m0 * ldx_bytes;
         if constexpr (KIND == Kind::kI8Dot) {
 #if defined(SPECDECODE_AMX_I8)
@@ -697,10 +715,7 @@ void run_amx(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
         } else {
           SPECDECODE_AMX_GROUP(_tile_dpbf16ps)
         }
-        _tile_stored(0, cbuf, 256);
-        if (cb > 1) _tile_stored(1, cbuf + 16, 256);
-        if (cb > 2) _tile_stored(2, cbuf + 32, 256);
-        if (cb > 3) _tile_stored(3, cbuf + 48, 256);
+        store_c_tiles(cbuf, cb);
         const int mr = static_cast<int>(std::min<int64_t>(16, M - m0));
         for (int c = 0; c < cb; ++c) {
           const int64_t n = (b + c) * kBlock;
@@ -747,13 +762,7 @@ void run_amx_i4(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
   const int rows = static_cast<int>(std::min<int64_t>(M, 16));
   const int64_t mpad = (M + 15) / 16 * 16;
   at::parallel_for(0, nunits, grain, [&](int64_t u0, int64_t u1) {
-    TileConfig cfg{};
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = t < 5 ? rows : 16;
-    }
-    _tile_loadconfig(&cfg);
+    load_tile_config(rows);
     alignas(64) uint8_t bbuf[2][G][16 * 64];  // the group's byte tiles: [half][block]
     alignas(64) int32_t cbuf[16 * 64];
     std::vector<__m512> accf(mpad * G);
@@ -776,10 +785,7 @@ void run_amx_i4(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
           }
         }
         for (int64_t m0 = 0; m0 < M; m0 += 16) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
+          zero_c_tiles();
           for (int h = 0; h < 2; ++h) {
             _tile_loadd(4, static_cast<const char*>(a.x) + m0 * ldx_bytes + (g * 32 + h * 16) * 4,
                         ldx_bytes);
@@ -788,10 +794,7 @@ void run_amx_i4(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
             if (cb > 2) SPECDECODE_AMX_BLOCK(_tile_dpbsud, 2, 7, bbuf[h][2], 64);
             if (cb > 3) SPECDECODE_AMX_BLOCK(_tile_dpbsud, 3, 5, bbuf[h][3], 64);
           }
-          _tile_stored(0, cbuf, 256);
-          if (cb > 1) _tile_stored(1, cbuf + 16, 256);
-          if (cb > 2) _tile_stored(2, cbuf + 32, 256);
-          if (cb > 3) _tile_stored(3, cbuf + 48, 256);
+          store_c_tiles(cbuf, cb);
           const int mr = static_cast<int>(std::min<int64_t>(16, M - m0));
           for (int c = 0; c < cb; ++c) {
             const __m512 sc = _mm512_loadu_ps(a.gscale + g * a.ldg + (b + c) * kBlock);
