@@ -666,6 +666,21 @@ inline void store_c_tiles(void* buf, int cb) {
   if (cb > 3) _tile_stored(3, p + 192, 256);
 }
 
+// The output blocks in groups of kGroup split over the threads (at least 256 KiB of weights
+// each), each thread with its tile configuration for min(M, 16) rows: body(u0, u1) runs groups
+// [u0, u1).
+template <class Body>
+void amx_parallel(int64_t M, int64_t nblocks, int64_t block_bytes, const Body& body) {
+  const int64_t nunits = (nblocks + kGroup - 1) / kGroup;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / (block_bytes * kGroup));
+  const int rows = static_cast<int>(std::min<int64_t>(M, 16));
+  at::parallel_for(0, nunits, grain, [&](int64_t u0, int64_t u1) {
+    load_tile_config(rows);
+    body(u0, u1);
+    _tile_release();
+  });
+}
+
 // gcc's tile intrinsics take literal register numbers.
 #define SPECDECODE_AMX_BLOCK(OP, C, B, ptr, stride) \
   do {                                              \
@@ -694,11 +709,7 @@ void run_amx(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
   const int64_t block_bytes = steps * 64;
   const int64_t ldx_bytes = a.ldx * 4;
   constexpr int64_t G = kGroup;
-  const int64_t nunits = (nblocks + G - 1) / G;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / (block_bytes * G));
-  const int rows = static_cast<int>(std::min<int64_t>(M, 16));
-  at::parallel_for(0, nunits, grain, [&](int64_t u0, int64_t u1) {
-    load_tile_config(rows);
+  amx_parallel(M, nblocks, block_bytes, [&](int64_t u0, int64_t u1) {
     alignas(64) float cbuf[16 * 64];
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u * G;
@@ -740,7 +751,6 @@ void run_amx(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
         }
       }
     }
-    _tile_release();
   });
 }
 #endif
@@ -757,12 +767,8 @@ void run_amx_i4(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
   const int64_t block_bytes = steps * 64;
   const int64_t ldx_bytes = a.ldx * 4;
   constexpr int64_t G = kGroup;
-  const int64_t nunits = (nblocks + G - 1) / G;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / (block_bytes * G));
-  const int rows = static_cast<int>(std::min<int64_t>(M, 16));
   const int64_t mpad = (M + 15) / 16 * 16;
-  at::parallel_for(0, nunits, grain, [&](int64_t u0, int64_t u1) {
-    load_tile_config(rows);
+  amx_parallel(M, nblocks, block_bytes, [&](int64_t u0, int64_t u1) {
     alignas(64) uint8_t bbuf[2][G][16 * 64];  // the group's byte tiles: [half][block]
     alignas(64) int32_t cbuf[16 * 64];
     std::vector<__m512> accf(mpad * G);
@@ -817,7 +823,6 @@ void run_amx_i4(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
                         _mm512_fmadd_ps(accf[m * G + c], _mm512_set1_ps(a.xscale[m]), bv), a.N - n);
       }
     }
-    _tile_release();
   });
 }
 #endif
@@ -1010,6 +1015,25 @@ void linear_rows(const float* x, int64_t ldx, int64_t M, const at::Tensor& w, in
   }
 }
 
+// The tensor entry for layouts that go through linear_rows (which prepares the activations
+// itself: int8 / int4 dot layouts, bf16 on AMX): fp32 rows in, x's dtype out.
+static at::Tensor linear_through_rows(const at::Tensor& x, const at::Tensor& w, int64_t N,
+                                      int64_t K, const std::optional<at::Tensor>& bias,
+                                      bool bf16_activations) {
+  TORCH_CHECK(!bias || (bias->numel() == N && bias->device().is_cpu()),
+              "bias must have N elements");
+  const at::Tensor x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  auto y = at::empty({x2.size(0), N}, x2.options());
+  linear_rows(x2.data_ptr<float>(), K, x2.size(0), w, N, K,
+              b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), N,
+              bf16_activations);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  y = y.view(sizes);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
 // y[..., N] = x[..., K] @ W^T + bias, W packed as described at the top.
 // `bf16_activations` (bf16 weights only) rounds x to bf16 and uses vdpbf16ps.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K,
@@ -1025,17 +1049,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K
                     ? w.numel() == w.size(0) * ((K + 3) / 4 + 2) * 64
                     : w.numel() * 2 == w.size(0) * (ng * kI4Group / 8 + ng) * 64,
                 "packed weight does not match K");
-    TORCH_CHECK(!bias || (bias->numel() == N && bias->device().is_cpu()),
-                "bias must have N elements");
-    const at::Tensor x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();
-    const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    auto y = at::empty({x2.size(0), N}, x2.options());
-    linear_rows(x2.data_ptr<float>(), K, x2.size(0), w, N, K,
-                b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), N, false);
-    auto sizes = x.sizes().vec();
-    sizes.back() = N;
-    y = y.view(sizes);
-    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+    return linear_through_rows(x, w, N, K, bias, false);
   }
   const bool is_bf16 = w.scalar_type() == at::kBFloat16;
   const bool is_i8 = w.scalar_type() == at::kChar;
@@ -1052,17 +1066,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t K
   auto x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
   if (bf16_activations && use_amx(K)) {  // rows padded for the A tiles by linear_rows
-    TORCH_CHECK(!bias || (bias->numel() == N && bias->device().is_cpu()),
-                "bias must have N elements");
-    const at::Tensor xf = x2.to(at::kFloat).contiguous();
-    const at::Tensor bf = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    auto y = at::empty({M, N}, xf.options());
-    linear_rows(xf.data_ptr<float>(), K, M, w, N, K, bf.defined() ? bf.data_ptr<float>() : nullptr,
-                y.data_ptr<float>(), N, true);
-    auto sizes = x.sizes().vec();
-    sizes.back() = N;
-    y = y.view(sizes);
-    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+    return linear_through_rows(x, w, N, K, bias, true);
   }
   const int64_t kpad = per * steps;
   at::Tensor xa;  // activations in kernel format
