@@ -155,6 +155,38 @@ def test_hysteresis_keeps_a_plan_that_is_nearly_as_good():
     assert c.plan(batch, 2, 2) == first
 
 
+def test_drafting_starts_only_on_a_clear_predicted_gain():
+    """Where drafting is predicted to gain less than `min_gain` the step decodes plainly: the
+    cost model is off by several percent at compute-bound batch sizes."""
+    c = controller(memory_bound, acceptance=0.9, draft_s=0.016)  # a draft level costs ~0.8 step
+    rates = [c.acceptance(s) for s in seqs(1)]
+    gain = max(c.goodput(1, rates, [k]) for k in (1, 2, 3, 4)) / c.goodput(1, rates, [0])
+    assert 1.0 < gain < 1 + c.min_gain  # predicted to win, but by less than the margin
+    assert c.plan(seqs(1), 1, 1) == [0]
+    eager = controller(memory_bound, acceptance=0.9, draft_s=0.016, min_gain=0.0)
+    assert eager.plan(seqs(1), 1, 1) != [0]
+
+
+def test_hysteresis_does_not_keep_a_drafting_plan_that_loses():
+    """A request drafting at full depth keeps drafting while it pays; once its acceptance
+    falls so far that drafting is predicted to lose, it stops, hysteresis or not."""
+    c = controller(memory_bound, acceptance=0.9, draft_s=0.005, hysteresis=10.0)
+    seq = seqs(1)[0]
+    assert c.plan([seq], 1, 1) == [4]
+    for _ in range(40):
+        c.record_verification(seq, 4, 0)
+    assert c.plan([seq], 1, 1) == [0]
+
+
+def test_catch_up_is_priced_over_part_of_the_remaining_steps():
+    c = catch_up_controller(memory_bound, catch_up_s=0.001)
+    seq = Sequence([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=100))
+    rates = [c.acceptance(seq)]
+    half = c._catch_up_costs([seq], rates, [100])[0]
+    c.catch_up_horizon = 1.0
+    assert c._catch_up_costs([seq], rates, [100])[0] == pytest.approx(half / 2)
+
+
 def test_idle_requests_are_probed():
     c = controller(memory_bound, acceptance=0.0, draft_s=0.002, probe_interval=5)
     batch = seqs(1)
@@ -217,9 +249,9 @@ def test_a_fixed_draft_cost_shared_by_the_batch_does_not_block_drafting():
     c = GoodputController("adaptive", 4, lambda k: k)
     for n in (1, 2, 4, 8, 16, 32, 64):
         c.step_cost.calibrate(n, memory_bound(n))
-    for _ in range(20):  # 60 ms per proposal, + 0.5 ms per request and level
+    for _ in range(20):  # 30 ms per proposal, + 0.5 ms per request and level
         for x in (4, 16, 32):
-            c.record_draft(x, 0.060 + 0.0005 * x)
+            c.record_draft(x, 0.030 + 0.0005 * x)
     warm = seqs(1)[0]
     for _ in range(100):
         c.record_verification(warm, 4, 4)
