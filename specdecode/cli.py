@@ -264,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
         )
         th.add_argument("--eval-examples", type=int, default=64)
         th.add_argument(
+            "--max-minutes",
+            type=float,
+            default=None,
+            help="stop after this many minutes if --steps are not done (the learning-rate "
+            "schedule follows whichever ends first)",
+        )
+        th.add_argument(
             "--precision",
             choices=["auto", "bf16", "fp32"],
             default="auto",
@@ -464,6 +471,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             warmup=args.warmup,
             init=args.init,
             eval_examples=args.eval_examples,
+            max_minutes=args.max_minutes,
             bf16={"auto": None, "bf16": True, "fp32": False}[args.precision],
             **extra,
         )

@@ -56,6 +56,9 @@ class HeadTrainConfig:
     ttt_steps: int = 4
     # continue from this head (same kind and draft vocabulary) instead of a fresh start
     init: str | None = None
+    # stop after this many minutes if `steps` are not done by then; the learning-rate schedule
+    # follows whichever ends first (cosine over the larger of steps or time done)
+    max_minutes: float | None = None
     # bf16 autocast for the matmuls (master weights fp32). None: only where bf16 matmuls are
     # native (CUDA, or a CPU with AVX512-BF16 / AMX: about 2x); without them oneDNN emulates
     # bf16 and a matmul runs ~4x slower than fp32 (measured on a Zen 3 CPU with AVX2).
@@ -165,12 +168,7 @@ class _Trainer:
         cfg = self.cfg
         params = [p for p in module.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt,
-            lambda s: (
-                min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))
-            ),
-        )
+        budget = cfg.max_minutes * 60 if cfg.max_minutes else None
 
         use_bf16 = native_bf16_matmul() if cfg.bf16 is None else cfg.bf16
 
@@ -181,19 +179,38 @@ class _Trainer:
             history = {"before": evaluate()}
         t0 = time.perf_counter()
         bar = tqdm(range(cfg.steps), desc=f"training {kind}", unit="step")
+        done = 0
         for step in bar:
+            progress = step / cfg.steps
+            if budget is not None:
+                progress = max(progress, (time.perf_counter() - t0) / budget)
+                if progress >= 1.0:
+                    log.info(
+                        "time budget of %.1f minutes spent after %d steps", cfg.max_minutes, step
+                    )
+                    break
+            lr = (
+                cfg.lr
+                * min(1.0, (step + 1) / cfg.warmup)
+                * 0.5
+                * (1 + math.cos(math.pi * progress))
+            )
+            for group in opt.param_groups:
+                group["lr"] = lr
             with autocast():
                 loss, metrics = loss_fn(self.next_batch(extra=self.extra))
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
             opt.step()
-            sched.step()
+            done = step + 1
             bar.set_postfix(
                 loss=f"{loss.item():.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()}
             )
             if (step + 1) % 200 == 0:
                 log.info("step %d: loss %.4f %s", step + 1, loss.item(), metrics)
+        bar.close()
+        history["steps_done"] = done
         history["train_seconds"] = round(time.perf_counter() - t0, 1)
         with autocast():
             history["after"] = evaluate()

@@ -139,3 +139,16 @@ def test_training_continues_from_a_head(heads, tiny_llama_dir, tmp_path):
     assert after["top1_per_step"][0] > before["top1_per_step"][0] + 0.3  # it did learn
     # (checkpoints are bf16, so the restart is close to, not exactly, where it ended)
     assert again["before"]["top1_per_step"][0] == pytest.approx(after["top1_per_step"][0], abs=0.1)
+
+
+def test_training_stops_at_its_time_budget(heads, tiny_llama_dir, tmp_path):
+    from specdecode.models.loader import load_model
+
+    root, _ = heads
+    target = load_model(tiny_llama_dir).model.requires_grad_(False)
+    cfg = HeadTrainConfig(
+        draft_vocab=64, steps=500, batch_tokens=512, warmup=1, eval_examples=8, max_minutes=1e-4
+    )
+    history = train_eagle(target, root / "data", tmp_path / "e", cfg, [2])
+    assert 1 <= history["steps_done"] < 500
+    assert (tmp_path / "e" / "config.json").exists()  # still evaluated and saved
