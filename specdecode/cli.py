@@ -516,12 +516,15 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_models(args: argparse.Namespace) -> None:
-    from specdecode.models.registry import REGISTRY, gguf_path, pull
+    from specdecode.models.registry import RECIPES, REGISTRY, gguf_path, head_dir, pull
 
     if args.models == "list":
         for m in REGISTRY.values():
             state = "pulled" if gguf_path(m).is_file() else "not pulled"
-            print(f"{m.name:<22} {state:<11} {m.description}")
+            print(f"{m.name:<26} {state:<11} {m.description}")
+        for r in RECIPES.values():
+            state = "built" if (head_dir(r.name) / "config.json").is_file() else "not built"
+            print(f"{r.name:<26} {state:<11} {r.description}")
         return
     print(pull(args.name))
 

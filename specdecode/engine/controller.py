@@ -269,6 +269,8 @@ class GoodputController:
         # a catch-up must pay back within this share of the request's expected remaining steps
         self.catch_up_horizon = catch_up_horizon
         self._probe_credit = 0.0  # seconds of probing earned and not yet spent
+        self._probe_charged: float | None = None  # the predicted cost of this step's probe
+        self._probe_wait = 0  # steps before asking again whether a probe could pay
         self.shadow_requests: list[Sequence] = []  # to draft in shadow this step
         self._shadows: dict[int, tuple] = {}  # seq_id -> (output length, tokens, children, depth)
         self.step_cost = StepCostModel()
@@ -362,6 +364,7 @@ class GoodputController:
             self._last_plan[s.seq_id] = k
             self._idle_steps[s.seq_id] = 0 if k else self._idle_steps.get(s.seq_id, 0) + 1
         self.shadow_requests = []
+        self._probe_charged = None
         if self.policy == "adaptive":
             budgets = self._explore(seqs, budgets, catch_up, base_tokens)
         self.last_budgets = budgets
@@ -378,12 +381,17 @@ class GoodputController:
         deterministic drafts that is exactly the verification outcome, at no verification cost.
         Other drafters get a real one-token probe, one request per step at most, paid from a
         credit that grows by `probe_share` of every step's time: however many requests are
-        idle, probes (a draft model's catch-up included) take at most that share of the time."""
+        idle, probes (a draft model's catch-up included) take at most that share of the time.
+        A probe is charged its predicted cost, corrected by its measured one (`record_draft`).
+        No probe runs where drafting could not win even if every draft were accepted (a
+        compute-bound batch): what it would learn could not change a decision."""
         plan = list(plan)
         probed = False
         step_s = self.step_cost.predict(base_tokens) if self.step_cost.calibrated else 0.0
         grow = self.probe_share * step_s
         self._probe_credit = min(self._probe_credit + grow, 4 * self.probe_interval * grow)
+        worth: bool | None = None  # whether a perfect acceptance could pay, decided once
+        self._probe_wait -= 1
         for i, s in enumerate(seqs):
             idle = self._idle_steps.get(s.seq_id, 0)
             if plan[i] or s.seq_id in self._shadows:
@@ -393,12 +401,41 @@ class GoodputController:
                 self._idle_steps[s.seq_id] = 0
             elif not self.shadow_capable and not probed and idle >= self.probe_interval:
                 cost = self.draft_cost.catch_up_seconds(catch_up[i]) + self.draft_cost.predict(1)
-                if cost <= self._probe_credit:
-                    self._probe_credit -= cost
-                    plan[i] = 1
-                    probed = True
-                    self._idle_steps[s.seq_id] = 0
+                if cost > self._probe_credit:
+                    continue
+                if worth is None:
+                    worth = self._probe_wait <= 0 and self._could_pay(
+                        seqs, plan, base_tokens, catch_up, i
+                    )
+                    if not worth and self._probe_wait <= 0:  # asked again a few steps on
+                        self._probe_wait = max(1, self.probe_interval // 4)
+                if not worth:
+                    continue
+                self._probe_credit -= cost
+                self._probe_charged = cost
+                plan[i] = 1
+                probed = True
+                self._idle_steps[s.seq_id] = 0
         return plan
+
+    def _could_pay(
+        self, seqs: list[Sequence], plan: list[int], base_tokens: int, catch_up: list[int], i: int
+    ) -> bool:
+        """Whether drafting would beat plain decoding by `min_gain` if every draft were
+        accepted: request i alone at some depth, or every request at one depth (a draft
+        model's fixed cost is shared by the batch). Catch-ups are priced as in planning."""
+        ones = [[1.0] * self.max_depth for _ in seqs]
+        cost = self._catch_up_costs(seqs, ones, catch_up)
+        plain = self.goodput(base_tokens, ones, [0] * len(seqs))
+        target = plain * (1 + self.min_gain)
+        alone = [k if j != i else 0 for j, k in enumerate(plan)]
+        for k in range(1, self.max_depth + 1):
+            alone[i] = k
+            if self.goodput(base_tokens, ones, alone, cost) >= target:
+                return True
+            if self.goodput(base_tokens, ones, [k] * len(seqs), cost) >= target:
+                return True
+        return False
 
     def add_shadow(self, seq: Sequence, tokens: list[int], children: list[list[int]]) -> None:
         """A draft tree proposed for `seq` but not verified: scored when its tokens are known."""
@@ -504,6 +541,9 @@ class GoodputController:
 
     def record_draft(self, depth_sum: int, seconds: float, catch_up: int = 0) -> None:
         self.draft_cost.observe(depth_sum, seconds, catch_up)
+        if self._probe_charged is not None and depth_sum == 1:  # the probe alone drafted
+            self._probe_credit -= seconds - self._probe_charged  # charge what it really cost
+        self._probe_charged = None
 
     def release(self, seq: Sequence) -> None:
         self._requests.pop(seq.seq_id, None)

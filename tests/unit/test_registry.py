@@ -63,3 +63,50 @@ def test_unknown_and_unpulled_models(monkeypatch, tmp_path):
 
     with pytest.raises(ModelNotFoundError, match="models pull qwen2.5-coder-0.5b"):
         resolve_model("qwen2.5-coder-0.5b")
+
+
+def fake_recipe(monkeypatch, tmp_path) -> registry.HeadRecipe:
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    recipe = registry.HeadRecipe(
+        "tgt-eagle3", "test head", "tgt", "eagle3", ("--num-conversations", "8"), ("--steps", "3")
+    )
+    monkeypatch.setitem(registry.RECIPES, recipe.name, recipe)
+    return recipe
+
+
+def test_a_head_recipe_runs_its_data_and_training_commands_once(monkeypatch, tmp_path):
+    recipe = fake_recipe(monkeypatch, tmp_path)
+    with pytest.raises(ModelNotFoundError, match="models pull tgt-eagle3"):
+        registry.built_head(recipe.name)
+    calls = []
+
+    def run(argv):
+        calls.append(argv)
+        if argv[0] == "train":  # the trainer writes its --out directory
+            out = tmp_path / "cache" / "heads" / "tgt-eagle3.partial"
+            assert argv[argv.index("--out") + 1] == str(out)
+            out.mkdir(parents=True)
+            (out / "config.json").write_text("{}")
+        return 0
+
+    path = registry.build_head(recipe, run)
+    assert path == registry.built_head(recipe.name) == tmp_path / "cache" / "heads" / "tgt-eagle3"
+    data = str(tmp_path / "cache" / "heads" / "tgt-eagle3-data")
+    assert calls == [
+        ["data", "generate", "--model", "tgt", "--out", data, "--num-conversations", "8"],
+        ["train", "eagle3", "--model", "tgt", "--data", data, "--out", str(path) + ".partial",
+         "--steps", "3"],
+    ]  # fmt: skip
+    assert registry.build_head(recipe, run) == path and len(calls) == 2  # built: not rerun
+    # the head becomes the default of its kind for the pulled target, and only for it
+    assert registry.default_head(tmp_path / "tgt-0123abcd", "eagle3") == path
+    assert registry.default_head(tmp_path / "tgt-0123abcd", "eagle") is None
+    assert registry.default_head(tmp_path / "other-0123abcd", "eagle3") is None
+
+
+def test_a_failed_head_build_says_where_and_leaves_no_head(monkeypatch, tmp_path):
+    recipe = fake_recipe(monkeypatch, tmp_path)
+    with pytest.raises(ModelNotFoundError, match="failed at `specdecode train`"):
+        registry.build_head(recipe, lambda argv: 1 if argv[0] == "train" else 0)
+    with pytest.raises(ModelNotFoundError, match="not built yet"):
+        registry.built_head(recipe.name)
