@@ -84,9 +84,12 @@ def closed_loop(
     min_requests: int,
     on_row=None,
     warmup: bool = True,
+    repeat_off: bool = False,
 ) -> list[dict]:
     """For each concurrency c and each policy, c closed-loop clients over the engine `core`
-    until max(c, min_requests) requests are done; one row per (c, policy). `params` is one
+    until max(c, min_requests) requests are done; one row per (c, policy), and with
+    `repeat_off` a second "off" row after the other policies (drift and noise show as the
+    difference between the two; ratios are taken against their mean). `params` is one
     SamplingParams (lengths then vary 0.5x-1.5x around its max_tokens) or one per prompt (used
     as given). The engine runs on the main thread, as `serve` runs it (see AsyncLLMEngine.run);
     the clients on a second one."""
@@ -107,10 +110,13 @@ def closed_loop(
         rows: list[dict] = []
         for c in levels:
             n = max(c, min_requests)
-            for policy in policies:
+            again = ["off"] if repeat_off and "off" in policies and len(policies) > 1 else []
+            for run, policy in enumerate(policies + again):
                 core.set_policy(policy)
                 before = _stats(core)
                 row = {"concurrency": c, "policy": policy}
+                if run >= len(policies):
+                    row["repeat"] = True
                 row.update(await _level(engine, request, c, n))
                 diff = [a - b for a, b in zip(_stats(core), before, strict=True)]
                 drafts, drafted, accepted, decisions, drafting = diff
@@ -160,7 +166,16 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     print(f"calibrating the step-cost curve ({core.spec_config.method}) ...", flush=True)
     core.calibrate(time_budget_s=20.0)
     policies = [p for p in args.policies.split(",") if p]
-    rows = closed_loop(core, prompts, levels, policies, params, args.min_requests, on_row=_print)
+    rows = closed_loop(
+        core,
+        prompts,
+        levels,
+        policies,
+        params,
+        args.min_requests,
+        on_row=_print,
+        repeat_off=args.repeat_off,
+    )
     result = {
         "model": core.model_path.name,
         "speculative_config": core.spec_config.__dict__,
@@ -182,16 +197,28 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     return result
 
 
+def _throughput(rows, c, policy) -> float | None:
+    """Mean throughput of the runs of `policy` at concurrency c (plain decoding may run twice)."""
+    got = [r["throughput_tok_s"] for r in rows if r["concurrency"] == c and r["policy"] == policy]
+    return sum(got) / len(got) if got else None
+
+
+def _off_spread(rows, c) -> float | None:
+    """How far apart the two runs of plain decoding at concurrency c came out (relative)."""
+    got = [r["throughput_tok_s"] for r in rows if r["concurrency"] == c and r["policy"] == "off"]
+    return abs(got[1] - got[0]) / ((got[0] + got[1]) / 2) if len(got) == 2 else None
+
+
 def _ratio(rows, c, policy) -> float | None:
-    by = {(r["concurrency"], r["policy"]): r for r in rows}
-    if (c, policy) not in by or (c, "off") not in by:
-        return None
-    return by[(c, policy)]["throughput_tok_s"] / by[(c, "off")]["throughput_tok_s"]
+    mine, off = _throughput(rows, c, policy), _throughput(rows, c, "off")
+    return mine / off if mine is not None and off else None
 
 
 def _print(row: dict, rows: list[dict]) -> None:
     r = _ratio(rows, row["concurrency"], row["policy"])
     vs = f" ({r:.2f}x off)" if r and row["policy"] != "off" else ""
+    if row.get("repeat"):
+        vs = f" (off again: runs {_off_spread(rows, row['concurrency']):.1%} apart)"
     acc = f" acc {row['acceptance_rate']:.0%}" if row["acceptance_rate"] is not None else ""
     print(
         f"c={row['concurrency']:<4} {row['policy']:<9} {row['throughput_tok_s']:7.1f} tok/s{vs}"
@@ -223,6 +250,15 @@ def summarize(rows: list[dict]) -> dict:
                 if negative
                 else "static speculation never lost to plain decoding in this sweep"
             )
+    spreads = {c: v for c in levels if (v := _off_spread(rows, c)) is not None}
+    if spreads:
+        out["off_spread"] = spreads
+        worst = max(spreads, key=spreads.get)
+        lines.append(
+            f"plain decoding, measured before and after the others at each level: its two runs "
+            f"{max(spreads.values()):.1%} apart at most (at {worst}), the noise floor of these "
+            f"ratios"
+        )
     out["text"] = "\n".join(lines)
     return out
 
@@ -230,13 +266,13 @@ def summarize(rows: list[dict]) -> dict:
 def markdown(result: dict) -> str:
     rows = result["rows"]
     levels = sorted({r["concurrency"] for r in rows})
-    by = {(r["concurrency"], r["policy"]): r for r in rows}
+    by = {(r["concurrency"], r["policy"]): r for r in rows if not r.get("repeat")}
     policies = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
     head = "| concurrency | " + " | ".join(f"{p} tok/s" for p in policies)
     head += " | static vs off | adaptive vs off | TPOT off / adaptive (ms) | adaptive drafted |"
     lines = [head, "|" + "---|" * (len(policies) + 5)]
     for c in levels:
-        cells = [f"{by[(c, p)]['throughput_tok_s']:.1f}" for p in policies]
+        cells = [f"{_throughput(rows, c, p):.1f}" for p in policies]
         s, a = _ratio(rows, c, "static"), _ratio(rows, c, "adaptive")
         off, ad = by.get((c, "off")), by.get((c, "adaptive"))
         tpot = (
@@ -276,7 +312,7 @@ def plot(result: dict, path: Path) -> None:
     levels = sorted({r["concurrency"] for r in rows})
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for policy in POLICIES:
-        pts = [(r["concurrency"], r["throughput_tok_s"]) for r in rows if r["policy"] == policy]
+        pts = [(c, v) for c in levels if (v := _throughput(rows, c, policy)) is not None]
         color = {"off": "C0", "static": "C1", "adaptive": "C2"}[policy]
         if pts:
             ax1.plot(*zip(*pts, strict=True), marker="o", label=policy, color=color)
@@ -310,3 +346,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=48, help="mean output tokens (0.5x-1.5x)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--out", default="bench-serve", help="directory for JSON, Markdown, PNG")
+    p.add_argument(
+        "--repeat-off",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure plain decoding again after the other policies at each level and take "
+        "ratios against the mean of its two runs (their spread is the noise floor)",
+    )

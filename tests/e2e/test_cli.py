@@ -174,10 +174,15 @@ def test_bench_serve_sweeps_policies(tiny_llama_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     result = json.loads((out / "serve.json").read_text())
     got = [(row["concurrency"], row["policy"]) for row in result["rows"]]
-    assert got == [(c, p) for c in (1, 3) for p in ("off", "static", "adaptive")]
+    # plain decoding runs again after the others at each level (drift, noise)
+    assert got == [(c, p) for c in (1, 3) for p in ("off", "static", "adaptive", "off")]
     for c in (1, 3):  # greedy: the same requests give the same tokens under every policy
         totals = {row["output_tokens"] for row in result["rows"] if row["concurrency"] == c}
         assert len(totals) == 1 and totals.pop() > 0
+        offs = [r["throughput_tok_s"] for r in result["rows"] if r["concurrency"] == c][::3]
+        adaptive = result["rows"][4 * (c == 3) + 2]["throughput_tok_s"]
+        assert result["summary"]["adaptive"][str(c)] == pytest.approx(2 * adaptive / sum(offs))
+    assert set(result["summary"]["off_spread"]) == {"1", "3"}
     assert "adaptive vs off" in (out / "serve.md").read_text()
     assert (out / "serve.png").read_bytes()[:4] == b"\x89PNG"
 
