@@ -268,9 +268,15 @@ def markdown(result: dict) -> str:
     levels = sorted({r["concurrency"] for r in rows})
     by = {(r["concurrency"], r["policy"]): r for r in rows if not r.get("repeat")}
     policies = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    repeated = any(r.get("repeat") for r in rows)
     head = "| concurrency | " + " | ".join(f"{p} tok/s" for p in policies)
     head += " | static vs off | adaptive vs off | TPOT off / adaptive (ms) | adaptive drafted |"
-    lines = [head, "|" + "---|" * (len(policies) + 5)]
+    head += " off runs apart |" if repeated else ""
+    lines = [head, "|" + "---|" * (len(policies) + 5 + repeated)]
+
+    def fmt(v, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
     for c in levels:
         cells = [f"{_throughput(rows, c, p):.1f}" for p in policies]
         s, a = _ratio(rows, c, "static"), _ratio(rows, c, "adaptive")
@@ -281,12 +287,11 @@ def markdown(result: dict) -> str:
             else "-"
         )
         share = ad.get("drafting_share") if ad else None
-        lines.append(
-            f"| {c} | " + " | ".join(cells) + f" | {s:.2f}x | {a:.2f}x | {tpot} | "
-            f"{'-' if share is None else f'{share:.0%}'} |"
-            if s is not None and a is not None
-            else f"| {c} | " + " | ".join(cells) + " | - | - | - | - |"
-        )
+        cells += [fmt(s, ".2f") + "x" * (s is not None), fmt(a, ".2f") + "x" * (a is not None)]
+        cells += [tpot, fmt(share, ".0%")]
+        if repeated:
+            cells.append(fmt(_off_spread(rows, c), ".1%"))
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
     cfg = result["speculative_config"]
     return (
         f"Workload `{result['workload']}`, temperature {result['temperature']}, "

@@ -76,16 +76,16 @@ RECIPES = {
         HeadRecipe(
             "qwen2.5-coder-1.5b-eagle3",
             "EAGLE-3 head for Qwen2.5-Coder-1.5B-Instruct, rebuilt here: self-distillation "
-            "data (768 ShareGPT prompts) then training (about 20 + 30 minutes on 2 cores)",
+            "data (1,536 ShareGPT prompts) then training (about 20 + 30 minutes on 2 cores)",
             "qwen2.5-coder-1.5b",
             "eagle3",
             (
-                "--dtype", "bfloat16", "--num-conversations", "768", "--max-prompt-tokens",
+                "--dtype", "bfloat16", "--num-conversations", "1536", "--max-prompt-tokens",
                 "192", "--max-tokens", "192", "--max-num-seqs", "64",
             ),
             (
                 "--dtype", "bfloat16", "--steps", "100000", "--max-minutes", "30",
-                "--max-len", "640", "--lr", "1e-3", "--warmup", "10",
+                "--batch-tokens", "2048", "--max-len", "640", "--lr", "1e-3", "--warmup", "5",
             ),
         ),
     )

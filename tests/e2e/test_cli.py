@@ -183,7 +183,8 @@ def test_bench_serve_sweeps_policies(tiny_llama_dir, tmp_path):
         adaptive = result["rows"][4 * (c == 3) + 2]["throughput_tok_s"]
         assert result["summary"]["adaptive"][str(c)] == pytest.approx(2 * adaptive / sum(offs))
     assert set(result["summary"]["off_spread"]) == {"1", "3"}
-    assert "adaptive vs off" in (out / "serve.md").read_text()
+    md = (out / "serve.md").read_text()
+    assert "adaptive vs off" in md and "off runs apart" in md
     assert (out / "serve.png").read_bytes()[:4] == b"\x89PNG"
 
 
