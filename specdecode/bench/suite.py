@@ -89,7 +89,7 @@ def resolve_targets(args: argparse.Namespace) -> tuple[list[Target], dict[str, s
             small = registry.gguf_path(registry.REGISTRY["qwen2.5-coder-0.5b"])
             draft = "qwen2.5-coder-0.5b" if small.is_file() else None
             why_no_draft = "draft qwen2.5-coder-0.5b not pulled"
-            heads_missing = "no heads trained for this target in this repository"
+            heads_missing = ""
         for m in methods:
             if m == "off":
                 continue
@@ -104,6 +104,17 @@ def resolve_targets(args: argparse.Namespace) -> tuple[list[Target], dict[str, s
                     t.skipped[m] = why_no_draft
             elif heads_missing:
                 t.skipped[m] = heads_missing
+            elif name != "smollm2-135m":  # heads `models pull` builds for a pulled target
+                recipe = next(
+                    (r for r in registry.RECIPES.values() if r.target == name and r.kind == m),
+                    None,
+                )
+                if recipe is None:
+                    t.skipped[m] = "no head recipe for this target"
+                elif not (registry.head_dir(recipe.name) / "config.json").is_file():
+                    t.skipped[m] = f"head not built (`specdecode models pull {recipe.name}`)"
+                else:
+                    t.configs[m] = {"method": m, "model": recipe.name}
             else:
                 t.configs[m] = {"method": m}
         out.append(t)

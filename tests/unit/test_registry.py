@@ -110,3 +110,28 @@ def test_a_failed_head_build_says_where_and_leaves_no_head(monkeypatch, tmp_path
         registry.build_head(recipe, lambda argv: 1 if argv[0] == "train" else 0)
     with pytest.raises(ModelNotFoundError, match="not built yet"):
         registry.built_head(recipe.name)
+
+
+def test_the_suite_runs_a_built_head_for_a_pulled_target_and_says_how_to_build_it(
+    monkeypatch, tmp_path
+):
+    import argparse
+
+    from specdecode.bench.suite import resolve_targets
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "target.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(registry, "gguf_path", lambda model: gguf)
+    args = argparse.Namespace(
+        targets="qwen2.5-coder-1.5b", methods="off,eagle3,medusa", method_config=None,
+        model=None, dtype="float32", qwen_dtype="bfloat16", draft_model=None,
+    )  # fmt: skip
+    (t,), _ = resolve_targets(args)
+    assert "models pull qwen2.5-coder-1.5b-eagle3" in t.skipped["eagle3"]
+    assert "no head recipe" in t.skipped["medusa"]
+    built = registry.head_dir("qwen2.5-coder-1.5b-eagle3")
+    built.mkdir(parents=True)
+    (built / "config.json").write_text("{}")
+    (t,), _ = resolve_targets(args)
+    assert t.configs["eagle3"] == {"method": "eagle3", "model": "qwen2.5-coder-1.5b-eagle3"}
