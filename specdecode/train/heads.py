@@ -148,14 +148,29 @@ class _Trainer:
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.vocab_ids is None else self.vocab_ids[idx]
 
+    def _rows(self, i: int) -> int:
+        return min(self.cfg.max_len, self.train[i].features.shape[0])
+
     def next_batch(self, extra: int) -> _Batch:
-        picked, tokens = [], 0
-        while tokens < self.cfg.batch_tokens:
+        """About `batch_tokens` positions, padding included: a batch is padded to its longest
+        example, and every tensor of the step (soft targets over the draft vocabulary, the
+        unrolled layer's activations) scales with the padded size, so one long example among
+        many short ones once took a 1.5B target's head past 24 GiB. The order is shuffled, then
+        sorted by length within windows of 64 (examples of a batch have similar lengths)."""
+        picked, longest = [], 0
+        while True:
             if not self._order:
-                self._order = torch.randperm(len(self.train), generator=self.gen).tolist()
-            ex = self.train[self._order.pop()]
-            picked.append(ex)
-            tokens += min(self.cfg.max_len, ex.features.shape[0])
+                perm = torch.randperm(len(self.train), generator=self.gen).tolist()
+                self._order = [
+                    i
+                    for w in range(0, len(perm), 64)
+                    for i in sorted(perm[w : w + 64], key=self._rows)
+                ]
+            r = self._rows(self._order[-1])
+            if picked and (len(picked) + 1) * max(longest, r) > self.cfg.batch_tokens:
+                break
+            picked.append(self.train[self._order.pop()])
+            longest = max(longest, r)
         return _collate(picked, self.cfg.max_len, extra)
 
     def held_batches(self):
