@@ -76,7 +76,7 @@ RECIPES = {
         HeadRecipe(
             "qwen2.5-coder-1.5b-eagle3",
             "EAGLE-3 head for Qwen2.5-Coder-1.5B-Instruct, rebuilt here: self-distillation "
-            "data (1,536 ShareGPT prompts) then training (about 20 + 20 minutes on 2 cores)",
+            "data (1,536 ShareGPT prompts) then training (about 20 + 15 minutes on 2 cores)",
             "qwen2.5-coder-1.5b",
             "eagle3",
             (
@@ -84,7 +84,7 @@ RECIPES = {
                 "192", "--max-tokens", "192", "--max-num-seqs", "64",
             ),
             (
-                "--dtype", "bfloat16", "--steps", "100000", "--max-minutes", "20",
+                "--dtype", "bfloat16", "--steps", "100000", "--max-minutes", "15",
                 "--batch-tokens", "2048", "--max-len", "640", "--lr", "1e-3", "--warmup", "5",
             ),
         ),
