@@ -516,14 +516,14 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_models(args: argparse.Namespace) -> None:
-    from specdecode.models.registry import RECIPES, REGISTRY, gguf_path, head_dir, pull
+    from specdecode.models.registry import RECIPES, REGISTRY, gguf_path, is_built, pull
 
     if args.models == "list":
         for m in REGISTRY.values():
             state = "pulled" if gguf_path(m).is_file() else "not pulled"
             print(f"{m.name:<26} {state:<11} {m.description}")
         for r in RECIPES.values():
-            state = "built" if (head_dir(r.name) / "config.json").is_file() else "not built"
+            state = "built" if is_built(r.name) else "not built"
             print(f"{r.name:<26} {state:<11} {r.description}")
         return
     print(pull(args.name))

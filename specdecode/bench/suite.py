@@ -105,13 +105,10 @@ def resolve_targets(args: argparse.Namespace) -> tuple[list[Target], dict[str, s
             elif heads_missing:
                 t.skipped[m] = heads_missing
             elif name != "smollm2-135m":  # heads `models pull` builds for a pulled target
-                recipe = next(
-                    (r for r in registry.RECIPES.values() if r.target == name and r.kind == m),
-                    None,
-                )
+                recipe = registry.recipe_for(name, m)
                 if recipe is None:
                     t.skipped[m] = "no head recipe for this target"
-                elif not (registry.head_dir(recipe.name) / "config.json").is_file():
+                elif not registry.is_built(recipe.name):
                     t.skipped[m] = f"head not built (`specdecode models pull {recipe.name}`)"
                 else:
                     t.configs[m] = {"method": m, "model": recipe.name}

@@ -98,10 +98,19 @@ def head_dir(name: str) -> Path:
     return cache_root() / "heads" / name
 
 
+def is_built(name: str) -> bool:
+    return (head_dir(name) / "config.json").is_file()
+
+
+def recipe_for(target: str, kind: str) -> HeadRecipe | None:
+    """The recipe of a `kind` head for the pulled target `target` (a REGISTRY name)."""
+    return next((r for r in RECIPES.values() if r.target == target and r.kind == kind), None)
+
+
 def built_head(name: str) -> Path:
     """The directory of a head `models pull NAME` built."""
     path = head_dir(name)
-    if not (path / "config.json").is_file():
+    if not is_built(name):
         raise ModelNotFoundError(
             f"{name} is not built yet: run `specdecode models pull {name}` "
             f"({RECIPES[name].description})"
@@ -112,10 +121,8 @@ def built_head(name: str) -> Path:
 def default_head(target_dir: Path, kind: str) -> Path | None:
     """A built head of this kind for a pulled target, if there is one."""
     for r in RECIPES.values():
-        if r.kind == kind and target_dir.name.startswith(r.target + "-"):
-            path = head_dir(r.name)
-            if (path / "config.json").is_file():
-                return path
+        if r.kind == kind and target_dir.name.startswith(r.target + "-") and is_built(r.name):
+            return head_dir(r.name)
     return None
 
 
@@ -125,7 +132,7 @@ def build_head(recipe: HeadRecipe, run=None) -> Path:
     if run is None:
         from specdecode.cli import main as run
     out = head_dir(recipe.name)
-    if (out / "config.json").is_file():
+    if is_built(recipe.name):
         return out
     data = out.with_name(recipe.name + "-data")
     partial = out.with_name(recipe.name + ".partial")
