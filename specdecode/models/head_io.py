@@ -273,7 +273,7 @@ def _load_layer_weights(head: EagleHead, tensors: dict[str, torch.Tensor]) -> No
 
 
 def default_head_path(kind: str, engine: LLMEngine) -> Path:
-    """The head shipped for the default target (made by `specdecode train medusa|eagle`)."""
+    """The head shipped for the default target, or one `models pull` built for a pulled one."""
     from specdecode.models.loader import DEFAULT_MODEL
     from specdecode.models.registry import default_head
 
