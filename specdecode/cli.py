@@ -271,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
             "schedule follows whichever ends first)",
         )
         th.add_argument(
+            "--checkpoint-minutes",
+            type=float,
+            default=5.0,
+            help="write the head as it stands to --out this often (0: only at the end); a run "
+            "killed later keeps it, --init continues from it; Ctrl-C stops training and saves",
+        )
+        th.add_argument(
             "--precision",
             choices=["auto", "bf16", "fp32"],
             default="auto",
@@ -472,6 +479,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             init=args.init,
             eval_examples=args.eval_examples,
             max_minutes=args.max_minutes,
+            checkpoint_minutes=args.checkpoint_minutes or None,
             bf16={"auto": None, "bf16": True, "fp32": False}[args.precision],
             **extra,
         )

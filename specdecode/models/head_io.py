@@ -76,12 +76,16 @@ def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> No
         "draft_vocab_size": int(head.vocab_ids.numel()) if head.vocab_ids is not None else None,
         **info,
     }
+    # written aside, then renamed: a run killed while saving a checkpoint keeps the last one
+    tmp = out_dir / "model.safetensors.tmp"
     save_file(
         {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()},
-        str(out_dir / "model.safetensors"),
+        str(tmp),
         metadata={"format": "pt"},
     )
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tmp.replace(out_dir / "model.safetensors")
+    (out_dir / "config.tmp").write_text(json.dumps(config, indent=2))
+    (out_dir / "config.tmp").replace(out_dir / "config.json")
 
 
 def _read_config(path: Path) -> dict:

@@ -68,7 +68,23 @@ class HeadRecipe:
     kind: str  # medusa | eagle | eagle3
     data_args: tuple[str, ...]  # `specdecode data generate` flags (besides --model, --out)
     train_args: tuple[str, ...]  # `specdecode train KIND` flags (besides --model, --data, --out)
+    # the self-distillation data's directory name under heads/ (recipes with the same data
+    # share it: the shards hold the final feature and EAGLE-3's layer inputs, enough for every
+    # kind); default NAME-data
+    data: str = ""
 
+    @property
+    def data_dir(self) -> Path:
+        return head_dir(self.data or self.name + "-data")
+
+
+# The Qwen heads share one data set: the target regenerates 1,536 ShareGPT train prompts (about
+# 20 minutes on 2 cores); the first recipe pulled makes it, the others reuse it.
+_QWEN_DATA = "qwen2.5-coder-1.5b-eagle3-data"
+_QWEN_DATA_ARGS = (
+    "--dtype", "bfloat16", "--num-conversations", "1536", "--max-prompt-tokens", "192",
+    "--max-tokens", "192", "--max-num-seqs", "64",
+)  # fmt: skip
 
 RECIPES = {
     r.name: r
@@ -79,14 +95,38 @@ RECIPES = {
             "data (1,536 ShareGPT prompts) then training (about 20 + 15 minutes on 2 cores)",
             "qwen2.5-coder-1.5b",
             "eagle3",
-            (
-                "--dtype", "bfloat16", "--num-conversations", "1536", "--max-prompt-tokens",
-                "192", "--max-tokens", "192", "--max-num-seqs", "64",
-            ),
+            _QWEN_DATA_ARGS,
             (
                 "--dtype", "bfloat16", "--steps", "100000", "--max-minutes", "15",
                 "--batch-tokens", "2048", "--max-len", "640", "--lr", "1e-3", "--warmup", "5",
             ),
+            _QWEN_DATA,
+        ),
+        HeadRecipe(
+            "qwen2.5-coder-1.5b-eagle",
+            "EAGLE-1 head (drafted as EAGLE-2 trees) for Qwen2.5-Coder-1.5B-Instruct, rebuilt "
+            "here on the EAGLE-3 head's data (about 20 minutes if not made yet, then 15)",
+            "qwen2.5-coder-1.5b",
+            "eagle",
+            _QWEN_DATA_ARGS,
+            (
+                "--dtype", "bfloat16", "--steps", "100000", "--max-minutes", "15",
+                "--batch-tokens", "2048", "--max-len", "640", "--lr", "1e-3", "--warmup", "5",
+            ),
+            _QWEN_DATA,
+        ),
+        HeadRecipe(
+            "qwen2.5-coder-1.5b-medusa",
+            "Medusa-1 heads (4) for Qwen2.5-Coder-1.5B-Instruct, rebuilt here on the EAGLE-3 "
+            "head's data (about 20 minutes if not made yet, then 10)",
+            "qwen2.5-coder-1.5b",
+            "medusa",
+            _QWEN_DATA_ARGS,
+            (
+                "--dtype", "bfloat16", "--steps", "100000", "--max-minutes", "10",
+                "--batch-tokens", "2048", "--max-len", "640", "--lr", "1e-3", "--warmup", "5",
+            ),
+            _QWEN_DATA,
         ),
     )
 }  # fmt: skip
@@ -134,7 +174,7 @@ def build_head(recipe: HeadRecipe, run=None) -> Path:
     out = head_dir(recipe.name)
     if is_built(recipe.name):
         return out
-    data = out.with_name(recipe.name + "-data")
+    data = recipe.data_dir
     partial = out.with_name(recipe.name + ".partial")
     steps = (
         ["data", "generate", "--model", recipe.target, "--out", str(data), *recipe.data_args],

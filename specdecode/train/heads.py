@@ -63,6 +63,9 @@ class HeadTrainConfig:
     # native (CUDA, or a CPU with AVX512-BF16 / AMX: about 2x); without them oneDNN emulates
     # bf16 and a matmul runs ~4x slower than fp32 (measured on a Zen 3 CPU with AVX2).
     bf16: bool | None = None
+    # write the head as it stands to the output directory this often (a run killed later
+    # keeps it; `init` continues from it); None: only at the end
+    checkpoint_minutes: float | None = 5.0
 
 
 @dataclass
@@ -193,40 +196,51 @@ class _Trainer:
 
         with autocast():
             history = {"before": evaluate()}
-        t0 = time.perf_counter()
+        t0 = last_save = time.perf_counter()
         bar = tqdm(range(cfg.steps), desc=f"training {kind}", unit="step")
-        done = 0
-        for step in bar:
-            progress = step / cfg.steps
-            if budget is not None:
-                progress = max(progress, (time.perf_counter() - t0) / budget)
-                if progress >= 1.0:
-                    log.info(
-                        "time budget of %.1f minutes spent after %d steps", cfg.max_minutes, step
-                    )
-                    break
-            lr = (
-                cfg.lr
-                * min(1.0, (step + 1) / cfg.warmup)
-                * 0.5
-                * (1 + math.cos(math.pi * progress))
-            )
-            for group in opt.param_groups:
-                group["lr"] = lr
-            with autocast():
-                loss, metrics = loss_fn(self.next_batch(extra=self.extra))
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            opt.step()
-            done = step + 1
-            bar.set_postfix(
-                loss=f"{loss.item():.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()}
-            )
-            if (step + 1) % 200 == 0:
-                log.info("step %d: loss %.4f %s", step + 1, loss.item(), metrics)
+        done, stopped = 0, None
+        try:
+            for step in bar:
+                progress = step / cfg.steps
+                if budget is not None:
+                    progress = max(progress, (time.perf_counter() - t0) / budget)
+                    if progress >= 1.0:
+                        stopped = f"time budget of {cfg.max_minutes:g} minutes"
+                        break
+                lr = (
+                    cfg.lr
+                    * min(1.0, (step + 1) / cfg.warmup)
+                    * 0.5
+                    * (1 + math.cos(math.pi * progress))
+                )
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                with autocast():
+                    loss, metrics = loss_fn(self.next_batch(extra=self.extra))
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 0.5)
+                opt.step()
+                done = step + 1
+                bar.set_postfix(
+                    loss=f"{loss.item():.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()}
+                )
+                if (step + 1) % 200 == 0:
+                    log.info("step %d: loss %.4f %s", step + 1, loss.item(), metrics)
+                now = time.perf_counter()
+                if cfg.checkpoint_minutes is not None and now - last_save >= (
+                    cfg.checkpoint_minutes * 60
+                ):
+                    self._checkpoint(module, out_dir, done, now - t0, cfg)
+                    last_save = time.perf_counter()
+        except KeyboardInterrupt:
+            # Ctrl-C ends training like the time budget: evaluated and saved as it stands
+            stopped = "interrupt"
         bar.close()
+        if stopped:
+            log.warning("training stopped by %s after %d steps; saving the head", stopped, done)
         history["steps_done"] = done
+        history["stopped_by"] = stopped or "steps"
         history["train_seconds"] = round(time.perf_counter() - t0, 1)
         with autocast():
             history["after"] = evaluate()
@@ -241,6 +255,14 @@ class _Trainer:
         save_head(module, out_dir, self.target.config, {"training": history})
         (out_dir / "training.json").write_text(json.dumps(history, indent=2))
         return history
+
+    def _checkpoint(self, module, out_dir: Path, done: int, seconds: float, cfg) -> None:
+        """The head as it stands, loadable (`--init` continues from it); replaced at the end."""
+        info = {"checkpoint": True, "steps_done": done, "train_seconds": round(seconds, 1)}
+        info["config"] = asdict(cfg)
+        save_head(module, out_dir, self.target.config, {"training": info})
+        (out_dir / "training.json").write_text(json.dumps(info, indent=2))
+        log.info("checkpoint after %d steps written to %s", done, out_dir)
 
 
 def _large_allocations_via_mmap() -> None:

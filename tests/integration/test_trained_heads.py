@@ -152,3 +152,62 @@ def test_training_stops_at_its_time_budget(heads, tiny_llama_dir, tmp_path):
     history = train_eagle(target, root / "data", tmp_path / "e", cfg, [2])
     assert 1 <= history["steps_done"] < 500
     assert (tmp_path / "e" / "config.json").exists()  # still evaluated and saved
+
+
+def test_ctrl_c_stops_training_and_saves_the_head(heads, tiny_llama_dir, tmp_path, monkeypatch):
+    from specdecode.models.head_io import load_head
+    from specdecode.models.loader import load_model
+    from specdecode.train import heads as train_heads
+
+    root, _ = heads
+    target = load_model(tiny_llama_dir).model.requires_grad_(False)
+    real, calls = train_heads._Trainer.next_batch, []
+
+    def interrupted(self, extra):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, extra)
+
+    monkeypatch.setattr(train_heads._Trainer, "next_batch", interrupted)
+    cfg = HeadTrainConfig(draft_vocab=64, steps=50, batch_tokens=512, warmup=1, eval_examples=8)
+    history = train_medusa(target, root / "data", tmp_path / "m", cfg, [2])
+    assert history["steps_done"] == 2 and history["stopped_by"] == "interrupt"
+    assert "top1_per_head" in history["after"]  # evaluated, then saved
+    assert type(load_head(tmp_path / "m", target)).__name__ == "MedusaHeads"
+
+
+def test_a_killed_run_keeps_its_last_checkpoint(heads, tiny_llama_dir, tmp_path, monkeypatch):
+    """With checkpoints every step, a run that dies at step 4 leaves the head of step 3 on
+    disk, loadable and continuable (`init`)."""
+    from specdecode.models.head_io import load_head
+    from specdecode.models.loader import load_model
+    from specdecode.train import heads as train_heads
+
+    root, _ = heads
+    target = load_model(tiny_llama_dir).model.requires_grad_(False)
+    real, calls = train_heads._Trainer.next_batch, []
+
+    def dies(self, extra):
+        calls.append(1)
+        if len(calls) == 4:
+            raise MemoryError("killed")
+        return real(self, extra)
+
+    monkeypatch.setattr(train_heads._Trainer, "next_batch", dies)
+    cfg = HeadTrainConfig(
+        draft_vocab=64, steps=50, batch_tokens=512, warmup=1, eval_examples=8,
+        checkpoint_minutes=0.0,
+    )  # fmt: skip
+    with pytest.raises(MemoryError):
+        train_eagle(target, root / "data", tmp_path / "e", cfg, [2])
+    saved = json.loads((tmp_path / "e" / "training.json").read_text())
+    assert saved["checkpoint"] and saved["steps_done"] == 3
+    assert load_head(tmp_path / "e", target).kind == "eagle"
+    assert not list((tmp_path / "e").glob("*.tmp"))
+    monkeypatch.setattr(train_heads._Trainer, "next_batch", real)
+    cfg = HeadTrainConfig(
+        draft_vocab=64, steps=1, batch_tokens=512, warmup=1, eval_examples=8,
+        init=str(tmp_path / "e"),
+    )  # fmt: skip
+    assert train_eagle(target, root / "data", tmp_path / "e2", cfg, [2])["steps_done"] == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -129,9 +130,39 @@ def test_the_suite_runs_a_built_head_for_a_pulled_target_and_says_how_to_build_i
     )  # fmt: skip
     (t,), _ = resolve_targets(args)
     assert "models pull qwen2.5-coder-1.5b-eagle3" in t.skipped["eagle3"]
+    assert "models pull qwen2.5-coder-1.5b-medusa" in t.skipped["medusa"]
+    monkeypatch.delitem(registry.RECIPES, "qwen2.5-coder-1.5b-medusa")
+    (t,), _ = resolve_targets(args)
     assert "no head recipe" in t.skipped["medusa"]
     built = registry.head_dir("qwen2.5-coder-1.5b-eagle3")
     built.mkdir(parents=True)
     (built / "config.json").write_text("{}")
     (t,), _ = resolve_targets(args)
     assert t.configs["eagle3"] == {"method": "eagle3", "model": "qwen2.5-coder-1.5b-eagle3"}
+
+
+def test_recipes_of_one_target_share_their_data(monkeypatch, tmp_path):
+    """Every kind trains on the same shards (final feature plus EAGLE-3's layer inputs): the
+    second head pulled reuses the data the first one generated (`data generate` resumes)."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    for kind in ("eagle3", "medusa"):
+        r = registry.HeadRecipe(f"tgt-{kind}", "t", "tgt", kind, ("--n", "8"), (), "tgt-data")
+        monkeypatch.setitem(registry.RECIPES, r.name, r)
+    data_dirs = []
+
+    def run(argv):
+        out = Path(argv[argv.index("--out") + 1])
+        if argv[0] == "data":
+            data_dirs.append(out)
+        else:
+            out.mkdir(parents=True)
+            (out / "config.json").write_text("{}")
+        return 0
+
+    for name in ("tgt-eagle3", "tgt-medusa"):
+        registry.build_head(registry.RECIPES[name], run)
+    assert data_dirs == [tmp_path / "cache" / "heads" / "tgt-data"] * 2
+    # the project's own recipes: one data set per target, generated with the same flags
+    for target in {r.target for r in registry.RECIPES.values()}:
+        mine = [r for r in registry.RECIPES.values() if r.target == target]
+        assert len({(r.data_dir, r.data_args) for r in mine}) == 1
