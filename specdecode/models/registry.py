@@ -86,6 +86,14 @@ _QWEN_DATA_ARGS = (
     "--max-tokens", "192", "--max-num-seqs", "64",
 )  # fmt: skip
 
+
+def _qwen_train_args(minutes: int) -> tuple[str, ...]:
+    return (
+        "--dtype", "bfloat16", "--steps", "100000", "--max-minutes", str(minutes),
+        "--batch-tokens", "2048", "--max-len", "640", "--lr", "1e-3", "--warmup", "5",
+    )  # fmt: skip
+
+
 RECIPES = {
     r.name: r
     for r in (
@@ -96,10 +104,7 @@ RECIPES = {
             "qwen2.5-coder-1.5b",
             "eagle3",
             _QWEN_DATA_ARGS,
-            (
-                "--dtype", "bfloat16", "--steps", "100000", "--max-minutes", "15",
-                "--batch-tokens", "2048", "--max-len", "640", "--lr", "1e-3", "--warmup", "5",
-            ),
+            _qwen_train_args(15),
             _QWEN_DATA,
         ),
         HeadRecipe(
@@ -109,10 +114,7 @@ RECIPES = {
             "qwen2.5-coder-1.5b",
             "eagle",
             _QWEN_DATA_ARGS,
-            (
-                "--dtype", "bfloat16", "--steps", "100000", "--max-minutes", "15",
-                "--batch-tokens", "2048", "--max-len", "640", "--lr", "1e-3", "--warmup", "5",
-            ),
+            _qwen_train_args(15),
             _QWEN_DATA,
         ),
         HeadRecipe(
@@ -122,10 +124,7 @@ RECIPES = {
             "qwen2.5-coder-1.5b",
             "medusa",
             _QWEN_DATA_ARGS,
-            (
-                "--dtype", "bfloat16", "--steps", "100000", "--max-minutes", "10",
-                "--batch-tokens", "2048", "--max-len", "640", "--lr", "1e-3", "--warmup", "5",
-            ),
+            _qwen_train_args(10),
             _QWEN_DATA,
         ),
     )

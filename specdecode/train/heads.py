@@ -238,7 +238,8 @@ class _Trainer:
             stopped = "interrupt"
         bar.close()
         if stopped:
-            log.warning("training stopped by %s after %d steps; saving the head", stopped, done)
+            level = logging.WARNING if stopped == "interrupt" else logging.INFO
+            log.log(level, "training stopped by %s after %d steps; saving the head", stopped, done)
         history["steps_done"] = done
         history["stopped_by"] = stopped or "steps"
         history["train_seconds"] = round(time.perf_counter() - t0, 1)

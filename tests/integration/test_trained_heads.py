@@ -154,22 +154,29 @@ def test_training_stops_at_its_time_budget(heads, tiny_llama_dir, tmp_path):
     assert (tmp_path / "e" / "config.json").exists()  # still evaluated and saved
 
 
+def _fail_at(monkeypatch, call: int, exc: BaseException):
+    """Training's `call`-th batch raises `exc` (a Ctrl-C, a kill); returns the real batcher."""
+    from specdecode.train import heads as train_heads
+
+    real, calls = train_heads._Trainer.next_batch, []
+
+    def failing(self, extra):
+        calls.append(1)
+        if len(calls) == call:
+            raise exc
+        return real(self, extra)
+
+    monkeypatch.setattr(train_heads._Trainer, "next_batch", failing)
+    return real
+
+
 def test_ctrl_c_stops_training_and_saves_the_head(heads, tiny_llama_dir, tmp_path, monkeypatch):
     from specdecode.models.head_io import load_head
     from specdecode.models.loader import load_model
-    from specdecode.train import heads as train_heads
 
     root, _ = heads
     target = load_model(tiny_llama_dir).model.requires_grad_(False)
-    real, calls = train_heads._Trainer.next_batch, []
-
-    def interrupted(self, extra):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(self, extra)
-
-    monkeypatch.setattr(train_heads._Trainer, "next_batch", interrupted)
+    _fail_at(monkeypatch, 3, KeyboardInterrupt())
     cfg = HeadTrainConfig(draft_vocab=64, steps=50, batch_tokens=512, warmup=1, eval_examples=8)
     history = train_medusa(target, root / "data", tmp_path / "m", cfg, [2])
     assert history["steps_done"] == 2 and history["stopped_by"] == "interrupt"
@@ -186,15 +193,7 @@ def test_a_killed_run_keeps_its_last_checkpoint(heads, tiny_llama_dir, tmp_path,
 
     root, _ = heads
     target = load_model(tiny_llama_dir).model.requires_grad_(False)
-    real, calls = train_heads._Trainer.next_batch, []
-
-    def dies(self, extra):
-        calls.append(1)
-        if len(calls) == 4:
-            raise MemoryError("killed")
-        return real(self, extra)
-
-    monkeypatch.setattr(train_heads._Trainer, "next_batch", dies)
+    real = _fail_at(monkeypatch, 4, MemoryError("killed"))
     cfg = HeadTrainConfig(
         draft_vocab=64, steps=50, batch_tokens=512, warmup=1, eval_examples=8,
         checkpoint_minutes=0.0,
