@@ -231,7 +231,7 @@ class _Trainer:
                 if cfg.checkpoint_minutes is not None and now - last_save >= (
                     cfg.checkpoint_minutes * 60
                 ):
-                    self._checkpoint(module, out_dir, done, now - t0, cfg)
+                    self._checkpoint(module, out_dir, done, now - t0)
                     last_save = time.perf_counter()
         except KeyboardInterrupt:
             # Ctrl-C ends training like the time budget: evaluated and saved as it stands
@@ -257,10 +257,10 @@ class _Trainer:
         (out_dir / "training.json").write_text(json.dumps(history, indent=2))
         return history
 
-    def _checkpoint(self, module, out_dir: Path, done: int, seconds: float, cfg) -> None:
+    def _checkpoint(self, module, out_dir: Path, done: int, seconds: float) -> None:
         """The head as it stands, loadable (`--init` continues from it); replaced at the end."""
         info = {"checkpoint": True, "steps_done": done, "train_seconds": round(seconds, 1)}
-        info["config"] = asdict(cfg)
+        info["config"] = asdict(self.cfg)
         save_head(module, out_dir, self.target.config, {"training": info})
         (out_dir / "training.json").write_text(json.dumps(info, indent=2))
         log.info("checkpoint after %d steps written to %s", done, out_dir)
