@@ -288,6 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
             th.add_argument("--num-heads", type=int, default=4)
         elif kind == "eagle3":
             th.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled")
+            th.add_argument(
+                "--ttt-ramp",
+                type=float,
+                default=0.0,
+                help="fraction of the run (by steps or time) that unrolls fewer steps, 1 up to "
+                "--ttt-steps - 1 in equal shares (cheaper steps while the head learns the basics)",
+            )
         else:
             th.add_argument("--noise", type=float, default=0.1, help="U(-a, a) feature noise")
             th.add_argument("--ce-weight", type=float, default=0.1)
@@ -467,7 +474,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         extra = {
             "medusa": lambda: {"num_heads": args.num_heads},
             "eagle": lambda: {"noise": args.noise, "ce_weight": args.ce_weight},
-            "eagle3": lambda: {"ttt_steps": args.ttt_steps},
+            "eagle3": lambda: {"ttt_steps": args.ttt_steps, "ttt_ramp": args.ttt_ramp},
         }[args.train]()
         hcfg = HeadTrainConfig(
             draft_vocab=args.draft_vocab,

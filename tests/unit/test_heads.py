@@ -65,6 +65,40 @@ def test_eagle_training_starts_as_identity_on_the_feature(target):
     assert head.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
 
 
+def test_eagle3_training_starts_as_identity_on_the_high_feature(target):
+    """EAGLE-3 training starts by passing the high feature (the last third of the fused input)
+    through, with the target's final norm and LM-head rows; gradients reach every part."""
+    from specdecode.models.heads import Eagle3Head
+    from specdecode.train.heads import _identity_start3
+
+    vocab = torch.tensor([3, 1, 40, 7, 95])
+    head = Eagle3Head(CFG, vocab.numel(), (0, 1, 2))
+    _identity_start3(head, target, target.lm_head.weight[vocab])
+    head.attach(target.embed_tokens, vocab)
+    h = CFG.hidden_size
+    feats = torch.randn(2, 6, 3 * h)
+    ids = torch.randint(0, CFG.vocab_size, (2, 7))
+    (out,) = head.forward_unrolled(ids, feats, 1)
+    torch.testing.assert_close(out, feats[..., 2 * h :])
+    want = target.norm(feats[..., 2 * h :]) @ target.lm_head.weight[vocab].T
+    torch.testing.assert_close(head.logits(out), want)
+    outs = head.forward_unrolled(ids, feats, 2)
+    sum(o.square().sum() for o in outs).backward()
+    assert head.fc.weight.grad[:, : 2 * h].abs().sum() > 0  # the low and mid features
+    assert head.layers[0].self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert head.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_ttt_ramp_unrolls_fewer_steps_early():
+    from specdecode.train.heads import ttt_steps_at
+
+    assert [ttt_steps_at(p, 4, 0.6) for p in (0, 0.19, 0.21, 0.39, 0.41, 0.59, 0.6, 1)] == [
+        1, 1, 2, 2, 3, 3, 4, 4,
+    ]  # fmt: skip
+    assert {ttt_steps_at(p, 4, 0.0) for p in (0, 0.5)} == {4}  # no ramp
+    assert ttt_steps_at(0.1, 1, 0.5) == 1
+
+
 def _paged(head: EagleHead, ids, feats, positions, blocks, manager, cache, mask=None):
     meta = build_metadata(
         cache.kv, manager, [blocks], [len(ids)], [mask] if mask is not None else None
@@ -220,3 +254,30 @@ def test_dynamic_tree_expands_global_topk_and_reranks():
     # depth 3: 9 (.6237), 10 (.11); rerank top 5: 1 .7, 4 .63, 9 .6237, 2 .2, 6 (.11, before 10)
     assert prop.tokens == [7, 1, 2, 4, 6, 9]
     assert prop.shape.parents == (-1, 0, 0, 1, 2, 3)
+
+
+def test_soft_labels_are_read_shifted_at_the_selected_positions():
+    """Labels are computed only where a loss reads them; read at shift s they equal the dense
+    computation sliced at t + s."""
+    from types import SimpleNamespace
+
+    from specdecode.train.heads import _Batch, _Trainer
+
+    torch.manual_seed(0)
+    b, n, hsz, extra = 3, 7, 8, 4
+    feats = torch.randn(b, n, hsz)
+    rows = torch.tensor([7, 4, 6])
+    valid = torch.rand(b, n + extra) < 0.7
+    batch = _Batch(feats, torch.zeros(b, n + extra, dtype=torch.long), valid, rows)
+    w_rows, w_full = torch.randn(5, hsz), torch.randn(11, hsz)
+    fake = SimpleNamespace(final=lambda f: f, lm_rows=w_rows, lm_full=w_full)
+    targets = _Trainer.labels(fake, batch, top1=True)
+    assert targets.probs.shape[0] < b * n  # not every position
+    dense = torch.nn.functional.pad((feats @ w_rows.T).softmax(-1), (0, 0, 0, extra))
+    best = torch.nn.functional.pad((feats @ w_full.T).argmax(-1), (0, extra))
+    t = torch.arange(n)[None]
+    for s in (1, 2, 3):
+        sel = valid[:, s : n + s] & (t + s < rows[:, None])
+        p, want = targets.at(sel, s)
+        torch.testing.assert_close(p, dense[:, s : n + s][sel])
+        assert torch.equal(want, best[:, s : n + s][sel])
