@@ -78,19 +78,20 @@ class HeadRecipe:
         return head_dir(self.data or self.name + "-data")
 
 
-# The Qwen heads share one data set: the target regenerates 1,536 ShareGPT train prompts (about
-# 20 minutes on 2 cores); the first recipe pulled makes it, the others reuse it.
+# The Qwen heads share one data set: the target regenerates 3,072 ShareGPT train prompts (about
+# 36 minutes on 2 cores); the first recipe pulled makes it, the others reuse it. (Until
+# 2026-12-03 it held 1,536; a data set made then is extended, not remade: shards resume.)
 _QWEN_DATA = "qwen2.5-coder-1.5b-eagle3-data"
 _QWEN_DATA_ARGS = (
-    "--dtype", "bfloat16", "--num-conversations", "1536", "--max-prompt-tokens", "192",
+    "--dtype", "bfloat16", "--num-conversations", "3072", "--max-prompt-tokens", "192",
     "--max-tokens", "192", "--max-num-seqs", "64",
 )  # fmt: skip
 
 
-def _qwen_train_args(minutes: int) -> tuple[str, ...]:
+def _qwen_train_args(minutes: int, *extra: str) -> tuple[str, ...]:
     return (
         "--dtype", "bfloat16", "--steps", "100000", "--max-minutes", str(minutes),
-        "--batch-tokens", "2048", "--max-len", "640", "--lr", "1e-3", "--warmup", "5",
+        "--batch-tokens", "2048", "--max-len", "640", "--lr", "1e-3", "--warmup", "5", *extra,
     )  # fmt: skip
 
 
@@ -100,17 +101,17 @@ RECIPES = {
         HeadRecipe(
             "qwen2.5-coder-1.5b-eagle3",
             "EAGLE-3 head for Qwen2.5-Coder-1.5B-Instruct, rebuilt here: self-distillation "
-            "data (1,536 ShareGPT prompts) then training (about 20 + 15 minutes on 2 cores)",
+            "data (3,072 ShareGPT prompts) then training (about 36 + 60 minutes on 2 cores)",
             "qwen2.5-coder-1.5b",
             "eagle3",
             _QWEN_DATA_ARGS,
-            _qwen_train_args(15),
+            _qwen_train_args(60, "--ttt-ramp", "0.5"),
             _QWEN_DATA,
         ),
         HeadRecipe(
             "qwen2.5-coder-1.5b-eagle",
             "EAGLE-1 head (drafted as EAGLE-2 trees) for Qwen2.5-Coder-1.5B-Instruct, rebuilt "
-            "here on the EAGLE-3 head's data (about 20 minutes if not made yet, then 15)",
+            "here on the EAGLE-3 head's data (about 36 minutes if not made yet, then 15)",
             "qwen2.5-coder-1.5b",
             "eagle",
             _QWEN_DATA_ARGS,
@@ -120,7 +121,7 @@ RECIPES = {
         HeadRecipe(
             "qwen2.5-coder-1.5b-medusa",
             "Medusa-1 heads (4) for Qwen2.5-Coder-1.5B-Instruct, rebuilt here on the EAGLE-3 "
-            "head's data (about 20 minutes if not made yet, then 10)",
+            "head's data (about 36 minutes if not made yet, then 10)",
             "qwen2.5-coder-1.5b",
             "medusa",
             _QWEN_DATA_ARGS,

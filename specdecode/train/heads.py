@@ -211,7 +211,8 @@ class _Trainer:
         params = [p for p in module.parameters() if p.requires_grad]
         # fused: one kernel per parameter instead of a dozen element-wise passes (AdamW's step
         # took 0.25-0.45 s of a 2.5-6 s step for a 1.5B target's EAGLE-3 head on 2 cores)
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95), fused=True)
+        fused = params[0].device.type in ("cpu", "cuda")
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95), fused=fused)
         budget = cfg.max_minutes * 60 if cfg.max_minutes else None
 
         use_bf16 = native_bf16_matmul() if cfg.bf16 is None else cfg.bf16
