@@ -50,16 +50,15 @@ def export_head(
     else:  # pragma: no cover
         raise InvalidRequestError("unknown head")
     config.setdefault("vocab_size", c.vocab_size)
-    from safetensors.torch import save_file
+    from specdecode.models.loader import write_safetensors
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file(
+    write_safetensors(
         {
             k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
             for k, v in tensors.items()
         },
-        str(out / "model.safetensors"),
-        metadata={"format": "pt"},
+        out / "model.safetensors",
     )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for f in ("training.json",):

@@ -149,10 +149,10 @@ def _dequantize(t, name: str, cfg: dict) -> torch.Tensor:
 
 
 def _write_shard(tensors: dict[str, torch.Tensor], out_dir: Path, index: int) -> Path:
-    from safetensors.torch import save_file
+    from specdecode.models.loader import write_safetensors
 
     path = out_dir / f"shard-{index:05d}.safetensors"
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    write_safetensors(tensors, path)
     return path
 
 

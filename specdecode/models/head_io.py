@@ -39,7 +39,7 @@ def _unfused(module: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Te
 
 
 def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> None:
-    from safetensors.torch import save_file
+    from specdecode.models.loader import write_safetensors
 
     out_dir.mkdir(parents=True, exist_ok=True)
     c = target_config
@@ -77,13 +77,10 @@ def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> No
         **info,
     }
     # written aside, then renamed: a run killed while saving a checkpoint keeps the last one
-    tmp = out_dir / "model.safetensors.tmp"
-    save_file(
+    write_safetensors(
         {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()},
-        str(tmp),
-        metadata={"format": "pt"},
+        out_dir / "model.safetensors",
     )
-    tmp.replace(out_dir / "model.safetensors")
     (out_dir / "config.tmp").write_text(json.dumps(config, indent=2))
     (out_dir / "config.tmp").replace(out_dir / "config.json")
 

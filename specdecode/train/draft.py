@@ -226,14 +226,14 @@ def _evaluate(target, draft, held: list[Example], feats, cfg: DraftTrainConfig) 
 def save_draft(
     draft: LlamaModel, out_dir: Path, target: LlamaModel, history: dict, tokenizer_dir: Path | None
 ) -> None:
-    from safetensors.torch import save_file
+    from specdecode.models.loader import write_safetensors
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {
         k: v.to(torch.bfloat16) for k, v in draft.hf_state_dict().items() if "embed_tokens" not in k
     }
     tensors["vocab_ids"] = draft.vocab_ids.cpu()
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(tensors, out_dir / "model.safetensors")
     c = target.config
     config = {
         "architectures": [c.hf_architecture],

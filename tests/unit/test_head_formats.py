@@ -195,6 +195,25 @@ def test_export_eagle3_reads_back(target, tmp_path, fmt):
     _same_eagle(head, loaded)
 
 
+def test_written_heads_and_exports_are_readable_by_others(target, tmp_path):
+    """safetensors 0.8 creates files 0600; a head or an export is written with the mode the
+    umask gives, as config.json is, so another user's engine (vLLM in a container) can read it."""
+    import os
+    import stat
+
+    head = _eagle3(target, torch.tensor([0, 5, 9, 40, 41]))
+    old = os.umask(0o022)
+    try:
+        save_head(head, tmp_path / "ours", CFG, {})
+        export_head(tmp_path / "ours", target, "vllm", tmp_path / "vllm", "org/target")
+    finally:
+        os.umask(old)
+    for d in ("ours", "vllm"):
+        mode = stat.S_IMODE((tmp_path / d / "model.safetensors").stat().st_mode)
+        assert mode == 0o644, (d, oct(mode))
+        assert sorted(p.name for p in (tmp_path / d).iterdir() if "tmp" in p.name) == []
+
+
 def test_export_refusals(target, tmp_path):
     head = _randomise(EagleHead(CFG, fc_bias=True))
     head.attach(target.embed_tokens, target.lm_head.weight, None)
