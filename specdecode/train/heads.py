@@ -434,15 +434,22 @@ def _identity_start(head: EagleHead, target: LlamaModel) -> None:
     h = head.config.hidden_size
     src, dst = target.layers[-1], head.layers[0]
     dst.self_attn.load_state_dict(src.self_attn.state_dict())
-    dst.mlp.load_state_dict(src.mlp.state_dict())
-    dst.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
-    dst.self_attn.o_proj.weight.zero_()
-    dst.mlp.down_proj.weight.zero_()
-    for lin in (dst.self_attn.o_proj, dst.mlp.down_proj, head.fc):
-        if lin.bias is not None:
-            lin.bias.zero_()
+    _silenced_copy(dst, src)
+    if head.fc.bias is not None:
+        head.fc.bias.zero_()
     head.fc.weight.zero_()
     head.fc.weight[:, h : 2 * h].copy_(torch.eye(h))
+
+
+def _silenced_copy(dst, src) -> None:
+    """The target layer's MLP and post-attention norm into the head's layer, with both output
+    projections (o_proj, down_proj) zeroed: the layer starts as the identity on its residual."""
+    dst.mlp.load_state_dict(src.mlp.state_dict())
+    dst.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
+    for lin in (dst.self_attn.o_proj, dst.mlp.down_proj):
+        lin.weight.zero_()
+        if lin.bias is not None:
+            lin.bias.zero_()
 
 
 def _unrolled_steps(tr: _Trainer, head, batch: _Batch, inputs, steps: int, top1: bool = False):
@@ -540,17 +547,12 @@ def _identity_start3(head: Eagle3Head, target: LlamaModel, lm_rows: torch.Tensor
     soft cross-entropy of 12 and was still at 5.3 after 154 steps on Qwen2.5-Coder-1.5B."""
     h = head.config.hidden_size
     src, dst = target.layers[-1], head.layers[0]
-    dst.self_attn.o_proj.weight.zero_()
-    if dst.self_attn.o_proj.bias is not None:
-        dst.self_attn.o_proj.bias.zero_()
     dst.self_attn.qkv_proj.weight[:, h:] = src.self_attn.qkv_proj.weight
     dst.self_attn.qkv_proj.weight[:, :h].normal_(0, 0.02)
     if src.self_attn.qkv_proj.bias is not None:
         dst.self_attn.qkv_proj.bias.copy_(src.self_attn.qkv_proj.bias)
     dst.hidden_norm.load_state_dict(src.input_layernorm.state_dict())
-    dst.mlp.load_state_dict(src.mlp.state_dict())
-    dst.mlp.down_proj.weight.zero_()
-    dst.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
+    _silenced_copy(dst, src)
     head.fc.weight.zero_()
     head.fc.weight[:, -h:].copy_(torch.eye(h))
     head.norm.load_state_dict(target.norm.state_dict())
