@@ -194,6 +194,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(dgen)
     dgen.add_argument("--out", required=True, help="directory for the shards")
+    dgen.add_argument(
+        "--source",
+        choices=("sharegpt", "sharegpt-code"),
+        default="sharegpt",
+        help="training prompts: ShareGPT's train split, or only its code requests (first turn "
+        "with a code fence, a language keyword or a language / library by name)",
+    )
+    dgen.add_argument(
+        "--exclude-data",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="skip conversations already answered in this shard directory (repeatable), so a "
+        "second data set adds new prompts only",
+    )
     dgen.add_argument("--num-conversations", type=int, default=512)
     dgen.add_argument("--shard-size", type=int, default=64)
     dgen.add_argument("--max-tokens", type=int, default=256)
@@ -246,7 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
         th = tsub.add_parser(kind, help=f"train {what} on a frozen target")
         add_engine_args(th)
         th.add_argument(
-            "--data", required=True, help="shards with features from `specdecode data generate`"
+            "--data",
+            required=True,
+            action="append",
+            help="shards with features from `specdecode data generate` (repeatable: one head "
+            "trains on several data sets; the last --eval-examples of each are held out)",
         )
         th.add_argument("--out", required=True, help="directory for the head")
         th.add_argument(
@@ -427,8 +446,13 @@ def cmd_data(args: argparse.Namespace) -> None:
 
     kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs}
     llm = LLM(args.model, **kwargs)
+    from specdecode.train.datagen import answered_ids
+
+    skip = set().union(*(answered_ids(Path(d)) for d in args.exclude_data))
     conversations = []
-    for item in data.sharegpt("train"):
+    for item in data.SOURCES[args.source]("train"):
+        if item[0] in skip:
+            continue
         conversations.append(item)
         if len(conversations) == args.num_conversations:
             break
@@ -448,6 +472,7 @@ def cmd_data(args: argparse.Namespace) -> None:
         args.temperature,
         max_prompt_tokens=args.max_prompt_tokens,
         feature_layers=layers,
+        source=args.source,
     )
     print(f"wrote {len(written)} shards to {args.out}")
 
@@ -492,7 +517,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         )
         fn = {"medusa": train_medusa, "eagle": train_eagle, "eagle3": train_eagle3}[args.train]
         loaded.model.requires_grad_(False)
-        history = fn(loaded.model, Path(args.data), Path(args.out), hcfg, eos)
+        history = fn(loaded.model, [Path(d) for d in args.data], Path(args.out), hcfg, eos)
         keys = ("before", "after", "train_seconds", "draft_vocab_coverage", "train_answer_tokens")
         print(json.dumps({k: history[k] for k in keys}, indent=2))
         return

@@ -72,10 +72,18 @@ class HeadRecipe:
     # share it: the shards hold the final feature and EAGLE-3's layer inputs, enough for every
     # kind); default NAME-data
     data: str = ""
+    # further data sets, trained on together with the first: (directory name under heads/,
+    # `data generate` flags); each is generated with --exclude-data of the ones before it
+    more_data: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def data_dir(self) -> Path:
         return head_dir(self.data or self.name + "-data")
+
+    @property
+    def data_sets(self) -> list[tuple[Path, tuple[str, ...]]]:
+        """Every (directory, `data generate` flags) the head trains on, in order."""
+        return [(self.data_dir, self.data_args)] + [(head_dir(d), a) for d, a in self.more_data]
 
 
 # The Qwen heads share one data set: the target regenerates 3,072 ShareGPT train prompts (about
@@ -85,6 +93,15 @@ _QWEN_DATA = "qwen2.5-coder-1.5b-eagle3-data"
 _QWEN_DATA_ARGS = (
     "--dtype", "bfloat16", "--num-conversations", "3072", "--max-prompt-tokens", "192",
     "--max-tokens", "192", "--max-num-seqs", "64",
+)  # fmt: skip
+
+
+# EAGLE-3 also trains on ShareGPT's code requests that the first set lacks (`--source
+# sharegpt-code`, generated with --exclude-data of the first): about 1,800 more conversations.
+_QWEN_CODE_DATA = (
+    "qwen2.5-coder-1.5b-code-data",
+    ("--dtype", "bfloat16", "--source", "sharegpt-code", "--num-conversations", "3072",
+     "--max-prompt-tokens", "256", "--max-tokens", "192", "--max-num-seqs", "64"),
 )  # fmt: skip
 
 
@@ -107,6 +124,7 @@ RECIPES = {
             _QWEN_DATA_ARGS,
             _qwen_train_args(60, "--ttt-ramp", "0.5"),
             _QWEN_DATA,
+            (_QWEN_CODE_DATA,),
         ),
         HeadRecipe(
             "qwen2.5-coder-1.5b-eagle",
@@ -174,12 +192,17 @@ def build_head(recipe: HeadRecipe, run=None) -> Path:
     out = head_dir(recipe.name)
     if is_built(recipe.name):
         return out
-    data = recipe.data_dir
     partial = out.with_name(recipe.name + ".partial")
-    steps = (
-        ["data", "generate", "--model", recipe.target, "--out", str(data), *recipe.data_args],
-        ["train", recipe.kind, "--model", recipe.target, "--data", str(data), "--out",
-         str(partial), *recipe.train_args],
+    steps, dirs = [], []
+    for data, args in recipe.data_sets:
+        exclude = [a for d in dirs for a in ("--exclude-data", str(d))]
+        steps.append(
+            ["data", "generate", "--model", recipe.target, "--out", str(data), *exclude, *args]
+        )
+        dirs.append(data)
+    steps.append(
+        ["train", recipe.kind, "--model", recipe.target,
+         *[a for d in dirs for a in ("--data", str(d))], "--out", str(partial), *recipe.train_args]
     )  # fmt: skip
     for argv in steps:
         log.warning("building %s: specdecode %s", recipe.name, " ".join(argv))

@@ -93,6 +93,20 @@ def shard_metadata(data_dir: Path) -> dict:
         return dict(f.metadata())
 
 
+def answered_ids(data_dir: Path) -> set[str]:
+    """The conversation ids stored in a shard directory (read from the shards' metadata)."""
+    from safetensors import safe_open
+
+    paths = sorted(data_dir.glob("shard-*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(f"no shards in {data_dir}")
+    ids: set[str] = set()
+    for path in paths:
+        with safe_open(str(path), framework="pt") as f:
+            ids.update(json.loads(f.metadata()["conversation_ids"]))
+    return ids
+
+
 def iter_examples(data_dir: Path, features: bool = True) -> Iterator[Example]:
     for path in sorted(data_dir.glob("shard-*.safetensors")):
         yield from read_shard(path, features)
@@ -141,6 +155,7 @@ def generate(
     temperature: float = 0.0,
     max_prompt_tokens: int = 512,
     feature_layers: tuple[int, ...] | None = None,
+    source: str = "sharegpt",
 ) -> list[Path]:
     """Answer each conversation's first user turn with the target; write this rank's shards.
 
@@ -166,7 +181,7 @@ def generate(
         "model": str(engine.model_path.name),
         "max_tokens": max_tokens,
         "temperature": temperature,
-        "source": "sharegpt train split, first user turn",
+        "source": f"{source} (train split), first user turn",
     }
     recorder = None
     if feature_layers is not None:

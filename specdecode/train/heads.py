@@ -10,9 +10,10 @@ predicted token is one the target generated (an answer token) are trained.
 - EAGLE-1: entry t = fc([embed(x_{t+1}); f_t + noise]) -> f'_{t+1}; loss = smooth-L1(f', f)
   + 0.1 x soft CE (Li et al. 2024), noise ~ U(-0.1, 0.1).
 - EAGLE-3: training-time test over the low/mid/high features (see `train_eagle3`).
-Held-out metrics (the last `eval_examples` conversations): loss, and top-1 agreement with the
-target's full-vocabulary argmax per draft position (Medusa: per head; EAGLE: unrolled k steps,
-each fed the previous step's prediction, as when drafting).
+Several data directories train one head (say ShareGPT chats and its code requests). Held-out
+metrics (the last `eval_examples` conversations of each directory): loss, and top-1 agreement
+with the target's full-vocabulary argmax per draft position (Medusa: per head; EAGLE: unrolled
+k steps, each fed the previous step's prediction, as when drafting).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -106,26 +108,59 @@ class _Targets:
         return self.probs[rows], (None if self.best is None else self.best[rows])
 
 
+DataDirs = Path | Sequence[Path]
+
+
+def load_examples(
+    data: DataDirs, eval_examples: int
+) -> tuple[tuple[int, ...], list[Example], list[tuple[str, list[Example]]]]:
+    """(feature layers, train, [(directory name, its held-out)]) from one or more shard
+    directories with features.
+
+    The last `eval_examples` usable conversations of each directory are held out; a conversation
+    held out anywhere is never trained on, and one stored twice is trained on once."""
+    dirs = [data] if isinstance(data, Path) else list(data)
+    layers, train, held = None, [], []
+    for d in dirs:
+        meta = shard_metadata(d)
+        if "feature_layers" not in meta:
+            raise ValueError(
+                f"{d} has no target features; regenerate it with "
+                "`specdecode data generate --features eagle3` (the default)"
+            )
+        these = tuple(json.loads(meta["feature_layers"]))
+        if layers is not None and these != layers:
+            raise ValueError(
+                f"{d} stores features of layers {list(these)}, {dirs[0]} of {list(layers)}: "
+                "data sets trained on together need the same layers"
+            )
+        layers = these
+        examples = [e for e in iter_examples(d) if e.features is not None]
+        examples = [e for e in examples if len(e.input_ids) >= 4]
+        if len(examples) <= eval_examples:
+            raise ValueError(
+                f"{d} holds {len(examples)} usable examples; need more than "
+                f"{eval_examples} (the last ones are held out)"
+            )
+        train += examples[:-eval_examples]
+        held.append((d.name, examples[-eval_examples:]))
+    seen = {e.conversation_id for _, exs in held for e in exs}
+    kept = []
+    for e in train:
+        if e.conversation_id not in seen:
+            seen.add(e.conversation_id)
+            kept.append(e)
+    return layers, kept, held
+
+
 class _Trainer:
     """What Medusa and EAGLE training share: data, draft vocabulary, soft targets, the loop."""
 
-    def __init__(self, target: LlamaModel, data_dir: Path, cfg: HeadTrainConfig, eos_ids):
+    def __init__(self, target: LlamaModel, data: DataDirs, cfg: HeadTrainConfig, eos_ids):
         self.target, self.cfg = target, cfg
-        meta = shard_metadata(data_dir)
-        if "feature_layers" not in meta:
-            raise ValueError(
-                f"{data_dir} has no target features; regenerate it with "
-                "`specdecode data generate --features eagle3` (the default)"
-            )
         self.hidden = target.config.hidden_size
-        examples = [e for e in iter_examples(data_dir) if e.features is not None]
-        examples = [e for e in examples if len(e.input_ids) >= 4]
-        if len(examples) <= cfg.eval_examples:
-            raise ValueError(
-                f"{data_dir} holds {len(examples)} usable examples; need more than "
-                f"{cfg.eval_examples} (the last ones are held out)"
-            )
-        self.train, self.held = examples[: -cfg.eval_examples], examples[-cfg.eval_examples :]
+        self.feature_layers, self.train, self.held_sets = load_examples(data, cfg.eval_examples)
+        self.held = [e for _, exs in self.held_sets for e in exs]
         # continuing: the earlier head (loaded once) keeps its own draft vocabulary
         self.init_head = None
         if cfg.init:
@@ -203,6 +238,19 @@ class _Trainer:
         for i in range(0, len(self.held), 8):
             yield _collate(self.held[i : i + 8], self.cfg.max_len, self.extra)
 
+    def _evaluate(self, evaluate) -> dict:
+        """Held-out metrics on every set together, and per set when there are several."""
+        out = evaluate()
+        if len(self.held_sets) > 1:
+            held, out["by_data_set"] = self.held, {}
+            try:
+                for name, examples in self.held_sets:
+                    self.held = examples
+                    out["by_data_set"][name] = evaluate()
+            finally:
+                self.held = held
+        return out
+
     def run(self, module, loss_fn, evaluate, out_dir: Path, kind: str, info: dict) -> dict:
         from tqdm import tqdm
 
@@ -221,7 +269,7 @@ class _Trainer:
             return torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16)
 
         with autocast():
-            history = {"before": evaluate()}
+            history = {"before": self._evaluate(evaluate)}
         t0 = last_save = time.perf_counter()
         bar = tqdm(range(cfg.steps), desc=f"training {kind}", unit="step")
         done, stopped = 0, None
@@ -271,7 +319,7 @@ class _Trainer:
         history["stopped_by"] = stopped or "steps"
         history["train_seconds"] = round(time.perf_counter() - t0, 1)
         with autocast():
-            history["after"] = evaluate()
+            history["after"] = self._evaluate(evaluate)
         history.update(
             train_examples=len(self.train),
             train_answer_tokens=self.train_tokens,
@@ -334,10 +382,10 @@ def _soft_ce(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def train_medusa(
-    target: LlamaModel, data_dir: Path, out_dir: Path, cfg: HeadTrainConfig, eos_ids
+    target: LlamaModel, data: DataDirs, out_dir: Path, cfg: HeadTrainConfig, eos_ids
 ) -> dict:
     torch.manual_seed(cfg.seed)
-    tr = _Trainer(target, data_dir, cfg, eos_ids)
+    tr = _Trainer(target, data, cfg, eos_ids)
     heads = MedusaHeads(tr.hidden, cfg.num_heads)
     heads.attach(tr.lm_rows, None)  # rows already restricted
     heads.vocab_ids = tr.vocab_ids
@@ -391,10 +439,10 @@ def train_medusa(
 
 
 def train_eagle(
-    target: LlamaModel, data_dir: Path, out_dir: Path, cfg: HeadTrainConfig, eos_ids
+    target: LlamaModel, data: DataDirs, out_dir: Path, cfg: HeadTrainConfig, eos_ids
 ) -> dict:
     torch.manual_seed(cfg.seed)
-    tr = _Trainer(target, data_dir, cfg, eos_ids)
+    tr = _Trainer(target, data, cfg, eos_ids)
     head = EagleHead(target.config)
     _identity_start(head, target)
     head = head.float()
@@ -495,17 +543,17 @@ def ttt_steps_at(progress: float, steps: int, ramp: float) -> int:
 
 
 def train_eagle3(
-    target: LlamaModel, data_dir: Path, out_dir: Path, cfg: HeadTrainConfig, eos_ids
+    target: LlamaModel, data: DataDirs, out_dir: Path, cfg: HeadTrainConfig, eos_ids
 ) -> dict:
     """Training-time test: `ttt_steps` draft steps unrolled (each fed the previous step's
     output, attending to the earlier steps' keys at the same origin), loss = sum_j 0.8^j x soft
     CE against the target's distribution over the draft vocabulary; no regression loss."""
     torch.manual_seed(cfg.seed)
-    tr = _Trainer(target, data_dir, cfg, eos_ids)
-    layers = tuple(json.loads(shard_metadata(data_dir)["feature_layers"]))
+    tr = _Trainer(target, data, cfg, eos_ids)
+    layers = tr.feature_layers
     if len(layers) < 2:
         raise ValueError(
-            f"{data_dir} stores features of layers {list(layers)}; EAGLE-3 needs the low/mid/high "
+            f"the data stores features of layers {list(layers)}; EAGLE-3 needs the low/mid/high "
             "layer inputs (`specdecode data generate --features eagle3`)"
         )
     vocab = tr.vocab_ids if tr.vocab_ids is not None else torch.arange(target.config.vocab_size)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from specdecode import LLM, SamplingParams
-from specdecode.train.datagen import generate, iter_examples, read_shard, shard_path
+from specdecode.train.datagen import (
+    answered_ids,
+    generate,
+    iter_examples,
+    read_shard,
+    shard_path,
+)
 from specdecode.train.draft import DraftTrainConfig, layer_indices, train_draft
 
 CONVS = [(f"c{i}", [{"role": "user", "content": f"question {i}: abc{i}"}]) for i in range(6)]
@@ -44,6 +50,33 @@ def test_resume_after_interruption(llm, tmp_path):
     assert written == [shard_path(tmp_path, 1)]
     assert shard_path(tmp_path, 0).stat().st_mtime_ns == kept
     assert read_shard(shard_path(tmp_path, 1)) == lost
+
+
+def test_a_second_data_set_skips_the_conversations_of_the_first(llm, tmp_path):
+    from specdecode.cli import main
+
+    first = tmp_path / "first"
+    generate(llm, CONVS[:3], first, shard_size=2, max_tokens=4)
+    assert answered_ids(first) == {"c0", "c1", "c2"}
+    with pytest.raises(FileNotFoundError, match="no shards"):
+        answered_ids(tmp_path / "missing")
+    # the CLI path: --exclude-data reads the ids, and the remaining conversations are answered
+    code = [(cid, m) for cid, m in CONVS]
+    import specdecode.data as data
+
+    orig = data.SOURCES["sharegpt-code"]
+    data.SOURCES["sharegpt-code"] = lambda split: iter(code)
+    try:
+        second = tmp_path / "second"
+        rc = main(
+            ["data", "generate", "--model", str(llm.engine.model_path), "--out", str(second),
+             "--source", "sharegpt-code", "--exclude-data", str(first), "--max-tokens", "4",
+             "--num-conversations", "2", "--features", "none"]
+        )  # fmt: skip
+    finally:
+        data.SOURCES["sharegpt-code"] = orig
+    assert rc in (0, None)
+    assert [e.conversation_id for e in iter_examples(second)] == ["c3", "c4"]
 
 
 def test_torchrun_ranks_split_the_shards(llm, tmp_path, monkeypatch):

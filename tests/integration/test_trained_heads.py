@@ -210,3 +210,20 @@ def test_a_killed_run_keeps_its_last_checkpoint(heads, tiny_llama_dir, tmp_path,
         init=str(tmp_path / "e"),
     )  # fmt: skip
     assert train_eagle(target, root / "data", tmp_path / "e2", cfg, [2])["steps_done"] == 1
+
+
+def test_one_head_trains_on_two_data_sets_and_reports_each(heads, plain, tiny_llama_dir, tmp_path):
+    from specdecode.models.loader import load_model
+
+    root, _ = heads
+    convs = [(f"k{i}", [{"role": "user", "content": f"def f{i}(): {i % 3}"}]) for i in range(12)]
+    generate(plain, convs, tmp_path / "code", shard_size=16, max_tokens=16, feature_layers=(0, 1))
+    target = load_model(tiny_llama_dir).model.requires_grad_(False)
+    cfg = HeadTrainConfig(draft_vocab=64, steps=2, batch_tokens=512, warmup=1, eval_examples=4)
+    history = train_eagle3(target, [root / "data", tmp_path / "code"], tmp_path / "h", cfg, [2])
+    assert history["held_out_examples"] == 8
+    assert history["train_examples"] == 36 + 8  # 40 and 12, 4 of each held out
+    for when in ("before", "after"):
+        by_set = history[when]["by_data_set"]
+        assert list(by_set) == ["data", "code"]
+        assert all(len(m["top1_per_step"]) == 4 for m in by_set.values())

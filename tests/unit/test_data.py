@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from specdecode import data
@@ -44,3 +45,31 @@ def test_humaneval_and_evals():
     assert len(data.humaneval()) == 164
     rows = data.evals_samples("sql/spider_sql.jsonl")
     assert rows and "input" in rows[0]
+
+
+def test_code_requests_are_told_from_chat():
+    for text in (
+        "Write a Python function that reverses a list",
+        "why does this fail?\n```\nx = [1, 2\n```",
+        "How do I join two tables in SQL?",
+        "def f(x): return x  -- what does this do",
+        "make a bash script that renames files",
+    ):
+        assert data.is_code_request(text), text
+    for text in (
+        "Write a poem about the sea",
+        "What is the capital of France?",
+        "Summarize the plot of Hamlet in three sentences",
+        "Give me a recipe for pancakes",  # 'recipe' is not 'script'
+        "Describe Javanese cuisine",  # no word 'java'
+    ):
+        assert not data.is_code_request(text), text
+
+
+def test_sharegpt_code_is_a_subset_of_train_with_code_first_turns():
+    code = list(itertools.islice(data.sharegpt_code("train"), 200))
+    train = {cid for cid, _ in itertools.islice(data.sharegpt("train"), 2000)}
+    assert len(code) == 200
+    assert all(cid in train for cid, _ in code[:50])  # same order, filtered
+    assert all(data.is_code_request(m[0]["content"]) for _, m in code if m[0]["role"] == "user")
+    assert all(data.split_of(cid) == "train" for cid, _ in code)

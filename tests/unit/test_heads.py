@@ -281,3 +281,35 @@ def test_soft_labels_are_read_shifted_at_the_selected_positions():
         p, want = targets.at(sel, s)
         torch.testing.assert_close(p, dense[:, s : n + s][sel])
         assert torch.equal(want, best[:, s : n + s][sel])
+
+
+def test_several_data_sets_train_together_each_holding_out_its_last(tmp_path):
+    import json
+
+    from specdecode.train.datagen import Example, write_shard
+    from specdecode.train.heads import load_examples
+
+    def data_set(name, ids, layers=(1,)):
+        d = tmp_path / name
+        d.mkdir()
+        exs = [Example(c, [1, 2, 3, 4, 5], [0, 0, 1, 1, 1]) for c in ids]
+        feats = [torch.zeros(4, 8) for _ in ids]
+        write_shard(
+            d / "shard-00000.safetensors", exs, {"feature_layers": json.dumps(layers)}, feats
+        )
+        return d
+
+    chat = data_set("chat", ["a", "b", "c", "d"])
+    code = data_set("code", ["b", "e", "f", "c"])  # b stored twice; c held out by code
+    layers, train, held = load_examples([chat, code], eval_examples=1)
+    assert layers == (1,)
+    assert [(name, [e.conversation_id for e in exs]) for name, exs in held] == [
+        ("chat", ["d"]),
+        ("code", ["c"]),
+    ]
+    assert [e.conversation_id for e in train] == ["a", "b", "e", "f"]
+    assert [e.conversation_id for e in load_examples(chat, 1)[1]] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="same layers"):
+        load_examples([chat, data_set("other", ["x", "y"], layers=(0, 1))], 1)
+    with pytest.raises(ValueError, match="need more than 4"):
+        load_examples([chat], 4)

@@ -105,6 +105,36 @@ def test_a_head_recipe_runs_its_data_and_training_commands_once(monkeypatch, tmp
     assert registry.default_head(tmp_path / "other-0123abcd", "eagle3") is None
 
 
+def test_a_recipe_with_two_data_sets_generates_the_second_without_the_firsts_prompts(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    recipe = registry.HeadRecipe(
+        "tgt-eagle3", "t", "tgt", "eagle3", ("--n", "8"), ("--steps", "3"), "tgt-data",
+        (("tgt-code-data", ("--source", "sharegpt-code")),),
+    )  # fmt: skip
+    calls = []
+
+    def run(argv):
+        calls.append(argv)
+        if argv[0] == "train":
+            out = Path(argv[argv.index("--out") + 1])
+            out.mkdir(parents=True)
+            (out / "config.json").write_text("{}")
+        return 0
+
+    registry.build_head(recipe, run)
+    heads = tmp_path / "cache" / "heads"
+    chat, code = str(heads / "tgt-data"), str(heads / "tgt-code-data")
+    assert calls == [
+        ["data", "generate", "--model", "tgt", "--out", chat, "--n", "8"],
+        ["data", "generate", "--model", "tgt", "--out", code, "--exclude-data", chat,
+         "--source", "sharegpt-code"],
+        ["train", "eagle3", "--model", "tgt", "--data", chat, "--data", code, "--out",
+         str(heads / "tgt-eagle3.partial"), "--steps", "3"],
+    ]  # fmt: skip
+
+
 def test_a_failed_head_build_says_where_and_leaves_no_head(monkeypatch, tmp_path):
     recipe = fake_recipe(monkeypatch, tmp_path)
     with pytest.raises(ModelNotFoundError, match="failed at `specdecode train`"):
