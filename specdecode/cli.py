@@ -442,13 +442,14 @@ def cmd_data(args: argparse.Namespace) -> None:
         Path(args.out).write_text("\n".join(lines) + "\n")
         print(f"wrote {len(lines)} requests to {args.out}")
         return
-    from specdecode.train.datagen import generate
+    from specdecode.train.datagen import answered_ids, generate
 
+    try:  # before the model loads: a wrong path fails at once
+        skip = set().union(*(answered_ids(Path(d)) for d in args.exclude_data))
+    except FileNotFoundError as e:
+        raise InvalidRequestError(f"--exclude-data: {e}") from e
     kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs}
     llm = LLM(args.model, **kwargs)
-    from specdecode.train.datagen import answered_ids
-
-    skip = set().union(*(answered_ids(Path(d)) for d in args.exclude_data))
     conversations = []
     for item in data.SOURCES[args.source]("train"):
         if item[0] in skip:

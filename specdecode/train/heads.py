@@ -143,7 +143,8 @@ def load_examples(
                 f"{eval_examples} (the last ones are held out)"
             )
         train += examples[:-eval_examples]
-        held.append((d.name, examples[-eval_examples:]))
+        name = d.name if all(d.name != n for n, _ in held) else str(d)
+        held.append((name, examples[-eval_examples:]))
     seen = {e.conversation_id for _, exs in held for e in exs}
     kept = []
     for e in train:

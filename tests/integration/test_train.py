@@ -60,6 +60,8 @@ def test_a_second_data_set_skips_the_conversations_of_the_first(llm, tmp_path):
     assert answered_ids(first) == {"c0", "c1", "c2"}
     with pytest.raises(FileNotFoundError, match="no shards"):
         answered_ids(tmp_path / "missing")
+    missing = ["data", "generate", "--out", str(tmp_path / "x"), "--exclude-data", "nowhere"]
+    assert main(missing) == 2  # a clear error, before any model loads
     # the CLI path: --exclude-data reads the ids, and the remaining conversations are answered
     code = [(cid, m) for cid, m in CONVS]
     import specdecode.data as data
