@@ -83,13 +83,18 @@ def read_shard(path: Path, features: bool = True) -> list[Example]:
     return out
 
 
-def shard_metadata(data_dir: Path) -> dict:
-    from safetensors import safe_open
-
+def shard_paths(data_dir: Path) -> list[Path]:
+    """The shards of a data directory, in order; an error when there are none."""
     paths = sorted(data_dir.glob("shard-*.safetensors"))
     if not paths:
         raise FileNotFoundError(f"no shards in {data_dir} (run `specdecode data generate`)")
-    with safe_open(str(paths[0]), framework="pt") as f:
+    return paths
+
+
+def shard_metadata(data_dir: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(shard_paths(data_dir)[0]), framework="pt") as f:
         return dict(f.metadata())
 
 
@@ -97,11 +102,8 @@ def answered_ids(data_dir: Path) -> set[str]:
     """The conversation ids stored in a shard directory (read from the shards' metadata)."""
     from safetensors import safe_open
 
-    paths = sorted(data_dir.glob("shard-*.safetensors"))
-    if not paths:
-        raise FileNotFoundError(f"no shards in {data_dir}")
     ids: set[str] = set()
-    for path in paths:
+    for path in shard_paths(data_dir):
         with safe_open(str(path), framework="pt") as f:
             ids.update(json.loads(f.metadata()["conversation_ids"]))
     return ids
