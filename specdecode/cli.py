@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 
+from specdecode.data import SOURCES
 from specdecode.errors import InvalidRequestError, SpecDecodeError
 
 
@@ -196,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     dgen.add_argument("--out", required=True, help="directory for the shards")
     dgen.add_argument(
         "--source",
-        choices=("sharegpt", "sharegpt-code"),
+        choices=tuple(SOURCES),
         default="sharegpt",
         help="training prompts: ShareGPT's train split, or only its code requests (first turn "
         "with a code fence, a language keyword or a language / library by name)",
