@@ -53,7 +53,7 @@ def run_speculative(args: argparse.Namespace) -> dict:
                 row = {"workload": name, "temperature": temp, "prompts": len(prompts)}
                 row["method"] = label
                 row["plain_tok_s"], row["plain_decode_tok_s"] = plain
-                row["spec_tok_s"], row["spec_decode_tok_s"], stats = got
+                row["spec_tok_s"], row["spec_decode_tok_s"], stats, branch = got
                 row.update(
                     speedup=row["spec_tok_s"] / row["plain_tok_s"],
                     decode_speedup=row["spec_decode_tok_s"] / row["plain_decode_tok_s"],
@@ -63,6 +63,8 @@ def run_speculative(args: argparse.Namespace) -> dict:
                         round(a / max(1, stats.num_drafts), 4) for a in stats.accepted_per_position
                     ],
                 )
+                if branch is not None:  # prompt_lookup_tokens: what the lookup branch added
+                    row["lookup_branch"] = branch
                 if hf is not None and m is llm:
                     row.update(hf.measure(prompts, temp, args.max_tokens))
                 rows.append(row)
@@ -89,6 +91,8 @@ def _label(cfg) -> str:
         parts.append(f"tree {len(cfg.speculative_token_tree)}")
     else:
         parts.append(f"k={cfg.num_speculative_tokens}")
+    if cfg.prompt_lookup_tokens:
+        parts.append(f"+lookup {cfg.prompt_lookup_tokens}")
     if cfg.draft_dtype:
         parts.append(cfg.draft_dtype)
     if cfg.draft_vocab_size:
@@ -103,6 +107,7 @@ def _measure_interleaved(llm, methods, prompts, temp: float, max_tokens: int):
     plain: list = []
     parts: list[list] = [[] for _ in methods]
     before = [_copy_stats(m.engine) for _, m in methods]
+    branch_before = [_branch_stats(m.engine) for _, m in methods]
     for i, ids in enumerate(prompts):
         policy = engine.controller.policy
         engine.set_policy("off")
@@ -111,8 +116,8 @@ def _measure_interleaved(llm, methods, prompts, temp: float, max_tokens: int):
         for j, (_, m) in enumerate(methods):
             parts[j].append(_measure_one(m, ids, i, temp, max_tokens))
     measured = [
-        (*_rates(p), _diff_stats(m.engine, b))
-        for p, (_, m), b in zip(parts, methods, before, strict=True)
+        (*_rates(p), _diff_stats(m.engine, b), _branch_diff(m.engine, bb))
+        for p, (_, m), b, bb in zip(parts, methods, before, branch_before, strict=True)
     ]
     return _rates(plain), measured
 
@@ -148,6 +153,18 @@ def _copy_stats(engine):
     return deepcopy(engine.spec_stats)
 
 
+def _branch_stats(engine) -> dict | None:
+    stats = getattr(engine.drafter, "stats", None)  # LookupBranchDrafter's BranchStats
+    return stats.as_dict() if stats is not None else None
+
+
+def _branch_diff(engine, before: dict | None) -> dict | None:
+    now = _branch_stats(engine)
+    if now is None or before is None:
+        return None
+    return {k: now[k] - before[k] for k in now}
+
+
 def _diff_stats(engine, before):
     from specdecode.metrics import SpecDecodeStats
 
@@ -174,6 +191,12 @@ def _print_row(r: dict) -> None:
         f"{r['decode_speedup']:.2f}x)  accept {100 * r['acceptance_rate']:4.0f}%  "
         f"tau {r['tau']:.2f}"
     )
+    if "lookup_branch" in r:
+        b = r["lookup_branch"]
+        line += (
+            f"  (lookup branch: {b['accepted']} tokens kept over {b['steps']} steps, "
+            f"head skipped {b['head_skipped']}x)"
+        )
     if "hf_speedup" in r:
         line += (
             f"  | transformers {r['hf_method']}: {r['hf_spec_tok_s']:.1f} vs "

@@ -12,6 +12,22 @@ if TYPE_CHECKING:
 
 
 def build_drafter(config: SpeculativeConfig, engine: LLMEngine) -> Drafter:
+    drafter = _build(config, engine)
+    if config.prompt_lookup_tokens:
+        from specdecode.drafters.lookup_branch import LookupBranchDrafter
+
+        return LookupBranchDrafter(
+            drafter,
+            config.prompt_lookup_tokens,
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            room=engine.draft_room,
+            step_time=lambda n: engine.controller.predict_step_time(n),  # built after this
+        )
+    return drafter
+
+
+def _build(config: SpeculativeConfig, engine: LLMEngine) -> Drafter:
     if config.method == "ngram":
         from specdecode.drafters.ngram import NgramDrafter
 

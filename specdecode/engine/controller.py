@@ -536,6 +536,10 @@ class GoodputController:
         key = workload_key(seq)
         self._workloads.setdefault(key, AcceptanceCounts(decay=0.995)).record(depth, accepted)
 
+    def predict_step_time(self, num_tokens: int) -> float | None:
+        """A target step's time for `num_tokens` fed, once the step-cost curve has points."""
+        return self.step_cost.predict(num_tokens) if self.step_cost.calibrated else None
+
     def record_step(self, num_tokens: int, seconds: float) -> None:
         self.step_cost.observe(num_tokens, seconds)
 

@@ -291,7 +291,7 @@ class LLMEngine:
         decode_tokens = sum(1 for n in batch.num_new if n == 1)
         catch_up = [self.drafter.catch_up_tokens(s) for s in seqs]
         plan = self.controller.plan(seqs, decode_tokens, len(batch), catch_up)
-        budgets = [self._budget(s, b) for s, b in zip(seqs, plan, strict=True)]
+        budgets = [self.draft_room(s, b) for s, b in zip(seqs, plan, strict=True)]
         self._last_budgets = budgets
         self._catch_up = sum(n for n, b in zip(catch_up, budgets, strict=True) if b)
         shadows = self.controller.shadow_requests
@@ -382,7 +382,7 @@ class LLMEngine:
         seq.finish_reason = seq.finish_reason or "abort"
         self._release(seq)
 
-    def _budget(self, seq: Sequence, k: int) -> int:
+    def draft_room(self, seq: Sequence, k: int) -> int:
         """Draft depth worth proposing: none past the context, none past max_tokens."""
         room = self.max_model_len - seq.num_tokens
         if seq.params.max_tokens is not None:

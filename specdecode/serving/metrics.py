@@ -70,6 +70,16 @@ class _EngineCollector:
         for pos, n in enumerate(stats.accepted_per_position):
             per_pos.add_metric([*self.labels.values(), str(pos)], n)
         yield per_pos
+        branch = getattr(e.drafter, "stats", None)  # prompt_lookup_tokens on a head
+        if branch is not None:
+            yield counter(
+                "specdecode:lookup_branch_accepted_tokens", "Accepted tokens the prompt-lookup "
+                "branch added beyond the head's own drafts.", branch.accepted,
+            )  # fmt: skip
+            yield counter(
+                "specdecode:lookup_branch_head_skipped", "Drafts where lookup matched and the "
+                "head was not run (it was not paying for its time).", branch.head_skipped,
+            )  # fmt: skip
         ctrl = e.controller.summary()
         yield self._family(
             GaugeMetricFamily, "specdecode:speculative_policy", "The policy in force (1).", 1,

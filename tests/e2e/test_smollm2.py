@@ -163,6 +163,7 @@ SHIPPED_HEADS = [
     ("eagle", {}),  # the defaults: an EAGLE-2 tree
     ("eagle", {"topk": 1, "num_speculative_tokens": 4}),  # chain
     ("eagle3", {}),
+    ("eagle3", {"prompt_lookup_tokens": 8}),  # with a prompt-lookup branch grafted on
 ]
 
 

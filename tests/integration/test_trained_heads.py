@@ -70,6 +70,10 @@ CONFIGS = [
     ("eagle", {"num_speculative_tokens": 3, "topk": 3, "num_draft_tokens": 8}),  # EAGLE-2
     ("eagle3", {"num_speculative_tokens": 4, "topk": 1}),
     ("eagle3", {"num_speculative_tokens": 4, "topk": 2, "num_draft_tokens": 6}),
+    # a prompt-lookup branch grafted onto the head's tree (chain, EAGLE-2 tree, Medusa tree)
+    ("eagle3", {"num_speculative_tokens": 3, "topk": 1, "prompt_lookup_tokens": 6}),
+    ("eagle", {"prompt_lookup_tokens": 8, "prompt_lookup_min": 1}),
+    ("medusa", {"num_speculative_tokens": 2, "prompt_lookup_tokens": 5}),
 ]
 
 
@@ -88,6 +92,17 @@ def test_greedy_equals_plain(plain, tiny_llama_dir, heads, method, extra):
     stats = spec.engine.spec_stats
     assert stats.num_draft_tokens > 0
     assert stats.num_accepted_tokens > 0, "the test must exercise accepted drafts"
+    if "prompt_lookup_tokens" in extra:  # and the branch's own nodes were kept at times
+        branch = spec.engine.drafter.stats
+        assert branch.steps > 0 and branch.accepted > 0, branch
+        from types import SimpleNamespace
+
+        from specdecode.serving.metrics import _EngineCollector
+
+        served = SimpleNamespace(engine=spec.engine, num_finished_requests=0,
+                                 num_failed_requests=0)  # fmt: skip
+        found = {m.name: m.samples[0].value for m in _EngineCollector(served, "t").collect()}
+        assert found["specdecode:lookup_branch_accepted_tokens"] == branch.accepted
 
 
 def test_sampled_outputs_are_seeded_and_in_support(tiny_llama_dir, heads):

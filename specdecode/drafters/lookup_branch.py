@@ -1,0 +1,211 @@
+"""A prompt-lookup branch grafted onto a head's draft tree (`prompt_lookup_tokens`).
+
+Heads and prompt lookup fail in different places. A head predicts the next few tokens from the
+target's features, and its acceptance falls off quickly with depth; lookup proposes long runs
+but only where the answer copies its context (a function repeated with its signature and
+docstring, a code edit, extraction). Every step this drafter asks the head for its tree, looks
+the request's last n-gram up in its prompt and output (`ngram.lookup`), and grafts the
+continuation onto the tree as a path from the root: where the head already proposed the same
+tokens the path follows its nodes, from the first difference on it adds new ones. The target
+verifies the union in its one forward, so each step keeps whichever proposal the target agrees
+with further; when lookup finds nothing the step is the head's alone.
+
+Both parts are deterministic drafts (no q), and the graft keeps sibling tokens distinct, so the
+union is verified with the deterministic-drafts rule: lossless. The head hears about its own
+nodes only (the accepted path up to where it leaves the head's tree); heads that read target
+features catch up from the features of whatever was committed. On a CPU target a verification
+of up to ~16 tokens costs about one decoding step, so the extra nodes are nearly free there; on
+a compute-bound batch the controller prices them like any other node.
+
+The same idea, choosing per step between a suffix tree and a head by a score, is Arctic
+Inference's hybrid of suffix decoding and its speculator (Snowflake, 2025); here both proposals
+are verified together instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdecode.core import Sequence
+from specdecode.drafters.base import Drafter, DraftProposal
+from specdecode.drafters.ngram import lookup
+from specdecode.tree import TreeShape
+
+
+def graft(prop: DraftProposal, chain: list[int]) -> DraftProposal:
+    """`prop` with `chain` added as a path from the root: shared prefixes follow existing nodes
+    (a child with the same token), the rest is appended after the existing nodes."""
+    if not chain:
+        return prop
+    parents = list(prop.shape.parents)
+    tokens = list(prop.tokens)
+    kids = {n: {tokens[c]: c for c in cs} for n, cs in enumerate(prop.shape.children)}
+    node = 0
+    for tok in chain:
+        nxt = kids.get(node, {}).get(tok)
+        if nxt is None:
+            nxt = len(tokens)
+            parents.append(node)
+            tokens.append(tok)
+            kids.setdefault(node, {})[tok] = nxt
+        node = nxt
+    if len(tokens) == len(prop.tokens):
+        return prop  # the head had proposed it all
+    return DraftProposal(TreeShape(tuple(parents)), tokens)
+
+
+@dataclass
+class BranchStats:
+    steps: int = 0  # verifications whose tree held grafted lookup nodes
+    drafted: int = 0  # grafted nodes verified
+    accepted: int = 0  # accepted tokens on grafted nodes (beyond what the head proposed)
+    head_skipped: int = 0  # proposals where lookup matched and the head was not run
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "head_skipped": self.head_skipped,
+        }
+
+
+@dataclass
+class _Request:
+    """Per request, over the steps where lookup found a match (moving averages)."""
+
+    alone: float = 1.0  # tokens a step would emit with the lookup branch alone
+    head_gain: float = 1.0  # tokens the head's nodes added on top of the branch
+    skipped: int = 0  # lookup steps in a row without the head
+    chain: list[int] | None = None  # this step's lookup continuation
+    head_ran: bool = True
+
+
+_SMOOTHING = 0.3
+_EXPLORE_EVERY = 8  # while the head is skipped, run it every this many lookup steps anyway
+
+
+class LookupBranchDrafter(Drafter):
+    """See the module docstring. When lookup matches, the head is only run if what it has been
+    adding pays for its time: for each request, on its lookup steps, `head_gain` tokens per
+    step against `alone` tokens per step without it, so the head pays when head_gain / alone >
+    (head's drafting time per request) / (target step time per request). Both times are
+    measured (`step_time`: the engine's step-cost curve); until they are, the head always runs.
+    While skipped, it still runs every few lookup steps, so a request whose copying stops
+    finds out."""
+
+    def __init__(
+        self,
+        head: Drafter,
+        num_tokens: int,
+        prompt_lookup_min: int = 2,
+        prompt_lookup_max: int = 5,
+        room: Callable[[Sequence, int], int] | None = None,
+        step_time: Callable[[int], float | None] | None = None,
+    ) -> None:
+        if head.samples_drafts:
+            raise ValueError("a lookup branch joins deterministic drafts only")
+        if num_tokens < 1 or not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError("need num_tokens >= 1 and 1 <= prompt_lookup_min <= max")
+        self.head = head
+        self.num_tokens = num_tokens
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+        self.room = room or (lambda seq, k: k)
+        self.step_time = step_time
+        self.stateless = head.stateless
+        self.feature_layers = head.feature_layers
+        self.stats = BranchStats()
+        self._own: dict[int, DraftProposal] = {}  # seq_id -> the head's own last proposal
+        self._req: dict[int, _Request] = {}
+        self._head_seconds: float | None = None  # head drafting time per request (average)
+
+    def max_nodes(self, k: int) -> int:
+        return self.head.max_nodes(k) + self.num_tokens
+
+    def _head_pays(self, st: _Request, batch: int, k: int) -> bool:
+        if self._head_seconds is None or self.step_time is None:
+            return True
+        step = self.step_time(batch * (1 + self.max_nodes(k)))
+        if not step or step <= 0:
+            return True
+        if st.head_gain / max(st.alone, 1.0) > self._head_seconds / (step / batch):
+            return True
+        return st.skipped % _EXPLORE_EVERY == _EXPLORE_EVERY - 1
+
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        chains, head_budgets = [], []
+        for seq, k in zip(seqs, budgets, strict=True):
+            n = self.room(seq, self.num_tokens) if k > 0 else 0
+            chain: list[int] = []
+            if n > 0:
+                ctx = np.asarray(seq.prompt_token_ids + seq.output_token_ids, dtype=np.int64)
+                chain = lookup(ctx, self.min_n, self.max_n, n)
+            chains.append(chain)
+            if chain:
+                st = self._req.setdefault(seq.seq_id, _Request())
+                st.chain, st.head_ran = chain, self._head_pays(st, len(seqs), k)
+                st.skipped = 0 if st.head_ran else st.skipped + 1
+                if not st.head_ran:
+                    self.stats.head_skipped += 1
+                    k = 0
+            elif seq.seq_id in self._req:
+                self._req[seq.seq_id].chain = None
+            head_budgets.append(k)
+        t0 = time.perf_counter()
+        props = self.head.propose(seqs, head_budgets)
+        ran = sum(1 for k in head_budgets if k > 0)
+        if ran:
+            per = (time.perf_counter() - t0) / ran
+            old = self._head_seconds
+            self._head_seconds = per if old is None else old + _SMOOTHING * (per - old)
+        out = []
+        for seq, chain, prop in zip(seqs, chains, props, strict=True):
+            self._own[seq.seq_id] = prop
+            out.append(graft(prop, chain))
+        return out
+
+    def on_verified(
+        self, seqs: list[Sequence], proposals: list[DraftProposal], accepted: list[list[int]]
+    ) -> None:
+        own_props, own_accepted = [], []
+        for seq, prop, path in zip(seqs, proposals, accepted, strict=True):
+            st = self._req.get(seq.seq_id)
+            if st is not None and st.chain:
+                kept = [prop.tokens[node] for node in path]
+                alone = 0  # what the branch alone would have had accepted
+                while alone < min(len(kept), len(st.chain)) and kept[alone] == st.chain[alone]:
+                    alone += 1
+                st.alone += _SMOOTHING * (alone + 1 - st.alone)
+                if st.head_ran:
+                    st.head_gain += _SMOOTHING * (len(kept) - alone - st.head_gain)
+                st.chain = None
+            own = self._own.pop(seq.seq_id, prop)
+            n = len(own.tokens)
+            if len(prop.tokens) > n:  # grafted nodes come after the head's, numbered as its
+                self.stats.steps += 1
+                self.stats.drafted += len(prop.tokens) - n
+                self.stats.accepted += sum(1 for node in path if node >= n)
+                cut = next((j for j, node in enumerate(path) if node >= n), len(path))
+                prop, path = own, path[:cut]
+            own_props.append(prop)
+            own_accepted.append(path)
+        self.head.on_verified(seqs, own_props, own_accepted)
+
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        return self.head.catch_up_tokens(seq)
+
+    def observe(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None:
+        self.head.observe(seqs, features)
+
+    def release(self, seq: Sequence) -> None:
+        self._own.pop(seq.seq_id, None)
+        self._req.pop(seq.seq_id, None)
+        self.head.release(seq)
+
+    def tracked_ids(self) -> set[int]:
+        return self.head.tracked_ids() | set(self._own) | set(self._req)

@@ -1,0 +1,160 @@
+"""The prompt-lookup branch grafted onto a head's tree: hand-checked grafts, the head hearing
+only its own nodes, room limits, and the config's checks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from specdecode.config import SpeculativeConfig
+from specdecode.core import Sequence
+from specdecode.drafters.base import Drafter, DraftProposal
+from specdecode.drafters.lookup_branch import LookupBranchDrafter, graft
+from specdecode.errors import InvalidRequestError
+from specdecode.sampling import SamplingParams
+from specdecode.tree import TreeShape
+
+# root 9; children 1 (node 1) and 2 (node 2); node 1 has children 3 (node 3) and 4 (node 4)
+HEAD = DraftProposal(TreeShape((-1, 0, 0, 1, 1)), [9, 1, 2, 3, 4])
+
+
+def test_graft_follows_shared_nodes_then_appends():
+    out = graft(HEAD, [1, 4, 7, 8])
+    assert out.tokens == [9, 1, 2, 3, 4, 7, 8]
+    assert out.shape.parents == (-1, 0, 0, 1, 1, 4, 5)
+
+
+def test_graft_of_a_new_first_token_hangs_off_the_root():
+    out = graft(HEAD, [5, 1])
+    assert out.tokens == [9, 1, 2, 3, 4, 5, 1]
+    assert out.shape.parents == (-1, 0, 0, 1, 1, 0, 5)
+
+
+def test_graft_inside_the_tree_or_empty_changes_nothing():
+    assert graft(HEAD, [1, 3]) is HEAD
+    assert graft(HEAD, []) is HEAD
+    chain = graft(DraftProposal.empty(9), [4, 4, 4])
+    assert chain.shape.parents == (-1, 0, 1, 2) and chain.tokens == [9, 4, 4, 4]
+
+
+def test_siblings_stay_distinct_after_a_graft():
+    out = graft(HEAD, [2, 2, 2])
+    for kids in out.shape.children:
+        toks = [out.tokens[c] for c in kids]
+        assert len(toks) == len(set(toks))
+
+
+class _FixedHead(Drafter):
+    """Proposes HEAD's tree for every request; records what it hears."""
+
+    def __init__(self):
+        self.heard = []
+
+    def max_nodes(self, k: int) -> int:
+        return 4
+
+    def propose(self, seqs, budgets):
+        return [
+            DraftProposal(HEAD.shape, [s.last_token] + HEAD.tokens[1:])
+            if k
+            else DraftProposal.empty(s.last_token)
+            for s, k in zip(seqs, budgets, strict=True)
+        ]
+
+    def on_verified(self, seqs, proposals, accepted):
+        self.heard.append(([len(p.tokens) for p in proposals], accepted))
+
+
+def _seq(tokens: list[int]) -> Sequence:
+    return Sequence(tokens, SamplingParams(temperature=0))
+
+
+def test_the_head_hears_only_its_own_nodes_and_the_branch_is_counted():
+    head = _FixedHead()
+    drafter = LookupBranchDrafter(head, num_tokens=3, prompt_lookup_min=2, prompt_lookup_max=2)
+    # "5 6" occurred before, followed by 1 4 8: the branch shares 1 -> 4 with the head, adds 8
+    seq = _seq([5, 6, 1, 4, 8, 0, 5, 6])
+    (prop,) = drafter.propose([seq], [3])
+    assert prop.tokens == [6, 1, 2, 3, 4, 8]
+    assert drafter.max_nodes(3) == 7
+    drafter.on_verified([seq], [prop], [[1, 4, 5]])  # 1, 4 (the head's), then 8 (grafted)
+    assert head.heard == [([5], [[1, 4]])]
+    assert drafter.stats.as_dict() == {
+        "steps": 1,
+        "drafted": 1,
+        "accepted": 1,
+        "head_skipped": 0,
+    }
+    drafter.release(seq)
+    assert drafter.tracked_ids() == set()
+
+
+def test_no_branch_without_a_budget_and_within_the_room():
+    head = _FixedHead()
+    drafter = LookupBranchDrafter(head, 5, 1, 3, room=lambda seq, k: min(k, 2))
+    seq = _seq([7, 1, 2, 3, 7])
+    (prop,) = drafter.propose([seq], [0])
+    assert prop.tokens == [7]
+    (prop,) = drafter.propose([seq], [2])  # 7 was followed by 1 2 3: the room allows 1 2
+    assert prop.tokens == [7, 1, 2, 3, 4, 2]  # 1 is the head's node 1; 2 goes under it
+    assert prop.shape.parents == (-1, 0, 0, 1, 1, 1)
+    drafter.release(seq)
+    assert drafter.tracked_ids() == set()
+
+
+class _CountingHead(_FixedHead):
+    def __init__(self):
+        super().__init__()
+        self.budgets = []
+
+    def propose(self, seqs, budgets):
+        self.budgets.append(list(budgets))
+        time.sleep(0.002)  # the head's drafting time: ~2 ms a request
+        return super().propose(seqs, budgets)
+
+
+def _run(drafter, seq, steps, path_of):
+    for _ in range(steps):
+        (prop,) = drafter.propose([seq], [3])
+        drafter.on_verified([seq], [prop], [path_of(prop)])
+
+
+def test_the_head_is_skipped_while_lookup_alone_does_as_well_and_still_probed():
+    head = _CountingHead()
+    # a 10 ms target step: the head's ~2 ms must add more than a fifth of what lookup gives
+    drafter = LookupBranchDrafter(head, 4, 1, 2, step_time=lambda n: 0.010)
+    seq = _seq([5, 6, 7, 8, 9, 5])  # lookup: 5 -> 6 7 8 9, none of it the head's tree
+
+    def grafted(prop):  # the branch's nodes (tokens 6-9; the head's are 1-4), all kept
+        return [n for n, t in enumerate(prop.tokens) if n and t in (6, 7, 8, 9)]
+
+    _run(drafter, seq, 40, grafted)
+    ran = [b[0] > 0 for b in head.budgets]
+    assert ran[0]  # nothing measured yet: the head runs
+    skipped = ran[10:].count(False)
+    assert skipped >= 24 and ran[10:].count(True) >= 3  # mostly skipped, probed every 8th
+    assert drafter.stats.head_skipped == ran.count(False)
+
+    # the head's path wins every step instead: it keeps running
+    head2 = _CountingHead()
+    drafter = LookupBranchDrafter(head2, 4, 1, 2, step_time=lambda n: 0.010)
+    _run(drafter, seq, 20, lambda prop: [1, 3])  # the head's nodes 1 -> 3, the branch missed
+    assert all(b[0] > 0 for b in head2.budgets)
+    assert drafter.stats.head_skipped == 0
+
+
+def test_config_accepts_the_branch_for_heads_only():
+    cfg = SpeculativeConfig(method="eagle3", prompt_lookup_tokens=8)
+    assert cfg.prompt_lookup_tokens == 8
+    with pytest.raises(InvalidRequestError, match="methods medusa, eagle, eagle3 only"):
+        SpeculativeConfig(method="ngram", prompt_lookup_tokens=4)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(InvalidRequestError, match="positive integer"):
+            SpeculativeConfig(method="eagle", prompt_lookup_tokens=bad)
+    with pytest.raises(ValueError, match="deterministic"):
+
+        class Sampled(_FixedHead):
+            samples_drafts = True
+
+        LookupBranchDrafter(Sampled(), 4)
