@@ -87,6 +87,8 @@ def _label(cfg) -> str:
     parts = [cfg.method]
     if cfg.topk and cfg.topk > 1:
         parts.append(f"tree k{cfg.topk}x{cfg.num_speculative_tokens}/{cfg.num_draft_tokens}")
+    elif cfg.num_draft_tokens and cfg.topk != 1:
+        parts.append(f"tree {cfg.num_draft_tokens}x{cfg.num_speculative_tokens}")
     elif cfg.speculative_token_tree:
         parts.append(f"tree {len(cfg.speculative_token_tree)}")
     else:

@@ -48,6 +48,16 @@ class Drafter(ABC):
         """Cache slots a proposal of depth at most k may need (beyond the root)."""
         return k
 
+    def expected_nodes(self, k: int) -> float:
+        """Draft nodes a proposal of depth k feeds on average: what the controller prices a
+        request's drafts at (`max_nodes` unless a drafter's trees vary in size)."""
+        return self.max_nodes(k)
+
+    def drafted_depth(self, seq: Sequence, proposal: DraftProposal) -> int:
+        """The depth this drafter spent drafting time on for `proposal` (its draft-cost model's
+        input): the tree's depth unless part of it cost nothing to draft."""
+        return max(proposal.shape.depths)
+
     @abstractmethod
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         """One proposal per sequence, no deeper than `budgets[i]` (0: no drafts) and with at

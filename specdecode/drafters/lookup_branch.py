@@ -117,15 +117,26 @@ class LookupBranchDrafter(Drafter):
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
         self.room = room or (lambda seq, k: k)
         self.step_time = step_time
-        self.stateless = head.stateless
+        self.stateless = False  # propose keeps per-request state (a shadow draft would skew it)
         self.feature_layers = head.feature_layers
         self.stats = BranchStats()
         self._own: dict[int, DraftProposal] = {}  # seq_id -> the head's own last proposal
         self._req: dict[int, _Request] = {}
         self._head_seconds: float | None = None  # head drafting time per request (average)
+        self._proposals = 0  # proposals with drafts verified
 
     def max_nodes(self, k: int) -> int:
         return self.head.max_nodes(k) + self.num_tokens
+
+    def expected_nodes(self, k: int) -> float:
+        """The head's nodes plus the grafted nodes verified per proposal so far (the branch's
+        full length is only a bound: on traffic that does not copy it is rarely there)."""
+        grafted = self.stats.drafted / self._proposals if self._proposals else 0.0
+        return self.head.expected_nodes(k) + grafted
+
+    def drafted_depth(self, seq: Sequence, proposal: DraftProposal) -> int:
+        own = self._own.get(seq.seq_id)  # the head's tree: the branch cost no drafting time
+        return max(own.shape.depths) if own is not None else max(proposal.shape.depths)
 
     def _head_pays(self, st: _Request, batch: int, k: int) -> bool:
         if self._head_seconds is None or self.step_time is None:
@@ -139,6 +150,7 @@ class LookupBranchDrafter(Drafter):
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         chains, head_budgets = [], []
+        probing = False  # a probe after skipped steps catches up on their features: not typical
         for seq, k in zip(seqs, budgets, strict=True):
             n = self.room(seq, self.num_tokens) if k > 0 else 0
             chain: list[int] = []
@@ -149,6 +161,7 @@ class LookupBranchDrafter(Drafter):
             if chain:
                 st = self._req.setdefault(seq.seq_id, _Request())
                 st.chain, st.head_ran = chain, self._head_pays(st, len(seqs), k)
+                probing |= st.head_ran and st.skipped > 0
                 st.skipped = 0 if st.head_ran else st.skipped + 1
                 if not st.head_ran:
                     self.stats.head_skipped += 1
@@ -159,7 +172,7 @@ class LookupBranchDrafter(Drafter):
         t0 = time.perf_counter()
         props = self.head.propose(seqs, head_budgets)
         ran = sum(1 for k in head_budgets if k > 0)
-        if ran:
+        if ran and not probing:
             per = (time.perf_counter() - t0) / ran
             old = self._head_seconds
             self._head_seconds = per if old is None else old + _SMOOTHING * (per - old)
@@ -173,6 +186,7 @@ class LookupBranchDrafter(Drafter):
         self, seqs: list[Sequence], proposals: list[DraftProposal], accepted: list[list[int]]
     ) -> None:
         own_props, own_accepted = [], []
+        self._proposals += len(proposals)
         for seq, prop, path in zip(seqs, proposals, accepted, strict=True):
             st = self._req.get(seq.seq_id)
             if st is not None and st.chain:
@@ -184,7 +198,7 @@ class LookupBranchDrafter(Drafter):
                 if st.head_ran:
                     st.head_gain += _SMOOTHING * (len(kept) - alone - st.head_gain)
                 st.chain = None
-            own = self._own.pop(seq.seq_id, prop)
+            own = self._own.get(seq.seq_id, prop)  # kept for drafted_depth, next propose
             n = len(own.tokens)
             if len(prop.tokens) > n:  # grafted nodes come after the head's, numbered as its
                 self.stats.steps += 1

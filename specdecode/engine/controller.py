@@ -254,7 +254,7 @@ class GoodputController:
             )
         self.policy = policy
         self.max_depth = max_depth
-        self.nodes_for_depth = nodes_for_depth  # depth -> draft nodes (the drafter's max_nodes)
+        self.nodes_for_depth = nodes_for_depth  # depth -> draft nodes (expected_nodes)
         self.disable_by_batch_size = disable_by_batch_size
         self.hysteresis = hysteresis
         self.probe_interval = probe_interval

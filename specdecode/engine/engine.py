@@ -98,7 +98,7 @@ class LLMEngine:
         self.controller = GoodputController(
             config.speculative_policy if self.drafter else "off",
             depth,
-            self.drafter.max_nodes if self.drafter else (lambda k: 0),
+            self.drafter.expected_nodes if self.drafter else (lambda k: 0),
             disable_by_batch_size=(
                 self.spec_config.disable_by_batch_size if self.spec_config else None
             ),
@@ -265,7 +265,7 @@ class LLMEngine:
             # chunk's tokens cost far less each and would skew the curve drafts are priced on
             ctrl.record_step(self.runner.num_fed_tokens, (t1 - t0) + (t3 - t2) + (t5 - t4))
         if spec:
-            drafted = sum(max(proposals[i].shape.depths) for i in spec)
+            drafted = sum(self.drafter.drafted_depth(batch.seqs[i], proposals[i]) for i in spec)
             ctrl.record_draft(drafted, (t2 - t1) - self._shadow_time + (t4 - t3), self._catch_up)
         return updated
 

@@ -103,6 +103,8 @@ def test_greedy_equals_plain(plain, tiny_llama_dir, heads, method, extra):
                                  num_failed_requests=0)  # fmt: skip
         found = {m.name: m.samples[0].value for m in _EngineCollector(served, "t").collect()}
         assert found["specdecode:lookup_branch_accepted_tokens"] == branch.accepted
+        assert spec.engine.num_tracked() == 0  # the wrapper's per-request state is released
+        assert spec.engine.drafter.expected_nodes(3) < spec.engine.drafter.max_nodes(3)
 
 
 def test_sampled_outputs_are_seeded_and_in_support(tiny_llama_dir, heads):
