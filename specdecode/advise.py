@@ -143,9 +143,11 @@ class Measured:
     tok_s: float  # measured offline batch throughput on the sample
 
     def expected_tokens(self, k: int) -> float:
-        """Tokens a request-step emits at depth k (1 + accepted)."""
+        """Tokens a request-step emits at depth k (1 + accepted). Positions past `max_depth`
+        come from a branch that drafts at any depth (`prompt_lookup_tokens`): always counted."""
         s = max(1, self.decisions)
-        return 1.0 + sum(self.accepted_per_position[:k]) / s
+        beyond = sum(self.accepted_per_position[self.max_depth :])
+        return 1.0 + (sum(self.accepted_per_position[:k]) + beyond) / s
 
     def drafts_per_step(self, k: int) -> float:
         """Draft tokens fed per request-step at depth k."""
@@ -177,6 +179,8 @@ def candidate_configs(model: str | None, given: dict | None, draft_model: str | 
     if model is None:  # heads ship for the embedded default model only
         for m in ("medusa", "eagle", "eagle3"):
             out[m] = {"method": m}
+        # the EAGLE-3 head with a prompt-lookup branch: pays where answers copy their input
+        out["eagle3+lookup"] = {"method": "eagle3", "prompt_lookup_tokens": 8}
     return out
 
 

@@ -47,6 +47,17 @@ def _measured(accepted, drafted, decisions, tree=False) -> Measured:
     )  # fmt: skip
 
 
+def test_candidates_for_the_default_model_include_the_lookup_branch():
+    from specdecode.advise import candidate_configs
+    from specdecode.config import SpeculativeConfig
+
+    got = candidate_configs(None, None, None)
+    assert got["eagle3+lookup"]["prompt_lookup_tokens"] > 0
+    for cfg in got.values():
+        SpeculativeConfig.from_dict(cfg)  # every candidate is a valid config
+    assert "eagle3+lookup" not in candidate_configs("some/model", None, None)  # no shipped head
+
+
 def test_prediction_follows_the_cost_model():
     step = StepCostModel()
     for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -60,6 +71,11 @@ def test_prediction_follows_the_cost_model():
     assert m.expected_tokens(1) == pytest.approx(1.6)
     assert m.expected_tokens(2) == pytest.approx(1.85)
     assert m.drafts_per_step(2) == pytest.approx(1.3)
+    # a lookup branch drafts past the head's depth 2, at any depth: its tokens always count
+    branch = _measured([60, 25, 20, 10], [80, 50, 30, 20], 100)
+    branch.max_depth = 2
+    assert branch.expected_tokens(1) == pytest.approx(1.9)
+    assert branch.expected_tokens(2) == pytest.approx(2.15)
     plain = predict(cost, 4, prompt_tokens=20, output_tokens=50)
     # 49 steps of T(4) = 14 ms (the first token comes with the prefill), plus 4 prefills of 20
     # tokens at 1 ms per token
