@@ -28,12 +28,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specdecode.core import Sequence
 from specdecode.drafters.base import Drafter, DraftProposal
-from specdecode.drafters.ngram import lookup
+from specdecode.drafters.ngram import context_ids, lookup
 from specdecode.tree import TreeShape
 
 
@@ -155,8 +154,7 @@ class LookupBranchDrafter(Drafter):
             n = self.room(seq, self.num_tokens) if k > 0 else 0
             chain: list[int] = []
             if n > 0:
-                ctx = np.asarray(seq.prompt_token_ids + seq.output_token_ids, dtype=np.int64)
-                chain = lookup(ctx, self.min_n, self.max_n, n)
+                chain = lookup(context_ids(seq), self.min_n, self.max_n, n)
             chains.append(chain)
             if chain:
                 st = self._req.setdefault(seq.seq_id, _Request())

@@ -16,6 +16,11 @@ from specdecode.drafters.base import Drafter, DraftProposal
 from specdecode.tree import TreeShape
 
 
+def context_ids(seq: Sequence) -> np.ndarray:
+    """A request's prompt and output so far, as lookup reads them."""
+    return np.asarray(seq.prompt_token_ids + seq.output_token_ids, dtype=np.int64)
+
+
 def lookup(context: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens that followed the most recent earlier match of the longest suffix n-gram."""
     length = len(context)
@@ -45,7 +50,6 @@ class NgramDrafter(Drafter):
             root = seq.last_token
             drafts = []
             if k > 0:
-                ctx = np.asarray(seq.prompt_token_ids + seq.output_token_ids, dtype=np.int64)
-                drafts = lookup(ctx, self.min_n, self.max_n, k)
+                drafts = lookup(context_ids(seq), self.min_n, self.max_n, k)
             out.append(DraftProposal(TreeShape.chain(len(drafts)), [root] + drafts))
         return out
