@@ -107,6 +107,39 @@ def test_greedy_equals_plain(plain, tiny_llama_dir, heads, method, extra):
         assert spec.engine.drafter.expected_nodes(3) < spec.engine.drafter.max_nodes(3)
 
 
+@pytest.mark.parametrize(
+    "method,policy",
+    [("eagle", "static"), ("eagle3", "adaptive"), ("medusa", "static")],
+)
+def test_seeded_sampling_with_a_lookup_branch_gives_the_plain_tokens(
+    plain, tiny_llama_dir, heads, method, policy
+):
+    """A head's tree with a grafted lookup branch is still deterministic drafts, verified by the
+    target's own position-seeded draw: seeded sampled requests get plain decoding's tokens,
+    batched and alone, whichever path of the union the target took."""
+    root, _ = heads
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={
+            "method": method,
+            "model": str(root / method),
+            "prompt_lookup_tokens": 6,
+            "prompt_lookup_min": 1,
+        },
+        speculative_policy=policy,
+    )
+    params = [
+        SamplingParams(temperature=t, top_k=k, seed=5 + i, max_tokens=40, ignore_eos=True)
+        for i, (t, k) in enumerate(((0.3, 3), (0.7, 0), (1.0, 2), (0.5, 5)))
+    ]
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == want
+    assert spec.generate(PROMPTS[2], params[2])[0].outputs[0].token_ids == want[2]
+    if policy == "static":  # adaptive may rightly decide not to draft on this tiny model
+        assert spec.engine.drafter.stats.accepted > 0
+    assert spec.engine.num_tracked() == 0
+
+
 def test_sampled_outputs_are_seeded_and_in_support(tiny_llama_dir, heads):
     root, _ = heads
     spec = LLM(
