@@ -156,7 +156,7 @@ def _copy_stats(engine):
 
 
 def _branch_stats(engine) -> dict | None:
-    stats = getattr(engine.drafter, "stats", None)  # LookupBranchDrafter's BranchStats
+    stats = getattr(engine.drafter, "branch_stats", None)  # LookupBranchDrafter's BranchStats
     return stats.as_dict() if stats is not None else None
 
 

@@ -118,7 +118,7 @@ class LookupBranchDrafter(Drafter):
         self.step_time = step_time
         self.stateless = False  # propose keeps per-request state (a shadow draft would skew it)
         self.feature_layers = head.feature_layers
-        self.stats = BranchStats()
+        self.branch_stats = BranchStats()
         self._own: dict[int, DraftProposal] = {}  # seq_id -> the head's own last proposal
         self._req: dict[int, _Request] = {}
         self._head_seconds: float | None = None  # head drafting time per request (average)
@@ -130,7 +130,7 @@ class LookupBranchDrafter(Drafter):
     def expected_nodes(self, k: int) -> float:
         """The head's nodes plus the grafted nodes verified per proposal so far (the branch's
         full length is only a bound: on traffic that does not copy it is rarely there)."""
-        grafted = self.stats.drafted / self._proposals if self._proposals else 0.0
+        grafted = self.branch_stats.drafted / self._proposals if self._proposals else 0.0
         return self.head.expected_nodes(k) + grafted
 
     def drafted_depth(self, seq: Sequence, proposal: DraftProposal) -> int:
@@ -162,7 +162,7 @@ class LookupBranchDrafter(Drafter):
                 probing |= st.head_ran and st.skipped > 0
                 st.skipped = 0 if st.head_ran else st.skipped + 1
                 if not st.head_ran:
-                    self.stats.head_skipped += 1
+                    self.branch_stats.head_skipped += 1
                     k = 0
             elif seq.seq_id in self._req:
                 self._req[seq.seq_id].chain = None
@@ -199,9 +199,9 @@ class LookupBranchDrafter(Drafter):
             own = self._own.get(seq.seq_id, prop)  # kept for drafted_depth, next propose
             n = len(own.tokens)
             if len(prop.tokens) > n:  # grafted nodes come after the head's, numbered as its
-                self.stats.steps += 1
-                self.stats.drafted += len(prop.tokens) - n
-                self.stats.accepted += sum(1 for node in path if node >= n)
+                self.branch_stats.steps += 1
+                self.branch_stats.drafted += len(prop.tokens) - n
+                self.branch_stats.accepted += sum(1 for node in path if node >= n)
                 cut = next((j for j, node in enumerate(path) if node >= n), len(path))
                 prop, path = own, path[:cut]
             own_props.append(prop)

@@ -70,7 +70,7 @@ class _EngineCollector:
         for pos, n in enumerate(stats.accepted_per_position):
             per_pos.add_metric([*self.labels.values(), str(pos)], n)
         yield per_pos
-        branch = getattr(e.drafter, "stats", None)  # prompt_lookup_tokens on a head
+        branch = getattr(e.drafter, "branch_stats", None)  # prompt_lookup_tokens on a head
         if branch is not None:
             yield counter(
                 "specdecode:lookup_branch_accepted_tokens", "Accepted tokens the prompt-lookup "

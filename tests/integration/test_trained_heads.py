@@ -93,7 +93,7 @@ def test_greedy_equals_plain(plain, tiny_llama_dir, heads, method, extra):
     assert stats.num_draft_tokens > 0
     assert stats.num_accepted_tokens > 0, "the test must exercise accepted drafts"
     if "prompt_lookup_tokens" in extra:  # and the branch's own nodes were kept at times
-        branch = spec.engine.drafter.stats
+        branch = spec.engine.drafter.branch_stats
         assert branch.steps > 0 and branch.accepted > 0, branch
         from types import SimpleNamespace
 
@@ -136,7 +136,7 @@ def test_seeded_sampling_with_a_lookup_branch_gives_the_plain_tokens(
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == want
     assert spec.generate(PROMPTS[2], params[2])[0].outputs[0].token_ids == want[2]
     if policy == "static":  # adaptive may rightly decide not to draft on this tiny model
-        assert spec.engine.drafter.stats.accepted > 0
+        assert spec.engine.drafter.branch_stats.accepted > 0
     assert spec.engine.num_tracked() == 0
 
 

@@ -80,7 +80,7 @@ def test_the_head_hears_only_its_own_nodes_and_the_branch_is_counted():
     assert drafter.max_nodes(3) == 7
     drafter.on_verified([seq], [prop], [[1, 4, 5]])  # 1, 4 (the head's), then 8 (grafted)
     assert head.heard == [([5], [[1, 4]])]
-    assert drafter.stats.as_dict() == {
+    assert drafter.branch_stats.as_dict() == {
         "steps": 1,
         "drafted": 1,
         "accepted": 1,
@@ -134,14 +134,14 @@ def test_the_head_is_skipped_while_lookup_alone_does_as_well_and_still_probed():
     assert ran[0]  # nothing measured yet: the head runs
     skipped = ran[10:].count(False)
     assert skipped >= 24 and ran[10:].count(True) >= 3  # mostly skipped, probed every 8th
-    assert drafter.stats.head_skipped == ran.count(False)
+    assert drafter.branch_stats.head_skipped == ran.count(False)
 
     # the head's path wins every step instead: it keeps running
     head2 = _CountingHead()
     drafter = LookupBranchDrafter(head2, 4, 1, 2, step_time=lambda n: 0.010)
     _run(drafter, seq, 20, lambda prop: [1, 3])  # the head's nodes 1 -> 3, the branch missed
     assert all(b[0] > 0 for b in head2.budgets)
-    assert drafter.stats.head_skipped == 0
+    assert drafter.branch_stats.head_skipped == 0
 
 
 def test_config_accepts_the_branch_for_heads_only():
