@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -66,12 +66,7 @@ class BranchStats:
     head_skipped: int = 0  # proposals where lookup matched and the head was not run
 
     def as_dict(self) -> dict:
-        return {
-            "steps": self.steps,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "head_skipped": self.head_skipped,
-        }
+        return asdict(self)
 
 
 @dataclass
