@@ -149,7 +149,11 @@ def test_quantized_draft_greedy_equals_plain(plain, tiny_llama_dir, dtype):
         with pytest.raises(InvalidRequestError, match=f"{dtype} needs .*{wanted}"):
             LLM(
                 str(tiny_llama_dir),
-                speculative_config={"method": "draft_model", "draft_dtype": dtype},
+                speculative_config={
+                    "method": "draft_model",
+                    "model": str(tiny_llama_dir),
+                    "draft_dtype": dtype,
+                },
             )
         return
     spec = spec_llm(
