@@ -332,3 +332,20 @@ def test_abort_frees_memory(tiny_llama_dir):
         assert seq.finished and seq.finish_reason == "abort"
     assert not engine.has_unfinished()
     assert engine.manager.num_free_blocks == free
+
+
+def test_bench_measures_decode_time_inside_the_request(tiny_llama_dir):
+    """bench latency's per-prompt timing: the first token's time is read inside the same request,
+    so decode seconds are positive and below the total even on an engine's first request."""
+    from specdecode.bench.speculative import _measure_interleaved, _measure_one
+
+    spec = spec_llm(tiny_llama_dir, num_speculative_tokens=3, prompt_lookup_min=1)
+    ids = spec.encode(PROMPTS[0])
+    n, total, decode_n, decode_s = _measure_one(spec, ids, 0, 0.0, 20)
+    assert (n, decode_n) == (20, 19)
+    assert 0 < decode_s < total
+    plain, [(tok_s, decode_tok_s, stats, branch)] = _measure_interleaved(
+        spec, [("ngram", spec)], [ids, spec.encode(PROMPTS[1])], 0.0, 12
+    )
+    assert all(0 < r < 1e6 for r in (*plain, tok_s, decode_tok_s))
+    assert stats.num_drafts > 0 and branch is None
