@@ -41,6 +41,8 @@ class Drafter(ABC):
     #: True when `propose` has no side effects (no state to roll back): the controller may then
     #: draft in shadow for requests that are not speculating and score the drafts later.
     stateless: bool = False
+    #: True when `shadow` gives side-effect-free proposals (stateless drafters: `propose`).
+    shadow_capable: bool = False
     #: Target features this drafter reads (see `ModelRunner.feature_layers`); None: none.
     feature_layers: tuple[int, ...] | None = None
 
@@ -63,6 +65,13 @@ class Drafter(ABC):
         """One proposal per sequence, no deeper than `budgets[i]` (0: no drafts) and with at
         most `max_nodes(k)` drafts. The root is `seq.last_token`; any other state the drafter
         needs is its own."""
+
+    def shadow(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        """Proposals for requests that are not drafting this step, with no side effects: the
+        controller scores them later against the real output (`shadow_capable` drafters)."""
+        if not (self.stateless or self.shadow_capable):
+            raise NotImplementedError(f"{type(self).__name__} cannot draft in shadow")
+        return self.propose(seqs, budgets)
 
     def catch_up_tokens(self, seq: Sequence) -> int:
         """Tokens this drafter would process for `seq` before its first draft token, beyond

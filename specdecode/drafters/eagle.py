@@ -135,6 +135,16 @@ class EagleDrafter(Drafter):
             if not st.broken:
                 st.pending.append(f[:, self._cols])
 
+    def catch_up_tokens(self, seq: Sequence) -> int:
+        """Features the head has not run yet beyond the root's: the prompt before a request's
+        first draft, every token committed while it was not drafting. The head runs them
+        before it drafts, so the controller prices them as catch-up, not as drafting depth
+        (a probe after 64 idle steps would otherwise look like a dear depth-1 draft)."""
+        st = self._state.get(seq.seq_id)
+        if st is None or st.broken:
+            return 0
+        return max(0, sum(f.shape[0] for f in st.pending) - 1)
+
     def tracked_ids(self) -> set[int]:
         return set(self._state)
 

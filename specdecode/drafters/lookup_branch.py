@@ -112,6 +112,9 @@ class LookupBranchDrafter(Drafter):
         self.room = room or (lambda seq, k: k)
         self.step_time = step_time
         self.stateless = False  # propose keeps per-request state (a shadow draft would skew it)
+        # but the lookup alone drafts in shadow: while the controller keeps a request plain
+        # (a head that does not pay), a request that starts copying its context is seen
+        self.shadow_capable = True
         self.feature_layers = head.feature_layers
         self.branch_stats = BranchStats()
         self._own: dict[int, DraftProposal] = {}  # seq_id -> the head's own last proposal
@@ -173,6 +176,16 @@ class LookupBranchDrafter(Drafter):
         for seq, chain, prop in zip(seqs, chains, props, strict=True):
             self._own[seq.seq_id] = prop
             out.append(graft(prop, chain))
+        return out
+
+    def shadow(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        """The lookup branch alone, no state touched (the head does not run): what the
+        controller scores for a request it keeps plain."""
+        out = []
+        for seq, k in zip(seqs, budgets, strict=True):
+            n = self.room(seq, self.num_tokens) if k > 0 else 0
+            chain = lookup(context_ids(seq), self.min_n, self.max_n, n) if n > 0 else []
+            out.append(DraftProposal(TreeShape.chain(len(chain)), [seq.last_token] + chain))
         return out
 
     def on_verified(

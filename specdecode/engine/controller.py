@@ -244,6 +244,7 @@ class GoodputController:
         probe_interval: int = 64,
         shadow_interval: int = 4,
         shadow_capable: bool = False,
+        needs_probes: bool | None = None,
         probe_share: float = 0.02,
         min_gain: float = 0.1,
         catch_up_horizon: float = 0.5,
@@ -259,7 +260,10 @@ class GoodputController:
         self.hysteresis = hysteresis
         self.probe_interval = probe_interval
         self.shadow_interval = shadow_interval
-        self.shadow_capable = shadow_capable  # the drafter's proposals have no side effects
+        self.shadow_capable = shadow_capable  # the drafter can propose without side effects
+        # real one-token probes for idle requests: drafters whose shadows do not show what
+        # their real drafts would do (a head with a lookup branch shadows its lookup only)
+        self.needs_probes = not shadow_capable if needs_probes is None else needs_probes
         self.probe_share = probe_share  # of the time, at most, spent on probes
         # Drafting starts only where the plan is predicted to beat plain decoding by this share:
         # at compute-bound batch sizes the cost model's predictions are off by 5-10% (measured:
@@ -279,6 +283,7 @@ class GoodputController:
         self._workloads: dict[str, AcceptanceCounts] = {}
         self._last_plan: dict[int, int] = {}
         self._idle_steps: dict[int, int] = {}
+        self._shadow_idle: dict[int, int] = {}
         # what the last step decided, for /metrics and logs
         self.last_budgets: list[int] = []
         self.last_predicted_gain: float = 1.0
@@ -363,6 +368,7 @@ class GoodputController:
         for s, k in zip(seqs, budgets, strict=True):
             self._last_plan[s.seq_id] = k
             self._idle_steps[s.seq_id] = 0 if k else self._idle_steps.get(s.seq_id, 0) + 1
+            self._shadow_idle[s.seq_id] = 0 if k else self._shadow_idle.get(s.seq_id, 0) + 1
         self.shadow_requests = []
         self._probe_charged = None
         if self.policy == "adaptive":
@@ -379,7 +385,8 @@ class GoodputController:
         proposals have no side effects (n-gram lookup), a shadow draft every `shadow_interval`
         idle steps is scored later against the tokens the request really produced: for
         deterministic drafts that is exactly the verification outcome, at no verification cost.
-        Other drafters get a real one-token probe, one request per step at most, paid from a
+        A head with a lookup branch shadows its lookup alone, so it gets both. Other drafters
+        get a real one-token probe, one request per step at most, paid from a
         credit that grows by `probe_share` of every step's time: however many requests are
         idle, probes (a draft model's catch-up included) take at most that share of the time.
         A probe is charged its predicted cost, corrected by its measured one (`record_draft`).
@@ -394,12 +401,15 @@ class GoodputController:
         self._probe_wait -= 1
         for i, s in enumerate(seqs):
             idle = self._idle_steps.get(s.seq_id, 0)
-            if plan[i] or s.seq_id in self._shadows:
+            if plan[i]:
                 continue
-            if self.shadow_capable and idle >= self.shadow_interval:
-                self.shadow_requests.append(s)
-                self._idle_steps[s.seq_id] = 0
-            elif not self.shadow_capable and not probed and idle >= self.probe_interval:
+            pending = s.seq_id in self._shadows
+            if self.shadow_capable and not pending:
+                if self._shadow_idle.get(s.seq_id, 0) >= self.shadow_interval:
+                    self.shadow_requests.append(s)
+                    self._shadow_idle[s.seq_id] = 0
+                    continue
+            if self.needs_probes and not probed and idle >= self.probe_interval:
                 cost = self.draft_cost.catch_up_seconds(catch_up[i]) + self.draft_cost.predict(1)
                 if cost > self._probe_credit:
                     continue
@@ -553,6 +563,7 @@ class GoodputController:
         self._requests.pop(seq.seq_id, None)
         self._last_plan.pop(seq.seq_id, None)
         self._idle_steps.pop(seq.seq_id, None)
+        self._shadow_idle.pop(seq.seq_id, None)
         self._shadows.pop(seq.seq_id, None)
 
     def summary(self) -> dict:

@@ -102,7 +102,10 @@ class LLMEngine:
             disable_by_batch_size=(
                 self.spec_config.disable_by_batch_size if self.spec_config else None
             ),
-            shadow_capable=bool(self.drafter and self.drafter.stateless),
+            shadow_capable=bool(
+                self.drafter and (self.drafter.stateless or self.drafter.shadow_capable)
+            ),
+            needs_probes=bool(self.drafter and not self.drafter.stateless),
         )
         # A request must fit the KV cache alone, its draft slots included: otherwise it would be
         # preempted and recomputed forever. The context is what the cache can hold, if less.
@@ -297,7 +300,7 @@ class LLMEngine:
         shadows = self.controller.shadow_requests
         t0 = time.perf_counter()
         if shadows:  # drafts scored later against the real output (see GoodputController)
-            drafts = self.drafter.propose(shadows, [k] * len(shadows))
+            drafts = self.drafter.shadow(shadows, [k] * len(shadows))
             for seq, prop in zip(shadows, drafts, strict=True):
                 self.controller.add_shadow(seq, prop.tokens, prop.shape.children)
         self._shadow_time = time.perf_counter() - t0  # not the real drafts' cost

@@ -277,3 +277,31 @@ def test_one_head_trains_on_two_data_sets_and_reports_each(heads, plain, tiny_ll
         by_set = history[when]["by_data_set"]
         assert list(by_set) == ["data", "code"]
         assert all(len(m["top1_per_step"]) == 4 for m in by_set.values())
+
+
+def test_an_eagle_heads_catch_up_is_what_it_has_not_run(plain, tiny_llama_dir, heads):
+    """The prompt's features before the first draft, then only what a step commits; tokens
+    committed while the request was kept plain add up until the head drafts again."""
+    root, _ = heads
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={"method": "eagle3", "model": str(root / "eagle3"), "topk": 1},
+        speculative_policy="static",
+    )
+    engine, drafter = spec.engine, spec.engine.drafter
+    ids = spec.encode(PROMPTS[0])
+    seq = engine.add_request(ids, greedy(12))
+    engine.step()  # prefill: the head has seen nothing yet
+    assert drafter.catch_up_tokens(seq) == len(ids) - 1
+    engine.step()  # drafted: caught up, then only the committed root and accepted nodes
+    assert drafter.catch_up_tokens(seq) <= drafter.max_nodes(4)
+    engine.set_policy("off")
+    for _ in range(4):
+        before = drafter.catch_up_tokens(seq)
+        engine.step()
+        assert drafter.catch_up_tokens(seq) == before + 1
+    engine.set_policy("static")
+    while not seq.finished:
+        engine.step()
+    want = plain.generate({"prompt_token_ids": ids}, greedy(12))[0].outputs[0].token_ids
+    assert seq.output_token_ids == want

@@ -311,3 +311,28 @@ def test_a_fixed_draft_cost_does_not_block_deep_drafts():
     one = c.expected_tokens(c.acceptance(seqs(1)[0]), 1)
     assert one / (0.0201 + 0.029) < 1 / 0.0201  # depth 1 alone is slower than plain decoding
     assert c.plan(seqs(1), 1, 1) == [4]
+
+
+def test_a_drafter_that_shadows_part_of_its_drafts_is_still_probed():
+    """A head with a lookup branch shadows its lookup alone: the controller scores those every
+    few idle steps and still gives the head a real probe now and then."""
+    c = controller(
+        memory_bound,
+        acceptance=0.0,
+        draft_s=0.002,
+        shadow_capable=True,
+        needs_probes=True,
+        probe_interval=6,
+    )
+    seq = seqs(1)[0]
+    plans, shadowed = [], []
+    for _ in range(13):
+        plans.append(c.plan([seq], 1, 1)[0])
+        shadowed.append(c.shadow_requests == [seq])
+    assert plans.index(1) == 5 and plans.count(1) == 2  # a probe every 6-7 idle steps
+    assert shadowed[:4] == [False, False, False, True] and shadowed.count(True) == 3
+    assert not any(p and s for p, s in zip(plans, shadowed, strict=True))
+    # a pending shadow is not replaced, but does not hold a probe back
+    c.add_shadow(seq, [3, 7, 8], [[1], [2], []])
+    plans = [c.plan([seq], 1, 1)[0] for _ in range(6)]
+    assert c.shadow_requests == [] and plans[-1] == 1

@@ -158,3 +158,23 @@ def test_config_accepts_the_branch_for_heads_only():
             samples_drafts = True
 
         LookupBranchDrafter(Sampled(), 4)
+
+
+def test_the_shadow_is_the_lookup_alone_and_leaves_no_state():
+    """What the controller scores for a request it keeps plain: the branch's chain, the head
+    not run, nothing remembered (a later real step is unaffected)."""
+    head = _FixedHead()
+    drafter = LookupBranchDrafter(head, num_tokens=3, prompt_lookup_min=2, prompt_lookup_max=2)
+    assert drafter.shadow_capable and not drafter.stateless
+    seq, other = _seq([5, 6, 1, 4, 8, 0, 5, 6]), _seq([1, 2, 3])
+    shadow, none = drafter.shadow([seq, other], [3, 3])
+    assert shadow.tokens == [6, 1, 4, 8] and shadow.shape.parents == (-1, 0, 1, 2)
+    assert none.tokens == [3] and none.num_drafts == 0
+    assert drafter.tracked_ids() == set() and drafter.branch_stats.as_dict()["head_skipped"] == 0
+    (prop,) = drafter.propose([seq], [3])
+    assert prop.tokens == [6, 1, 2, 3, 4, 8]
+
+
+def test_stateful_drafters_cannot_shadow():
+    with pytest.raises(NotImplementedError, match="shadow"):
+        _FixedHead().shadow([_seq([1, 2])], [2])
