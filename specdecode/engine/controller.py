@@ -101,6 +101,12 @@ class _Curve:
         return y0 + max(0.0, (y1 - y0) / (x1 - x0)) * (num_tokens - x0)
 
 
+# Proposals drafted at full depth before the draft-cost fit decides: one proposal cannot tell
+# its fixed, per-level and catch-up parts apart (the first also runs a head over the whole
+# prompt), and a fit that splits it evenly can switch drafting off for good.
+_MIN_DRAFT_OBSERVATIONS = 4
+
+
 class StepCostModel:
     """Step time against tokens fed. Two curves: one calibrated at start-up (bare forwards of N
     tokens over the grid the engine may reach) and one measured from the engine's own steps
@@ -148,6 +154,9 @@ class DraftCostModel:
         if depth_sum > 0:
             self._obs.append((float(depth_sum), float(catch_up), seconds))
             self._coef = None
+
+    def __len__(self) -> int:
+        return len(self._obs)
 
     def coefficients(self) -> tuple[float, float, float]:
         if self._coef is None:
@@ -478,7 +487,7 @@ class GoodputController:
             self.record_verification(seq, depth, accepted)
 
     def _adaptive(self, seqs: list[Sequence], base_tokens: int, catch_up: list[int]) -> list[int]:
-        if not self.step_cost.calibrated:
+        if not self.step_cost.calibrated or len(self.draft_cost) < _MIN_DRAFT_OBSERVATIONS:
             return [self.max_depth] * len(seqs)
         rates = [self.acceptance(s) for s in seqs]
         cost = self._catch_up_costs(seqs, rates, catch_up)

@@ -336,3 +336,24 @@ def test_a_drafter_that_shadows_part_of_its_drafts_is_still_probed():
     c.add_shadow(seq, [3, 7, 8], [[1], [2], []])
     plans = [c.plan([seq], 1, 1)[0] for _ in range(6)]
     assert c.shadow_requests == [] and plans[-1] == 1
+
+
+def test_one_dear_first_proposal_does_not_switch_drafting_off():
+    """A head's first proposal also runs it over the whole prompt: until a few proposals are
+    measured the fit cannot tell that from drafting, so the plan stays at full depth; then it
+    prices what the routine proposals cost."""
+    c = GoodputController("adaptive", 4, lambda k: k)
+    for n in (1, 2, 4, 8, 16):
+        c.step_cost.calibrate(n, memory_bound(n))
+    warm = seqs(1)[0]
+    for _ in range(50):
+        c.record_verification(warm, 4, 3)
+    c.release(warm)
+    c.record_draft(4, 0.200, catch_up=300)  # 200 ms: the prompt's catch-up and 4 levels
+    batch = seqs(1)
+    for _ in range(3):
+        assert c.plan(batch, 1, 1) == [4]
+        c.record_draft(4, 0.004)  # 1 ms a level
+    assert len(c.draft_cost) == 4
+    assert c.draft_cost.predict(4) < 0.02
+    assert c.plan(batch, 1, 1)[0] > 0
