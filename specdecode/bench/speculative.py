@@ -150,7 +150,9 @@ def _measure_one(llm, ids, i: int, temp: float, max_tokens: int):
 
 
 def _measure(llm, prompts, temp: float, max_tokens: int) -> tuple[float, float]:
-    """(tok/s including prefill, decode-only tok/s) over the prompts, batch 1."""
+    """(tok/s including prefill, decode-only tok/s) over the prompts, batch 1, after one short
+    warm-up request."""
+    _measure_one(llm, prompts[0], 0, temp, 8)
     return _rates([_measure_one(llm, ids, i, temp, max_tokens) for i, ids in enumerate(prompts)])
 
 

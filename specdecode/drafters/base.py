@@ -69,7 +69,7 @@ class Drafter(ABC):
     def shadow(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         """Proposals for requests that are not drafting this step, with no side effects: the
         controller scores them later against the real output (`shadow_capable` drafters)."""
-        if not (self.stateless or self.shadow_capable):
+        if not self.stateless:  # a drafter with state must say what its shadow is
             raise NotImplementedError(f"{type(self).__name__} cannot draft in shadow")
         return self.propose(seqs, budgets)
 

@@ -49,6 +49,9 @@ class _HeadState:
     pending: list[torch.Tensor] = field(default_factory=list)  # features not yet fed
     seen: int = 0  # target positions whose features arrived (committed + pending rows)
     broken: bool = False  # a gap in the features: this sequence gets no drafts
+    # rows the step after a proposal brings (its root and accepted nodes): routine, not catch-up
+    routine: int = 0
+    proposed: bool = False  # a proposal ran since the last features arrived
 
 
 @dataclass
@@ -132,18 +135,21 @@ class EagleDrafter(Drafter):
             if start != st.seen:
                 st.broken = True
             st.seen = start + f.shape[0]
+            if st.proposed:
+                st.routine, st.proposed = f.shape[0], False
             if not st.broken:
                 st.pending.append(f[:, self._cols])
 
     def catch_up_tokens(self, seq: Sequence) -> int:
-        """Features the head has not run yet beyond the root's: the prompt before a request's
-        first draft, every token committed while it was not drafting. The head runs them
-        before it drafts, so the controller prices them as catch-up, not as drafting depth
-        (a probe after 64 idle steps would otherwise look like a dear depth-1 draft)."""
+        """Features the head has not run yet beyond what a drafting step brings (its root and
+        accepted nodes): the prompt before a request's first draft, every token committed while
+        it was not drafting. The head runs them before it drafts, so the controller prices them
+        as catch-up, not as drafting depth (a probe after 64 idle steps would otherwise look
+        like a dear depth-1 draft)."""
         st = self._state.get(seq.seq_id)
         if st is None or st.broken:
             return 0
-        return max(0, sum(f.shape[0] for f in st.pending) - 1)
+        return max(0, sum(f.shape[0] for f in st.pending) - max(1, st.routine))
 
     def tracked_ids(self) -> set[int]:
         return set(self._state)
@@ -191,6 +197,7 @@ class EagleDrafter(Drafter):
         root_feat = pred[last]
         for i in active:
             states[i].committed = states[i].blocks.length
+            states[i].proposed = True
         sub_seqs = [seqs[i] for i in active]
         sub_states = [states[i] for i in active]
         sub_budgets = [budgets[i] for i in active]

@@ -18,17 +18,21 @@ Policies (`--speculative-policy`):
     nodes; T_target(N) is a measured step-time curve (`StepCostModel`), calibrated at start-up
     by timing forwards of N tokens and refined by every step the engine runs;
   - T_draft = d0 + d1 * (draft depth summed over requests), fitted online from timed proposals,
-    plus each drafting request's catch-up (tokens a draft model must prefill before it can
-    draft: the prompt, or what the request committed while it was not drafting), priced by the
-    same fit (d2 per token) and spread over the steps the request is expected to have left,
-    since it is paid once. Probes of idle requests (below) take at most `probe_share` of the
-    time, their catch-up included.
+    plus each drafting request's catch-up (tokens a draft model must prefill, or an EAGLE head
+    run, before it can draft: the prompt, or what the request committed while it was not
+    drafting), priced by the same fit (d2 per token) and spread over the steps the request is
+    expected to have left, since it is paid once. Probes of idle requests (below) take at most
+    `probe_share` of the time, their catch-up included. Until a few proposals are timed
+    (`_MIN_DRAFT_OBSERVATIONS`, two depths) the fit is not used: requests draft where drafting
+    could pay at all.
   E_i is concave in k and the cost grows with N, so the plan adds draft levels in the order of
   their expected tokens per fed token and stops when the next level lowers G.
   Hysteresis: the plan changes only when it beats the previous one (re-scored with today's
   estimates) by `hysteresis`. Requests that are not drafting keep being measured (`_explore`):
   shadow drafts scored against the real output where drafting has no side effects, else a rare
-  one-token probe, so the estimates recover when the traffic changes.
+  one-token probe, so the estimates recover when the traffic changes. A drafter whose shadow
+  is only part of its drafts (a head's lookup branch) gets probes, and a good shadow brings
+  the next probe forward instead of counting as the drafter's acceptance.
 """
 
 from __future__ import annotations
@@ -101,10 +105,14 @@ class _Curve:
         return y0 + max(0.0, (y1 - y0) / (x1 - x0)) * (num_tokens - x0)
 
 
-# Proposals drafted at full depth before the draft-cost fit decides: one proposal cannot tell
-# its fixed, per-level and catch-up parts apart (the first also runs a head over the whole
-# prompt), and a fit that splits it evenly can switch drafting off for good.
+# Proposals timed before the draft-cost fit decides: one proposal cannot tell its fixed,
+# per-level and catch-up parts apart (the first also runs a head over the whole prompt), and a
+# fit that split it evenly switched drafting off for good. Meanwhile requests draft at full
+# depth and half of it in turn (two depths separate d0 from d1), for at most
+# `_MAX_LEARNING_STEPS` steps (a drafter that rarely drafts, say lookup that finds nothing,
+# leaves the fit to its later proposals) and only where drafting could pay at all.
 _MIN_DRAFT_OBSERVATIONS = 4
+_MAX_LEARNING_STEPS = 16
 
 
 class StepCostModel:
@@ -143,8 +151,9 @@ class StepCostModel:
 class DraftCostModel:
     """Drafting time = d0 + d1 * depth + d2 * catch-up, by a forgetting least-squares fit over
     the recent proposals: `depth` summed over the drafting requests, `catch-up` the tokens the
-    drafter had to process before it could draft (a draft model's prefill of what the target
-    committed while the request was not drafting; 0 for heads and n-gram lookup)."""
+    drafter had to process before it could draft (a draft model's prefill, or an EAGLE head's
+    run, of what the target committed while the request was not drafting; 0 for Medusa and
+    n-gram lookup)."""
 
     def __init__(self, window: int = 64) -> None:
         self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
@@ -297,6 +306,7 @@ class GoodputController:
         self.last_budgets: list[int] = []
         self.last_predicted_gain: float = 1.0
         self.num_decisions = 0  # (request, step) pairs decided
+        self._learning_steps = 0  # plans made before the draft-cost fit had its observations
         self.num_drafting = 0  # of which drafted
 
     # ---- estimates -----------------------------------------------------------------------------
@@ -456,6 +466,13 @@ class GoodputController:
                 return True
         return False
 
+    def _could_pay_free(self, base_tokens: int, n: int, k: int) -> bool:
+        """Whether `n` requests drafting depth k, every draft accepted and drafting free, would
+        beat plain decoding by `min_gain` (the step-cost curve alone decides)."""
+        plain = n / max(self.step_cost.predict(base_tokens), 1e-12)
+        fed = base_tokens + n * self.nodes_for_depth(k)
+        return n * (1 + k) / max(self.step_cost.predict(fed), 1e-12) >= plain * (1 + self.min_gain)
+
     def add_shadow(self, seq: Sequence, tokens: list[int], children: list[list[int]]) -> None:
         """A draft tree proposed for `seq` but not verified: scored when its tokens are known."""
         depth, node, stack = 0, 0, [(0, 0)]
@@ -484,11 +501,24 @@ class GoodputController:
                 break
             node, accepted = nxt, accepted + 1
         if accepted == depth or len(produced) > accepted:  # else it ended undecided
-            self.record_verification(seq, depth, accepted)
+            if not self.needs_probes:  # the shadow is what the drafter would have drafted
+                self.record_verification(seq, depth, accepted)
+            elif accepted >= 2 and seq.seq_id in self._idle_steps:  # part of it, and it
+                # would have paid: bring the next real probe forward
+                self._idle_steps[seq.seq_id] = max(
+                    self._idle_steps[seq.seq_id], self.probe_interval
+                )
 
     def _adaptive(self, seqs: list[Sequence], base_tokens: int, catch_up: list[int]) -> list[int]:
-        if not self.step_cost.calibrated or len(self.draft_cost) < _MIN_DRAFT_OBSERVATIONS:
+        if not self.step_cost.calibrated:
             return [self.max_depth] * len(seqs)
+        learning = len(self.draft_cost) < _MIN_DRAFT_OBSERVATIONS
+        if learning and self._learning_steps < _MAX_LEARNING_STEPS:
+            self._learning_steps += 1
+            k = self.max_depth if len(self.draft_cost) % 2 == 0 else max(1, self.max_depth // 2)
+            if not self._could_pay_free(base_tokens, len(seqs), k):
+                k = 0  # a compute-bound batch: not even free drafts, all accepted, would pay
+            return [k] * len(seqs)
         rates = [self.acceptance(s) for s in seqs]
         cost = self._catch_up_costs(seqs, rates, catch_up)
         plan = [0] * len(seqs)

@@ -340,7 +340,8 @@ def test_a_drafter_that_shadows_part_of_its_drafts_is_still_probed():
 
 def test_one_dear_first_proposal_does_not_switch_drafting_off():
     """A head's first proposal also runs it over the whole prompt: until a few proposals are
-    measured the fit cannot tell that from drafting, so the plan stays at full depth; then it
+    timed the fit cannot tell that from drafting, so requests draft at full depth and half of
+    it in turn (two depths separate the fixed cost from the per-level one); then the plan
     prices what the routine proposals cost."""
     c = GoodputController("adaptive", 4, lambda k: k)
     for n in (1, 2, 4, 8, 16):
@@ -351,9 +352,48 @@ def test_one_dear_first_proposal_does_not_switch_drafting_off():
     c.release(warm)
     c.record_draft(4, 0.200, catch_up=300)  # 200 ms: the prompt's catch-up and 4 levels
     batch = seqs(1)
+    plans = []
     for _ in range(3):
-        assert c.plan(batch, 1, 1) == [4]
-        c.record_draft(4, 0.004)  # 1 ms a level
-    assert len(c.draft_cost) == 4
-    assert c.draft_cost.predict(4) < 0.02
+        plans.append(c.plan(batch, 1, 1)[0])
+        c.record_draft(plans[-1], 0.001 + 0.001 * plans[-1])  # 1 ms + 1 ms a level
+    assert plans == [2, 4, 2] and len(c.draft_cost) == 4
+    d0, d1, _ = c.draft_cost.coefficients()
+    assert d0 == pytest.approx(0.001, abs=2e-4) and d1 == pytest.approx(0.001, abs=2e-4)
     assert c.plan(batch, 1, 1)[0] > 0
+
+
+def test_learning_drafts_only_where_free_drafts_could_pay_and_ends():
+    """Before the fit has its proposals, a compute-bound batch still decodes plainly; and a
+    drafter that never times a proposal does not keep the controller learning for ever."""
+    c = GoodputController("adaptive", 4, lambda k: k)
+    for n in (1, 2, 4, 8, 16, 32, 64, 128):
+        c.step_cost.calibrate(n, compute_bound(n))
+    assert c.plan(seqs(8), 8, 8) == [0] * 8
+    m = GoodputController("adaptive", 4, lambda k: k)
+    for n in (1, 2, 4, 8, 16):
+        m.step_cost.calibrate(n, memory_bound(n))
+    batch = seqs(1)
+    assert [m.plan(batch, 1, 1)[0] for _ in range(16)] == [4] * 16  # no proposal timed
+    m.record_draft(4, 0.5)  # after the learning steps: the fit decides (a dear drafter)
+    assert m.plan(batch, 1, 1) == [0]
+
+
+def test_a_partial_shadow_brings_a_probe_forward_and_is_not_counted():
+    """The lookup branch's shadow is not what the head would draft: a good one moves the next
+    real probe up instead of entering the acceptance estimates; a poor one changes nothing."""
+    c = controller(
+        memory_bound, acceptance=0.0, draft_s=0.002, shadow_capable=True, needs_probes=True
+    )
+    seq = seqs(1)[0]
+    for _ in range(3):
+        assert c.plan([seq], 1, 1) == [0]
+    before = c.acceptance(seq)
+    c.add_shadow(seq, [3, 9, 9], [[1], [2], []])  # wrong at once
+    seq.output_token_ids += [7, 8]
+    c.resolve_shadows(seq)
+    assert c.plan([seq], 1, 1) == [0]
+    c.add_shadow(seq, [8, 5, 6, 4], [[1], [2], [3], []])  # the next three tokens, all right
+    seq.output_token_ids += [5, 6, 4]
+    c.resolve_shadows(seq)
+    assert c.acceptance(seq) == before
+    assert c.plan([seq], 1, 1) == [1]  # a probe now, not 64 idle steps on
