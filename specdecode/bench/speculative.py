@@ -47,7 +47,9 @@ def run_speculative(args: argparse.Namespace) -> dict:
                 row = {"workload": name, "temperature": temp, "prompts": len(prompts)}
                 row["method"] = label
                 row["plain_tok_s"], row["plain_decode_tok_s"] = plain
-                row["spec_tok_s"], row["spec_decode_tok_s"], stats, branch = got
+                row["spec_tok_s"], row["spec_decode_tok_s"], stats, branch, drafting = got
+                row["policy"] = m.engine.controller.policy
+                row["drafting_fraction"] = drafting
                 row.update(
                     speedup=row["spec_tok_s"] / row["plain_tok_s"],
                     decode_speedup=row["spec_decode_tok_s"] / row["plain_decode_tok_s"],
@@ -106,6 +108,7 @@ def _measure_interleaved(llm, methods, prompts, temp: float, max_tokens: int):
         _measure_one(m, prompts[0], 0, temp, 8)
     before = [_copy_stats(m.engine) for _, m in methods]
     branch_before = [_branch_stats(m.engine) for _, m in methods]
+    decisions_before = [_decisions(m.engine) for _, m in methods]
     for i, ids in enumerate(prompts):
         policy = engine.controller.policy
         engine.set_policy("off")
@@ -114,10 +117,23 @@ def _measure_interleaved(llm, methods, prompts, temp: float, max_tokens: int):
         for j, (_, m) in enumerate(methods):
             parts[j].append(_measure_one(m, ids, i, temp, max_tokens))
     measured = [
-        (*_rates(p), _diff_stats(m.engine, b), _branch_diff(m.engine, bb))
-        for p, (_, m), b, bb in zip(parts, methods, before, branch_before, strict=True)
+        (*_rates(p), _diff_stats(m.engine, b), _branch_diff(m.engine, bb), _drafting(m.engine, d))
+        for p, (_, m), b, bb, d in zip(
+            parts, methods, before, branch_before, decisions_before, strict=True
+        )
     ]
     return _rates(plain), measured
+
+
+def _decisions(engine) -> tuple[int, int]:
+    return engine.controller.num_decisions, engine.controller.num_drafting
+
+
+def _drafting(engine, before: tuple[int, int]) -> float | None:
+    """The share of (request, step) decisions that drafted since `before`: what an adaptive
+    policy chose (None when nothing was decided)."""
+    decided, drafted = (a - b for a, b in zip(_decisions(engine), before, strict=True))
+    return drafted / decided if decided else None
 
 
 def _rates(parts) -> tuple[float, float]:
@@ -200,6 +216,8 @@ def _print_row(r: dict) -> None:
         f"{r['decode_speedup']:.2f}x)  accept {100 * r['acceptance_rate']:4.0f}%  "
         f"tau {r['tau']:.2f}"
     )
+    if r.get("policy") == "adaptive" and r.get("drafting_fraction") is not None:
+        line += f"  (drafted on {100 * r['drafting_fraction']:.0f}% of steps)"
     if "lookup_branch" in r:
         b = r["lookup_branch"]
         line += (
