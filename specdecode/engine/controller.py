@@ -306,8 +306,8 @@ class GoodputController:
         self.last_budgets: list[int] = []
         self.last_predicted_gain: float = 1.0
         self.num_decisions = 0  # (request, step) pairs decided
-        self._learning_steps = 0  # plans made before the draft-cost fit had its observations
         self.num_drafting = 0  # of which drafted
+        self._learning_steps = 0  # plans made before the draft-cost fit had its observations
 
     # ---- estimates -----------------------------------------------------------------------------
 
@@ -404,7 +404,8 @@ class GoodputController:
         proposals have no side effects (n-gram lookup), a shadow draft every `shadow_interval`
         idle steps is scored later against the tokens the request really produced: for
         deterministic drafts that is exactly the verification outcome, at no verification cost.
-        A head with a lookup branch shadows its lookup alone, so it gets both. Other drafters
+        A head with a lookup branch shadows its lookup alone; that is not what it drafts, so it
+        gets probes too, and a shadow that matched brings the next one forward. Other drafters
         get a real one-token probe, one request per step at most, paid from a
         credit that grows by `probe_share` of every step's time: however many requests are
         idle, probes (a draft model's catch-up included) take at most that share of the time.
@@ -469,9 +470,9 @@ class GoodputController:
     def _could_pay_free(self, base_tokens: int, n: int, k: int) -> bool:
         """Whether `n` requests drafting depth k, every draft accepted and drafting free, would
         beat plain decoding by `min_gain` (the step-cost curve alone decides)."""
-        plain = n / max(self.step_cost.predict(base_tokens), 1e-12)
         fed = base_tokens + n * self.nodes_for_depth(k)
-        return n * (1 + k) / max(self.step_cost.predict(fed), 1e-12) >= plain * (1 + self.min_gain)
+        drafting = self._rate(n * (1 + k), fed, 0)  # depth 0: no drafting time
+        return drafting >= self._rate(n, base_tokens, 0) * (1 + self.min_gain)
 
     def add_shadow(self, seq: Sequence, tokens: list[int], children: list[list[int]]) -> None:
         """A draft tree proposed for `seq` but not verified: scored when its tokens are known."""
