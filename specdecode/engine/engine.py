@@ -268,8 +268,15 @@ class LLMEngine:
             # chunk's tokens cost far less each and would skew the curve drafts are priced on
             ctrl.record_step(self.runner.num_fed_tokens, (t1 - t0) + (t3 - t2) + (t5 - t4))
         if spec:
-            drafted = sum(self.drafter.drafted_depth(batch.seqs[i], proposals[i]) for i in spec)
-            ctrl.record_draft(drafted, (t2 - t1) - self._shadow_time + (t4 - t3), self._catch_up)
+            depths = [self.drafter.drafted_depth(batch.seqs[i], proposals[i]) for i in spec]
+            # catch-up of the requests the drafter really ran for (a lookup branch may have
+            # skipped the head, whose catch-up then waits)
+            caught = sum(
+                self._catch_up.get(batch.seqs[i].seq_id, 0)
+                for i, d in zip(spec, depths, strict=True)
+                if d
+            )
+            ctrl.record_draft(sum(depths), (t2 - t1) - self._shadow_time + (t4 - t3), caught)
         return updated
 
     def _propose(self, batch, k: int) -> list[DraftProposal | None]:
@@ -277,7 +284,7 @@ class LLMEngine:
         self._last_budgets: list[int] = []
         self._pruned: dict[int, tuple[DraftProposal, list[int]]] = {}
         self._shadow_time = 0.0
-        self._catch_up = 0
+        self._catch_up: dict[int, int] = {}  # seq_id -> tokens to catch up, drafting requests
         if not self.drafter or k == 0:
             return proposals
         decoding = [
@@ -296,7 +303,9 @@ class LLMEngine:
         plan = self.controller.plan(seqs, decode_tokens, len(batch), catch_up)
         budgets = [self.draft_room(s, b) for s, b in zip(seqs, plan, strict=True)]
         self._last_budgets = budgets
-        self._catch_up = sum(n for n, b in zip(catch_up, budgets, strict=True) if b)
+        self._catch_up = {
+            s.seq_id: n for s, n, b in zip(seqs, catch_up, budgets, strict=True) if b and n
+        }
         shadows = self.controller.shadow_requests
         t0 = time.perf_counter()
         if shadows:  # drafts scored later against the real output (see GoodputController)

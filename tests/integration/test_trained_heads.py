@@ -290,17 +290,22 @@ def test_an_eagle_heads_catch_up_is_what_it_has_not_run(plain, tiny_llama_dir, h
         speculative_policy="static",
     )
     engine, drafter = spec.engine, spec.engine.drafter
+    recorded = []  # the catch-up each timed proposal is fitted with
+    record = engine.controller.record_draft
+    engine.controller.record_draft = lambda d, s, c=0: (recorded.append(c), record(d, s, c))
     ids = spec.encode(PROMPTS[0])
     seq = engine.add_request(ids, greedy(12))
     engine.step()  # prefill: the head has seen nothing yet
     assert drafter.catch_up_tokens(seq) == len(ids) - 1
     engine.step()  # drafted: caught up; the root and accepted nodes it brings are routine
-    assert drafter.catch_up_tokens(seq) == 0
+    assert drafter.catch_up_tokens(seq) == 0 and recorded == [len(ids) - 1]
     engine.set_policy("off")
     for n in range(1, 5):  # kept plain: every committed token is catch-up
         engine.step()
         assert drafter.catch_up_tokens(seq) == n
     engine.set_policy("static")
+    engine.step()
+    assert recorded[-1] == 4
     while not seq.finished:
         engine.step()
     want = plain.generate({"prompt_token_ids": ids}, greedy(12))[0].outputs[0].token_ids
