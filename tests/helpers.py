@@ -112,3 +112,22 @@ def chi_square_pvalue(x: list[int], y: list[int]) -> float:
     stat = ((table - expected) ** 2 / expected).sum()
     df = (table.shape[0] - 1) * (table.shape[1] - 1)
     return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2))
+
+
+def seeded_params(seed: int, max_tokens: int, mix) -> list:
+    """One seeded SamplingParams per (temperature, top_k) of `mix`, seeds from `seed` on."""
+    from specdecode import SamplingParams
+
+    return [
+        SamplingParams(
+            temperature=t, top_k=k, seed=seed + i, max_tokens=max_tokens, ignore_eos=True
+        )
+        for i, (t, k) in enumerate(mix)
+    ]
+
+
+def assert_seeded_outputs_match(plain, spec, prompts, params, alone: int) -> None:
+    """`spec` samples the tokens `plain` does, batched and for prompt `alone` on its own."""
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+    assert spec.generate(prompts[alone], params[alone])[0].outputs[0].token_ids == want[alone]

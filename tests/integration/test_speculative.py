@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from helpers import chi_square_pvalue
+from helpers import assert_seeded_outputs_match, chi_square_pvalue, seeded_params
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import InvalidRequestError
@@ -290,13 +290,8 @@ def test_seeded_sampling_gives_the_plain_tokens(plain, tiny_llama_dir, policy):
         speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
         speculative_policy=policy,
     )
-    params = [
-        SamplingParams(temperature=t, top_k=k, seed=11 + i, max_tokens=60, ignore_eos=True)
-        for i, (t, k) in enumerate(((0.3, 3), (0.5, 0), (1.0, 2), (0.2, 5)))
-    ]
-    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
-    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == want
-    assert spec.generate(PROMPTS[0], params[0])[0].outputs[0].token_ids == want[0]
+    params = seeded_params(11, 60, ((0.3, 3), (0.5, 0), (1.0, 2), (0.2, 5)))
+    assert_seeded_outputs_match(plain, spec, PROMPTS, params, alone=0)
     if policy == "static":  # adaptive may rightly decide not to draft on this tiny model
         assert spec.engine.spec_stats.num_accepted_tokens > 0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import assert_seeded_outputs_match, seeded_params
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import InvalidRequestError
@@ -128,13 +129,8 @@ def test_seeded_sampling_with_a_lookup_branch_gives_the_plain_tokens(
         },
         speculative_policy=policy,
     )
-    params = [
-        SamplingParams(temperature=t, top_k=k, seed=5 + i, max_tokens=40, ignore_eos=True)
-        for i, (t, k) in enumerate(((0.3, 3), (0.7, 0), (1.0, 2), (0.5, 5)))
-    ]
-    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
-    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == want
-    assert spec.generate(PROMPTS[2], params[2])[0].outputs[0].token_ids == want[2]
+    params = seeded_params(5, 40, ((0.3, 3), (0.7, 0), (1.0, 2), (0.5, 5)))
+    assert_seeded_outputs_match(plain, spec, PROMPTS, params, alone=2)
     if policy == "static":  # adaptive may rightly decide not to draft on this tiny model
         assert spec.engine.drafter.branch_stats.accepted > 0
     assert spec.engine.num_tracked() == 0
