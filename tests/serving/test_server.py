@@ -274,6 +274,13 @@ def test_client_disconnect_mid_stream_frees_the_request(served, engine, monkeypa
     resp = conn.getresponse()
     assert resp.status == 200
     assert resp.read(6) == b"data: "  # streaming has begun
+    # the first chunk (the assistant role) goes out before any token: leave after a second one,
+    # so a token was surely generated (leaving at once made the lower bound below flaky)
+    resp.readline()  # the rest of the first chunk
+    line = b"\n"
+    while line and not line.startswith(b"data: "):  # until the second chunk begins
+        line = resp.readline()
+    assert line, "the stream ended before its first token"
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     assert idle(engine), "the abandoned request must be aborted and its memory freed"
