@@ -49,7 +49,7 @@ def run_speculative(args: argparse.Namespace) -> dict:
                 row["plain_tok_s"], row["plain_decode_tok_s"] = plain
                 row["spec_tok_s"], row["spec_decode_tok_s"], stats, branch, drafting = got
                 row["policy"] = m.engine.controller.policy
-                row["drafting_fraction"] = drafting
+                row["drafting_fraction"], row["lite_fraction"] = drafting
                 row.update(
                     speedup=row["spec_tok_s"] / row["plain_tok_s"],
                     decode_speedup=row["spec_decode_tok_s"] / row["plain_decode_tok_s"],
@@ -125,15 +125,17 @@ def _measure_interleaved(llm, methods, prompts, temp: float, max_tokens: int):
     return _rates(plain), measured
 
 
-def _decisions(engine) -> tuple[int, int]:
-    return engine.controller.num_decisions, engine.controller.num_drafting
+def _decisions(engine) -> tuple[int, int, int]:
+    c = engine.controller
+    return c.num_decisions, c.num_drafting, c.num_lite
 
 
-def _drafting(engine, before: tuple[int, int]) -> float | None:
-    """The share of (request, step) decisions that drafted since `before`: what an adaptive
-    policy chose (None when nothing was decided)."""
-    decided, drafted = (a - b for a, b in zip(_decisions(engine), before, strict=True))
-    return drafted / decided if decided else None
+def _drafting(engine, before: tuple[int, int, int]) -> tuple[float | None, float | None]:
+    """The shares of (request, step) decisions since `before` that drafted, and that drafted
+    lite drafts (a head's lookup branch alone): what an adaptive policy chose (None when
+    nothing was decided)."""
+    decided, drafted, lite = (a - b for a, b in zip(_decisions(engine), before, strict=True))
+    return (drafted / decided, lite / decided) if decided else (None, None)
 
 
 def _rates(parts) -> tuple[float, float]:
@@ -217,7 +219,10 @@ def _print_row(r: dict) -> None:
         f"tau {r['tau']:.2f}"
     )
     if r.get("policy") == "adaptive" and r.get("drafting_fraction") is not None:
-        line += f"  (drafted on {100 * r['drafting_fraction']:.0f}% of steps)"
+        line += f"  (drafted on {100 * r['drafting_fraction']:.0f}% of steps"
+        if r.get("lite_fraction"):
+            line += f", {100 * r['lite_fraction']:.0f}% lookup alone"
+        line += ")"
     if "lookup_branch" in r:
         b = r["lookup_branch"]
         line += (

@@ -43,6 +43,9 @@ class Drafter(ABC):
     stateless: bool = False
     #: True when `shadow` gives side-effect-free proposals (stateless drafters: `propose`).
     shadow_capable: bool = False
+    #: > 0 when the shadow is a drafter in its own right, verified alone up to this depth
+    #: (lite drafts: a head's lookup branch without the head; see the controller).
+    lite_depth: int = 0
     #: Target features this drafter reads (see `ModelRunner.feature_layers`); None: none.
     feature_layers: tuple[int, ...] | None = None
 
@@ -68,7 +71,9 @@ class Drafter(ABC):
 
     def shadow(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         """Proposals for requests that are not drafting this step, with no side effects: the
-        controller scores them later against the real output (`shadow_capable` drafters)."""
+        controller scores them later against the real output (`shadow_capable` drafters), or
+        has them verified as lite drafts (`lite_depth`); the drafter does not hear about
+        those (`on_verified`)."""
         if not self.stateless:  # a drafter with state must say what its shadow is
             raise NotImplementedError(f"{type(self).__name__} cannot draft in shadow")
         return self.propose(seqs, budgets)

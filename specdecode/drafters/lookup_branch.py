@@ -115,6 +115,8 @@ class LookupBranchDrafter(Drafter):
         # but the lookup alone drafts in shadow: while the controller keeps a request plain
         # (a head that does not pay), a request that starts copying its context is seen
         self.shadow_capable = True
+        # and is verified alone where the head does not pay but lookup does (lite drafts)
+        self.lite_depth = num_tokens
         self.feature_layers = head.feature_layers
         self.branch_stats = BranchStats()
         self._own: dict[int, DraftProposal] = {}  # seq_id -> the head's own last proposal
@@ -133,7 +135,9 @@ class LookupBranchDrafter(Drafter):
 
     def drafted_depth(self, seq: Sequence, proposal: DraftProposal) -> int:
         own = self._own.get(seq.seq_id)  # the head's tree: the branch cost no drafting time
-        return max(own.shape.depths) if own is not None else max(proposal.shape.depths)
+        if own is None:
+            return max(proposal.shape.depths)
+        return self.head.drafted_depth(seq, own) if own.num_drafts else 0
 
     def _head_pays(self, st: _Request, batch: int, k: int) -> bool:
         if self._head_seconds is None or self.step_time is None:
@@ -179,11 +183,12 @@ class LookupBranchDrafter(Drafter):
         return out
 
     def shadow(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
-        """The lookup branch alone, no state touched (the head does not run): what the
-        controller scores for a request it keeps plain."""
+        """The lookup branch alone, at most `budgets[i]` deep, no state touched (the head does
+        not run): what the controller scores for a request it keeps plain, or has verified as
+        lite drafts."""
         out = []
         for seq, k in zip(seqs, budgets, strict=True):
-            n = self.room(seq, self.num_tokens) if k > 0 else 0
+            n = self.room(seq, min(k, self.num_tokens)) if k > 0 else 0
             chain = lookup(context_ids(seq), self.min_n, self.max_n, n) if n > 0 else []
             out.append(DraftProposal(TreeShape.chain(len(chain)), [seq.last_token] + chain))
         return out

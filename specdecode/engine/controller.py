@@ -33,6 +33,11 @@ Policies (`--speculative-policy`):
   one-token probe, so the estimates recover when the traffic changes. A drafter whose shadow
   is only part of its drafts (a head's lookup branch) gets probes, and a good shadow brings
   the next probe forward instead of counting as the drafter's acceptance.
+  Lite drafts: a drafter whose shadow can also be verified on its own (`lite_depth`: a head's
+  lookup branch without the head) offers a second, cheaper mode. Requests the plan keeps plain
+  may verify it, with its own acceptance estimates (from its shadows and its verifications)
+  and no drafting time, where it beats the head's plan by `min_gain`. The plan marks such a
+  request with a negative depth (-k: lite drafts of depth k).
 """
 
 from __future__ import annotations
@@ -266,6 +271,7 @@ class GoodputController:
         probe_share: float = 0.02,
         min_gain: float = 0.1,
         catch_up_horizon: float = 0.5,
+        lite_depth: int = 0,
     ) -> None:
         if policy not in POLICIES:
             raise InvalidRequestError(
@@ -290,6 +296,8 @@ class GoodputController:
         self.min_gain = min_gain
         # a catch-up must pay back within this share of the request's expected remaining steps
         self.catch_up_horizon = catch_up_horizon
+        # depth of the drafter's lite mode (its shadow verified alone; 0: none), see above
+        self.lite_depth = lite_depth
         self._probe_credit = 0.0  # seconds of probing earned and not yet spent
         self._probe_charged: float | None = None  # the predicted cost of this step's probe
         self._probe_wait = 0  # steps before asking again whether a probe could pay
@@ -299,6 +307,8 @@ class GoodputController:
         self.draft_cost = DraftCostModel()
         self._requests: dict[int, AcceptanceCounts] = {}
         self._workloads: dict[str, AcceptanceCounts] = {}
+        self._lite_requests: dict[int, AcceptanceCounts] = {}
+        self._lite_workloads: dict[str, AcceptanceCounts] = {}
         self._last_plan: dict[int, int] = {}
         self._idle_steps: dict[int, int] = {}
         self._shadow_idle: dict[int, int] = {}
@@ -307,17 +317,25 @@ class GoodputController:
         self.last_predicted_gain: float = 1.0
         self.num_decisions = 0  # (request, step) pairs decided
         self.num_drafting = 0  # of which drafted
+        self.num_lite = 0  # of which drafted lite drafts
         self._learning_steps = 0  # plans made before the draft-cost fit had its observations
 
     # ---- estimates -----------------------------------------------------------------------------
 
-    def acceptance(self, seq: Sequence) -> list[float]:
-        """a(d) for d = 1..max_depth: the request's own counts shrunk towards its workload's,
-        and the workload's towards 0.5 (optimistic enough to try)."""
-        wl = self._workloads.get(workload_key(seq))
-        own = self._requests.get(seq.seq_id)
+    def _counts(self, lite: bool):
+        if lite:
+            return self._lite_requests, self._lite_workloads
+        return self._requests, self._workloads
+
+    def acceptance(self, seq: Sequence, lite: bool = False) -> list[float]:
+        """a(d) for d = 1..max_depth (lite: 1..lite_depth, of the lite drafts): the request's
+        own counts shrunk towards its workload's, and the workload's towards 0.5 (optimistic
+        enough to try)."""
+        requests, workloads = self._counts(lite)
+        wl = workloads.get(workload_key(seq))
+        own = requests.get(seq.seq_id)
         rates = []
-        for d in range(self.max_depth):
+        for d in range(self.lite_depth if lite else self.max_depth):
             prior = wl.rate(d, 0.5, 2.0) if wl else 0.5
             rates.append(own.rate(d, prior, 4.0) if own else prior)
         return rates
@@ -336,11 +354,20 @@ class GoodputController:
         rates: list[list[float]],
         plan: list[int],
         catch_up: list[float] | None = None,
+        lite_rates: list[list[float]] | None = None,
     ) -> float:
-        tokens = sum(self.expected_tokens(r, k) for r, k in zip(rates, plan, strict=True))
-        fed = base_tokens + sum(self.nodes_for_depth(k) for k in plan if k)
-        extra = sum(c for c, k in zip(catch_up, plan, strict=True) if k) if catch_up else 0.0
-        return self._rate(tokens, fed, sum(plan), extra)
+        """Expected tokens per second of `plan` (negative depths: lite drafts, priced with
+        `lite_rates`, one node a level and no drafting time)."""
+        tokens, fed = 0.0, base_tokens
+        for i, k in enumerate(plan):
+            if k >= 0:
+                tokens += self.expected_tokens(rates[i], k)
+                fed += self.nodes_for_depth(k) if k else 0
+            else:
+                tokens += self.expected_tokens((lite_rates or rates)[i], -k)
+                fed += -k
+        extra = sum(c for c, k in zip(catch_up, plan, strict=True) if k > 0) if catch_up else 0.0
+        return self._rate(tokens, fed, sum(k for k in plan if k > 0), extra)
 
     def _rate(self, tokens: float, fed: int, depth: int, extra: float = 0.0) -> float:
         """Expected tokens per second of a step feeding `fed` tokens with `depth` draft levels
@@ -385,8 +412,8 @@ class GoodputController:
         else:
             budgets = self._adaptive(seqs, base_tokens, catch_up)
         for s, k in zip(seqs, budgets, strict=True):
-            self._last_plan[s.seq_id] = k
-            self._idle_steps[s.seq_id] = 0 if k else self._idle_steps.get(s.seq_id, 0) + 1
+            self._last_plan[s.seq_id] = max(k, 0)  # the head's plan: lite drafts hold no state
+            self._idle_steps[s.seq_id] = 0 if k > 0 else self._idle_steps.get(s.seq_id, 0) + 1
             self._shadow_idle[s.seq_id] = 0 if k else self._shadow_idle.get(s.seq_id, 0) + 1
         self.shadow_requests = []
         self._probe_charged = None
@@ -395,6 +422,7 @@ class GoodputController:
         self.last_budgets = budgets
         self.num_decisions += len(budgets)
         self.num_drafting += sum(1 for k in budgets if k)
+        self.num_lite += sum(1 for k in budgets if k < 0)
         return budgets
 
     def _explore(
@@ -421,10 +449,10 @@ class GoodputController:
         self._probe_wait -= 1
         for i, s in enumerate(seqs):
             idle = self._idle_steps.get(s.seq_id, 0)
-            if plan[i]:
+            if plan[i] > 0:
                 continue
             pending = s.seq_id in self._shadows
-            if self.shadow_capable and not pending:
+            if self.shadow_capable and not pending and plan[i] == 0:  # (lite: verified)
                 if self._shadow_idle.get(s.seq_id, 0) >= self.shadow_interval:
                     self.shadow_requests.append(s)
                     self._shadow_idle[s.seq_id] = 0
@@ -504,8 +532,11 @@ class GoodputController:
         if accepted == depth or len(produced) > accepted:  # else it ended undecided
             if not self.needs_probes:  # the shadow is what the drafter would have drafted
                 self.record_verification(seq, depth, accepted)
-            elif accepted >= 2 and seq.seq_id in self._idle_steps:  # part of it, and it
-                # would have paid: bring the next real probe forward
+            elif self.lite_depth:  # it is what the lite mode would have drafted
+                self.record_verification(seq, depth, accepted, lite=True)
+            if self.needs_probes and accepted >= 2 and seq.seq_id in self._idle_steps:
+                # part of the drafter's drafts, and it would have paid: bring the next real
+                # probe forward
                 self._idle_steps[seq.seq_id] = max(
                     self._idle_steps[seq.seq_id], self.probe_interval
                 )
@@ -575,16 +606,57 @@ class GoodputController:
             # hysteresis, except that a drafting plan no longer predicted to beat plain ends
             if (kept >= plain or not any(previous)) and best < kept * (1 + self.hysteresis):
                 plan, best = previous, kept
+        if self.lite_depth and not all(plan):
+            plan, best = self._add_lite(seqs, base_tokens, rates, cost, plan, best)
         self.last_predicted_gain = best / plain if plain > 0 else 1.0
         return plan
 
+    def _add_lite(
+        self,
+        seqs: list[Sequence],
+        base_tokens: int,
+        rates: list[list[float]],
+        cost: list[float],
+        plan: list[int],
+        best: float,
+    ) -> tuple[list[int], float]:
+        """Lite drafts for the requests `plan` keeps plain, best first: each takes the depth
+        that raises the step's goodput most (lite drafts cost verification only), and the lot
+        is kept only if it beats `plan` by `min_gain`. No hysteresis: switching them on or off
+        touches no state."""
+        idle = [i for i, k in enumerate(plan) if k == 0]
+        lite = [self.acceptance(s, lite=True) for s in seqs]
+        idle.sort(key=lambda i: -lite[i][0])
+        tokens = sum(self.expected_tokens(r, k) for r, k in zip(rates, plan, strict=True))
+        fed = base_tokens + sum(self.nodes_for_depth(k) for k in plan if k)
+        depth = sum(plan)
+        paid = sum(c for c, k in zip(cost, plan, strict=True) if k)
+        out, g_best = list(plan), best
+        for i in idle:
+            take, run, add = 0, 1.0, 0.0
+            for j in range(1, self.lite_depth + 1):
+                run *= lite[i][j - 1]
+                add += run
+                g = self._rate(tokens + add, fed + j, depth, paid)
+                if g > g_best:
+                    g_best, take, t_take = g, j, add
+            if take:
+                out[i], tokens, fed = -take, tokens + t_take, fed + take
+        if g_best < best * (1 + self.min_gain):
+            return plan, best
+        return out, g_best
+
     # ---- learning ------------------------------------------------------------------------------
 
-    def record_verification(self, seq: Sequence, depth: int, accepted: int) -> None:
-        own = self._requests.setdefault(seq.seq_id, AcceptanceCounts(decay=0.9))
+    def record_verification(
+        self, seq: Sequence, depth: int, accepted: int, lite: bool = False
+    ) -> None:
+        """A verified draft of `depth` of which `accepted` were kept (lite: a lite draft)."""
+        requests, workloads = self._counts(lite)
+        own = requests.setdefault(seq.seq_id, AcceptanceCounts(decay=0.9))
         own.record(depth, accepted)
         key = workload_key(seq)
-        self._workloads.setdefault(key, AcceptanceCounts(decay=0.995)).record(depth, accepted)
+        workloads.setdefault(key, AcceptanceCounts(decay=0.995)).record(depth, accepted)
 
     def predict_step_time(self, num_tokens: int) -> float | None:
         """A target step's time for `num_tokens` fed, once the step-cost curve has points."""
@@ -601,6 +673,7 @@ class GoodputController:
 
     def release(self, seq: Sequence) -> None:
         self._requests.pop(seq.seq_id, None)
+        self._lite_requests.pop(seq.seq_id, None)
         self._last_plan.pop(seq.seq_id, None)
         self._idle_steps.pop(seq.seq_id, None)
         self._shadow_idle.pop(seq.seq_id, None)
@@ -610,7 +683,8 @@ class GoodputController:
         b = self.last_budgets
         return {
             "policy": self.policy,
-            "mean_budget": sum(b) / len(b) if b else 0.0,
+            "mean_budget": sum(abs(k) for k in b) / len(b) if b else 0.0,
+            "lite_fraction": sum(1 for k in b if k < 0) / len(b) if b else 0.0,
             "speculating_fraction": sum(1 for k in b if k) / len(b) if b else 0.0,
             "predicted_gain": self.last_predicted_gain,
             "workload_acceptance": {  # a copy: /metrics reads this from another thread

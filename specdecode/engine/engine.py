@@ -106,6 +106,7 @@ class LLMEngine:
                 self.drafter and (self.drafter.stateless or self.drafter.shadow_capable)
             ),
             needs_probes=bool(self.drafter and not self.drafter.stateless),
+            lite_depth=self.drafter.lite_depth if self.drafter else 0,
         )
         # A request must fit the KV cache alone, its draft slots included: otherwise it would be
         # preempted and recomputed forever. The context is what the cache can hold, if less.
@@ -197,6 +198,7 @@ class LLMEngine:
         """Requests any part of the engine still holds state for (0 when idle: nothing leaks)."""
         ids = set(self.runner._seeds) | set(self.runner._generators)
         ids |= set(self.controller._requests) | set(self.controller._last_plan)
+        ids |= set(self.controller._lite_requests)
         if self.drafter:
             ids |= self.drafter.tracked_ids()
         return len(ids) + len(self.scheduler.waiting) + len(self.scheduler.running)
@@ -226,8 +228,10 @@ class LLMEngine:
         spec = [i for i, p in enumerate(proposals) if p is not None]
         if self.drafter:
             # the drafter hears about every proposal it made, in its own node numbering; one
-            # the grammar pruned to nothing was not verified and keeps nothing
+            # the grammar pruned to nothing was not verified and keeps nothing (lite drafts
+            # came from its shadow, which holds no state)
             heard = spec + [i for i in self._pruned if proposals[i] is None]
+            heard = [i for i in heard if i not in self._lite]
             originals, accepted = [], []
             for i in heard:
                 prop, keep = self._pruned.get(i, (proposals[i], None))
@@ -238,7 +242,7 @@ class LLMEngine:
                 self.drafter.on_verified([batch.seqs[i] for i in heard], originals, accepted)
         for i in spec:
             depth, accepted = max(proposals[i].shape.depths), len(self.runner.accepted_nodes[i])
-            ctrl.record_verification(batch.seqs[i], depth, accepted)
+            ctrl.record_verification(batch.seqs[i], depth, accepted, lite=i in self._lite)
             self.spec_stats.record(proposals[i].num_drafts, depth, accepted)
         t4 = time.perf_counter()
         if self.runner.features:
@@ -268,7 +272,10 @@ class LLMEngine:
             # chunk's tokens cost far less each and would skew the curve drafts are priced on
             ctrl.record_step(self.runner.num_fed_tokens, (t1 - t0) + (t3 - t2) + (t5 - t4))
         if spec:
-            depths = [self.drafter.drafted_depth(batch.seqs[i], proposals[i]) for i in spec]
+            depths = [  # lite drafts cost no drafting time
+                0 if i in self._lite else self.drafter.drafted_depth(batch.seqs[i], proposals[i])
+                for i in spec
+            ]
             # catch-up of the requests the drafter really ran for (a lookup branch may have
             # skipped the head, whose catch-up then waits)
             caught = sum(
@@ -283,7 +290,8 @@ class LLMEngine:
         proposals: list[DraftProposal | None] = [None] * len(batch)
         self._last_budgets: list[int] = []
         self._pruned: dict[int, tuple[DraftProposal, list[int]]] = {}
-        self._shadow_time = 0.0
+        self._shadow_time = 0.0  # shadows and lite drafts: not the drafter's drafting time
+        self._lite: set[int] = set()  # batch rows verifying lite drafts
         self._catch_up: dict[int, int] = {}  # seq_id -> tokens to catch up, drafting requests
         if not self.drafter or k == 0:
             return proposals
@@ -302,6 +310,8 @@ class LLMEngine:
         catch_up = [self.drafter.catch_up_tokens(s) for s in seqs]
         plan = self.controller.plan(seqs, decode_tokens, len(batch), catch_up)
         budgets = [self.draft_room(s, b) for s, b in zip(seqs, plan, strict=True)]
+        lite = [(j, self.draft_room(seqs[j], -b)) for j, b in enumerate(plan) if b < 0]
+        lite = [(j, b) for j, b in lite if b > 0]
         self._last_budgets = budgets
         self._catch_up = {
             s.seq_id: n for s, n, b in zip(seqs, catch_up, budgets, strict=True) if b and n
@@ -309,14 +319,20 @@ class LLMEngine:
         shadows = self.controller.shadow_requests
         t0 = time.perf_counter()
         if shadows:  # drafts scored later against the real output (see GoodputController)
-            drafts = self.drafter.shadow(shadows, [k] * len(shadows))
+            depth = self.drafter.lite_depth or k  # a lite mode's shadow is its lite draft
+            drafts = self.drafter.shadow(shadows, [depth] * len(shadows))
             for seq, prop in zip(shadows, drafts, strict=True):
                 self.controller.add_shadow(seq, prop.tokens, prop.shape.children)
+        drafted: list[tuple[int, DraftProposal]] = []
+        if lite:  # the drafter's shadow, verified (see GoodputController)
+            props = self.drafter.shadow([seqs[j] for j, _ in lite], [b for _, b in lite])
+            drafted = [(decoding[j], p) for (j, _), p in zip(lite, props, strict=True)]
+            self._lite = {i for i, _ in drafted}
         self._shadow_time = time.perf_counter() - t0  # not the real drafts' cost
-        if not any(budgets):
-            return proposals
-        self._pruned = {}
-        for i, prop in zip(decoding, self.drafter.propose(seqs, budgets), strict=True):
+        if any(budgets):  # (a lite row's budget is 0: its own proposal is empty)
+            own = zip(decoding, self.drafter.propose(seqs, budgets), strict=True)
+            drafted += [(i, p) for i, p in own if i not in self._lite]
+        for i, prop in drafted:
             if prop.num_drafts and batch.seqs[i].matcher is not None:
                 prop = self._prune(i, batch.seqs[i], prop)
             proposals[i] = prop if prop.num_drafts > 0 else None

@@ -94,6 +94,11 @@ class _EngineCollector:
             "the last step.", ctrl["speculating_fraction"],
         )  # fmt: skip
         yield gauge(
+            "specdecode:lookup_alone_fraction", "Fraction of decoding requests that verified "
+            "their lookup branch without the head (lite drafts) in the last step.",
+            ctrl["lite_fraction"],
+        )  # fmt: skip
+        yield gauge(
             "specdecode:predicted_speedup", "The controller's predicted goodput of its plan over "
             "plain decoding, last step.", ctrl["predicted_gain"],
         )  # fmt: skip

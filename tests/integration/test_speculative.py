@@ -352,5 +352,6 @@ def test_bench_measures_decode_time_inside_the_request(tiny_llama_dir):
         spec, [("ngram", spec)], [ids, spec.encode(PROMPTS[1])], 0.0, 12
     )
     assert all(0 < r < 1e6 for r in (*plain, tok_s, decode_tok_s))
-    assert branch is None and 0 <= drafting <= 1
+    (drafting, lite) = drafting
+    assert branch is None and 0 <= drafting <= 1 and lite == 0  # n-gram has no lite mode
     assert drafting > 0 or stats.num_drafts == 0  # what adaptive chose, reported

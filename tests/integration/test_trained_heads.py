@@ -306,3 +306,67 @@ def test_an_eagle_heads_catch_up_is_what_it_has_not_run(plain, tiny_llama_dir, h
         engine.step()
     want = plain.generate({"prompt_token_ids": ids}, greedy(12))[0].outputs[0].token_ids
     assert seq.output_token_ids == want
+
+
+def test_lite_drafts_verify_the_lookup_alone_and_leave_the_head_alone(plain, tiny_llama_dir, heads):
+    """Where the controller plans lite drafts (a negative depth), the step verifies the lookup
+    branch alone: greedy output unchanged, the head neither runs nor hears of them (what they
+    commit is catch-up for it), and their outcomes enter the lite estimates only."""
+    root, _ = heads
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={
+            "method": "eagle3",
+            "model": str(root / "eagle3"),
+            "prompt_lookup_tokens": 6,
+            "prompt_lookup_min": 1,
+        },
+    )
+    engine, drafter = spec.engine, spec.engine.drafter
+    ctrl = engine.controller
+    assert ctrl.policy == "adaptive" and ctrl.lite_depth == 6
+    plan = ctrl.plan
+    ctrl.plan = lambda seqs, *a: [-6 for _ in plan(seqs, *a)]
+    calls = []
+    for name in ("propose", "on_verified"):
+        real = getattr(drafter.head, name)
+        setattr(drafter.head, name, lambda *a, real=real, n=name: (calls.append(n), real(*a))[1])
+    ids = spec.encode(PROMPTS[1] * 4)
+    seq = engine.add_request(ids, greedy(24))
+    while len(seq.output_token_ids) < 12:
+        engine.step()
+    assert drafter.catch_up_tokens(seq) == len(ids) + len(seq.output_token_ids) - 2
+    while not seq.finished:
+        engine.step()
+    want = plain.generate({"prompt_token_ids": ids}, greedy(24))[0].outputs[0].token_ids
+    assert seq.output_token_ids == want
+    stats = engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert engine.num_steps < 24  # lite drafts were accepted: fewer steps than tokens
+    assert calls == [] and ctrl._workloads == {} and "greedy" in ctrl._lite_workloads
+    assert engine.num_tracked() == 0
+
+
+def test_a_dynamic_trees_drafting_depth_is_the_levels_the_head_ran(tiny_llama_dir, heads):
+    """An EAGLE-2 tree expands `budget` levels and keeps its best nodes, which may reach less
+    deep: the draft-cost fit is given the levels run (the time spent), not the kept depth."""
+    root, _ = heads
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={
+            "method": "eagle3",
+            "model": str(root / "eagle3"),
+            "num_speculative_tokens": 5,
+            "topk": 4,
+            "num_draft_tokens": 3,  # two nodes kept: never 5 levels deep
+        },
+        speculative_policy="static",
+    )
+    engine = spec.engine
+    recorded = []
+    record = engine.controller.record_draft
+    engine.controller.record_draft = lambda d, s, c=0: (recorded.append(d), record(d, s, c))
+    engine.add_request(spec.encode(PROMPTS[0]), greedy(12))
+    engine.step()  # prefill
+    engine.step()
+    assert recorded == [5] and engine.spec_stats.drafted_per_position[2:] == []

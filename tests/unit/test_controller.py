@@ -397,3 +397,88 @@ def test_a_partial_shadow_brings_a_probe_forward_and_is_not_counted():
     c.resolve_shadows(seq)
     assert c.acceptance(seq) == before
     assert c.plan([seq], 1, 1) == [1]  # a probe now, not 64 idle steps on
+
+
+def small_cpu(n: int) -> float:  # SmolLM2 on 2 AVX2 cores: 1 token 16 ms, 8 tokens 44 ms
+    return 0.012 + 0.004 * n
+
+
+def lite_controller(step_time, head_acceptance: float, draft_s: float) -> GoodputController:
+    """A head of depth 4 with a lite mode of depth 8 (its lookup branch alone)."""
+    return controller(
+        step_time,
+        acceptance=head_acceptance,
+        draft_s=draft_s,
+        shadow_capable=True,
+        needs_probes=True,
+        lite_depth=8,
+    )
+
+
+def shadow_outcome(c: GoodputController, seq: Sequence, right: int, depth: int = 8) -> None:
+    """A lite shadow of `depth` tokens whose first `right` the request really produced."""
+    guess = [100 + j for j in range(depth)]
+    c.add_shadow(seq, [seq.last_token] + guess, [[j + 1] for j in range(depth)] + [[]])
+    real = guess[:right] + [7] * (depth - right + 1)
+    seq.output_token_ids += real
+    c.resolve_shadows(seq)
+
+
+def test_lite_drafts_where_the_head_does_not_pay_but_its_lookup_does():
+    """A head that is dear and rarely right keeps a request plain; its lookup branch is then
+    verified alone (a negative depth: lite drafts, no drafting time). Lite drafts start on the
+    optimistic prior, stop when they are wrong, and resume when the shadows (lookup alone,
+    scored against the real output) find it right again; the head is still probed."""
+    c = lite_controller(small_cpu, head_acceptance=0.1, draft_s=0.004)
+    seq = seqs(1)[0]
+    plan = c.plan([seq], 1, 1)
+    assert plan[0] < 0 and c.shadow_requests == []  # lite drafts are verified: no shadow
+    assert c.summary()["lite_fraction"] == 1.0 and c.num_lite == 1
+    for _ in range(4):
+        c.record_verification(seq, -plan[0], 0, lite=True)
+        plan = c.plan([seq], 1, 1)
+    assert plan == [0] and c.acceptance(seq, lite=True)[0] < 0.3
+    while not c.shadow_requests:
+        assert c.plan([seq], 1, 1) == [0]
+    for _ in range(3):
+        shadow_outcome(c, seq, right=8)
+        plan = c.plan([seq], 1, 1)
+    assert plan[0] < -4 and c.last_predicted_gain > 1.5
+    assert c.acceptance(seq)[0] < 0.3  # the head's own estimates are untouched
+    plans = []
+    for _ in range(70):
+        plans.append(c.plan([seq], 1, 1)[0])
+        if plans[-1] < 0:
+            c.record_verification(seq, -plans[-1], -plans[-1], lite=True)
+    assert 1 in plans and all(p < 0 for p in plans if p != 1)  # the head is still probed
+
+
+def test_no_lite_drafts_when_lookup_is_wrong_or_verification_is_dear():
+    c = lite_controller(small_cpu, head_acceptance=0.1, draft_s=0.004)
+    seq = seqs(1)[0]
+    for _ in range(5):
+        shadow_outcome(c, seq, right=0)
+    assert c.plan([seq], 1, 1) == [0]
+    # the same lookup, always right, on a compute-bound step: each node costs a token's time
+    b = lite_controller(compute_bound, head_acceptance=0.1, draft_s=0.02)
+    for _ in range(20):
+        b.record_verification(seq, 8, 8, lite=True)
+    assert b.acceptance(seq, lite=True)[7] > 0.9
+    assert b.plan(seqs(4), 4, 4) == [0] * 4
+
+
+def test_lite_drafts_only_for_requests_the_head_plan_keeps_plain():
+    """A head that pays keeps its plan (it grafts the lookup branch anyway): lite drafts never
+    replace it, and a head plan's goodput is not counted on lite drafts."""
+    c = lite_controller(memory_bound, head_acceptance=0.9, draft_s=0.0005)
+    batch = seqs(2)
+    for _ in range(20):
+        c.record_verification(batch[0], 8, 8, lite=True)
+    assert c.plan(batch, 2, 2) == [4, 4]
+    # a plan mixing both: the lite request adds its nodes and tokens, no drafting time
+    rates = [c.acceptance(s) for s in batch]
+    lite = [c.acceptance(s, lite=True) for s in batch]
+    mixed = c.goodput(2, rates, [4, -8], lite_rates=lite)
+    tokens = c.expected_tokens(rates[0], 4) + c.expected_tokens(lite[1], 8)
+    want = tokens / (c.step_cost.predict(2 + 4 + 8) + c.draft_cost.predict(4))
+    assert mixed == pytest.approx(want)
