@@ -347,6 +347,40 @@ def test_lite_drafts_verify_the_lookup_alone_and_leave_the_head_alone(plain, tin
     assert engine.num_tracked() == 0
 
 
+def test_a_batch_mixing_head_drafts_lite_drafts_and_plain_rows_is_lossless(
+    plain, tiny_llama_dir, heads
+):
+    """One verification holding a head's tree with its branch, a lookup branch alone and plain
+    rows, in every combination over the steps: greedy outputs stay plain decoding's."""
+    root, _ = heads
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={
+            "method": "eagle3",
+            "model": str(root / "eagle3"),
+            "topk": 2,
+            "prompt_lookup_tokens": 5,
+            "prompt_lookup_min": 1,
+        },
+    )
+    ctrl = spec.engine.controller
+    plan, step = ctrl.plan, [0]
+    cycle = [-5, 3, 0, -2, 1]
+
+    def mixed(seqs, *a):
+        step[0] += 1
+        return [cycle[(step[0] + j) % len(cycle)] for j, _ in enumerate(plan(seqs, *a))]
+
+    ctrl.plan = mixed
+    prompts = [p * 3 for p in PROMPTS]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(20))]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, greedy(20))]
+    assert got == want
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+    assert ctrl._workloads and ctrl._lite_workloads  # both modes were verified
+    assert spec.engine.num_tracked() == 0
+
+
 def test_a_dynamic_trees_drafting_depth_is_the_levels_the_head_ran(tiny_llama_dir, heads):
     """An EAGLE-2 tree expands `budget` levels and keeps its best nodes, which may reach less
     deep: the draft-cost fit is given the levels run (the time spent), not the kept depth."""
