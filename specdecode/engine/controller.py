@@ -55,11 +55,15 @@ POLICIES = ("adaptive", "static", "off")
 
 class _Curve:
     """A piecewise-linear curve through buckets of (tokens, seconds) points; each bucket (tokens
-    rounded on a geometric grid) keeps an exponential moving average of its points."""
+    rounded on a geometric grid) keeps an exponential moving average of its points. The
+    controller evaluates it a few dozen times a step: the sorted points are kept between
+    observations."""
 
     def __init__(self, smoothing: float) -> None:
         self.smoothing = smoothing
         self._points: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds]
+        self._sorted: list[tuple[float, float]] | None = None
+        self._xs: list[float] = []
 
     @staticmethod
     def _bucket(n: int) -> int:
@@ -71,6 +75,7 @@ class _Curve:
         return b
 
     def observe(self, num_tokens: float, seconds: float) -> None:
+        self._sorted = None
         b = self._bucket(int(num_tokens))
         point = self._points.get(b)
         if point is None:
@@ -84,24 +89,26 @@ class _Curve:
         return bool(self._points)
 
     def points(self) -> list[tuple[float, float]]:
-        return sorted((x, y) for x, y in self._points.values())
+        if self._sorted is None:
+            self._sorted = sorted((x, y) for x, y in self._points.values())
+            self._xs = [x for x, _ in self._sorted]
+        return self._sorted
 
     def span(self) -> tuple[float, float]:
-        xs = [p[0] for p in self._points.values()]
-        return min(xs), max(xs)
+        pts = self.points()
+        return pts[0][0], pts[-1][0]
 
     def nearest(self, num_tokens: float) -> tuple[float, float]:
-        return min(self._points.values(), key=lambda p: abs(p[0] - num_tokens))
+        return min(self.points(), key=lambda p: abs(p[0] - num_tokens))
 
     def __call__(self, num_tokens: float) -> float:
-        pts = sorted(self._points.values())
-        if not pts:
+        if not self._points:
             return 0.0
-        xs = [p[0] for p in pts]
+        pts = self.points()
         if len(pts) == 1:
             x, y = pts[0]
             return y * num_tokens / x if num_tokens > x else y
-        i = bisect.bisect_left(xs, num_tokens)
+        i = bisect.bisect_left(self._xs, num_tokens)
         if i == 0:
             return pts[0][1]
         (x0, y0), (x1, y1) = pts[-2:] if i == len(pts) else pts[i - 1 : i + 1]
@@ -317,7 +324,7 @@ class GoodputController:
         self.last_predicted_gain: float = 1.0
         self.num_decisions = 0  # (request, step) pairs decided
         self.num_drafting = 0  # of which drafted
-        self.num_lite = 0  # of which drafted lite drafts
+        self.num_lite = 0  # lite drafts verified (requests x steps)
         self._learning_steps = 0  # plans made before the draft-cost fit had its observations
 
     # ---- estimates -----------------------------------------------------------------------------
@@ -412,6 +419,8 @@ class GoodputController:
         else:
             budgets = self._adaptive(seqs, base_tokens, catch_up)
         for s, k in zip(seqs, budgets, strict=True):
+            if k < 0:  # verified now: a pending shadow would count the same tokens again
+                self._shadows.pop(s.seq_id, None)
             self._last_plan[s.seq_id] = max(k, 0)  # the head's plan: lite drafts hold no state
             self._idle_steps[s.seq_id] = 0 if k > 0 else self._idle_steps.get(s.seq_id, 0) + 1
             self._shadow_idle[s.seq_id] = 0 if k else self._shadow_idle.get(s.seq_id, 0) + 1
@@ -422,7 +431,6 @@ class GoodputController:
         self.last_budgets = budgets
         self.num_decisions += len(budgets)
         self.num_drafting += sum(1 for k in budgets if k)
-        self.num_lite += sum(1 for k in budgets if k < 0)
         return budgets
 
     def _explore(
@@ -486,7 +494,7 @@ class GoodputController:
         cost = self._catch_up_costs(seqs, ones, catch_up)
         plain = self.goodput(base_tokens, ones, [0] * len(seqs))
         target = plain * (1 + self.min_gain)
-        alone = [k if j != i else 0 for j, k in enumerate(plan)]
+        alone = [max(k, 0) if j != i else 0 for j, k in enumerate(plan)]  # the head alone
         for k in range(1, self.max_depth + 1):
             alone[i] = k
             if self.goodput(base_tokens, ones, alone, cost) >= target:
@@ -531,9 +539,9 @@ class GoodputController:
             node, accepted = nxt, accepted + 1
         if accepted == depth or len(produced) > accepted:  # else it ended undecided
             if not self.needs_probes:  # the shadow is what the drafter would have drafted
-                self.record_verification(seq, depth, accepted)
+                self._record(seq, depth, accepted)
             elif self.lite_depth:  # it is what the lite mode would have drafted
-                self.record_verification(seq, depth, accepted, lite=True)
+                self._record(seq, depth, accepted, lite=True)
             if self.needs_probes and accepted >= 2 and seq.seq_id in self._idle_steps:
                 # part of the drafter's drafts, and it would have paid: bring the next real
                 # probe forward
@@ -652,6 +660,10 @@ class GoodputController:
         self, seq: Sequence, depth: int, accepted: int, lite: bool = False
     ) -> None:
         """A verified draft of `depth` of which `accepted` were kept (lite: a lite draft)."""
+        self.num_lite += 1 if lite else 0
+        self._record(seq, depth, accepted, lite)
+
+    def _record(self, seq: Sequence, depth: int, accepted: int, lite: bool = False) -> None:
         requests, workloads = self._counts(lite)
         own = requests.setdefault(seq.seq_id, AcceptanceCounts(decay=0.9))
         own.record(depth, accepted)
@@ -684,7 +696,7 @@ class GoodputController:
         return {
             "policy": self.policy,
             "mean_budget": sum(abs(k) for k in b) / len(b) if b else 0.0,
-            "lite_fraction": sum(1 for k in b if k < 0) / len(b) if b else 0.0,
+            "lite_fraction": sum(1 for k in b if k < 0) / len(b) if b else 0.0,  # planned
             "speculating_fraction": sum(1 for k in b if k) / len(b) if b else 0.0,
             "predicted_gain": self.last_predicted_gain,
             "workload_acceptance": {  # a copy: /metrics reads this from another thread

@@ -244,6 +244,12 @@ class LLMEngine:
             depth, accepted = max(proposals[i].shape.depths), len(self.runner.accepted_nodes[i])
             ctrl.record_verification(batch.seqs[i], depth, accepted, lite=i in self._lite)
             self.spec_stats.record(proposals[i].num_drafts, depth, accepted)
+        # the depth each drafted for (its drafting time), read before a request finishes and
+        # the drafter drops its state; lite drafts cost no drafting time
+        depths = [
+            0 if i in self._lite else self.drafter.drafted_depth(batch.seqs[i], proposals[i])
+            for i in spec
+        ]
         t4 = time.perf_counter()
         if self.runner.features:
             feats = [self.runner.features[i] for i in range(len(batch))]
@@ -270,12 +276,10 @@ class LLMEngine:
         self.num_steps += 1
         if all(n == 1 for n in batch.num_new):  # decode and verify steps only: a prefill
             # chunk's tokens cost far less each and would skew the curve drafts are priced on
-            ctrl.record_step(self.runner.num_fed_tokens, (t1 - t0) + (t3 - t2) + (t5 - t4))
+            # (lite drafts' lookups are part of the step: they are priced as verification)
+            seconds = (t1 - t0) + (t3 - t2) + (t5 - t4) + self._lite_time
+            ctrl.record_step(self.runner.num_fed_tokens, seconds)
         if spec:
-            depths = [  # lite drafts cost no drafting time
-                0 if i in self._lite else self.drafter.drafted_depth(batch.seqs[i], proposals[i])
-                for i in spec
-            ]
             # catch-up of the requests the drafter really ran for (a lookup branch may have
             # skipped the head, whose catch-up then waits)
             caught = sum(
@@ -291,6 +295,7 @@ class LLMEngine:
         self._last_budgets: list[int] = []
         self._pruned: dict[int, tuple[DraftProposal, list[int]]] = {}
         self._shadow_time = 0.0  # shadows and lite drafts: not the drafter's drafting time
+        self._lite_time = 0.0  # lite drafts' lookups: part of the step's time instead
         self._lite: set[int] = set()  # batch rows verifying lite drafts
         self._catch_up: dict[int, int] = {}  # seq_id -> tokens to catch up, drafting requests
         if not self.drafter or k == 0:
@@ -325,9 +330,11 @@ class LLMEngine:
                 self.controller.add_shadow(seq, prop.tokens, prop.shape.children)
         drafted: list[tuple[int, DraftProposal]] = []
         if lite:  # the drafter's shadow, verified (see GoodputController)
+            t_lite = time.perf_counter()
             props = self.drafter.shadow([seqs[j] for j, _ in lite], [b for _, b in lite])
             drafted = [(decoding[j], p) for (j, _), p in zip(lite, props, strict=True)]
             self._lite = {i for i, _ in drafted}
+            self._lite_time = time.perf_counter() - t_lite
         self._shadow_time = time.perf_counter() - t0  # not the real drafts' cost
         if any(budgets):  # (a lite row's budget is 0: its own proposal is empty)
             own = zip(decoding, self.drafter.propose(seqs, budgets), strict=True)

@@ -94,8 +94,8 @@ class _EngineCollector:
             "the last step.", ctrl["speculating_fraction"],
         )  # fmt: skip
         yield gauge(
-            "specdecode:lookup_alone_fraction", "Fraction of decoding requests that verified "
-            "their lookup branch without the head (lite drafts) in the last step.",
+            "specdecode:lookup_alone_fraction", "Fraction of decoding requests planned to "
+            "verify their lookup branch without the head (lite drafts) in the last step.",
             ctrl["lite_fraction"],
         )  # fmt: skip
         yield gauge(
