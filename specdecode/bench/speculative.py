@@ -131,9 +131,9 @@ def _decisions(engine) -> tuple[int, int, int]:
 
 
 def _drafting(engine, before: tuple[int, int, int]) -> tuple[float | None, float | None]:
-    """The shares of (request, step) decisions since `before` that drafted, and that drafted
-    lite drafts (a head's lookup branch alone): what an adaptive policy chose (None when
-    nothing was decided)."""
+    """The shares of (request, step) decisions since `before` that planned drafts, and that
+    verified lite drafts (a head's lookup branch alone, where the lookup found a continuation):
+    what an adaptive policy chose (None when nothing was decided)."""
     decided, drafted, lite = (a - b for a, b in zip(_decisions(engine), before, strict=True))
     return (drafted / decided, lite / decided) if decided else (None, None)
 
@@ -219,9 +219,9 @@ def _print_row(r: dict) -> None:
         f"tau {r['tau']:.2f}"
     )
     if r.get("policy") == "adaptive" and r.get("drafting_fraction") is not None:
-        line += f"  (drafted on {100 * r['drafting_fraction']:.0f}% of steps"
+        line += f"  (drafting planned on {100 * r['drafting_fraction']:.0f}% of steps"
         if r.get("lite_fraction"):
-            line += f", {100 * r['lite_fraction']:.0f}% lookup alone"
+            line += f", lookup alone verified on {100 * r['lite_fraction']:.0f}%"
         line += ")"
     if "lookup_branch" in r:
         b = r["lookup_branch"]
