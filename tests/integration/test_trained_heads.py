@@ -5,6 +5,7 @@ decoding (fp32) at batch 1 and batched, chain and EAGLE-2 tree; sampled outputs 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from helpers import assert_seeded_outputs_match, seeded_params
@@ -351,7 +352,8 @@ def test_a_batch_mixing_head_drafts_lite_drafts_and_plain_rows_is_lossless(
     plain, tiny_llama_dir, heads
 ):
     """One verification holding a head's tree with its branch, a lookup branch alone and plain
-    rows, in every combination over the steps: greedy outputs stay plain decoding's."""
+    rows, in every combination over the steps, a constrained request among them (its drafts
+    pruned by its grammar): greedy outputs stay plain decoding's."""
     root, _ = heads
     spec = LLM(
         str(tiny_llama_dir),
@@ -372,10 +374,19 @@ def test_a_batch_mixing_head_drafts_lite_drafts_and_plain_rows_is_lossless(
         return [cycle[(step[0] + j) % len(cycle)] for j, _ in enumerate(plan(seqs, *a))]
 
     ctrl.plan = mixed
-    prompts = [p * 3 for p in PROMPTS]
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(20))]
-    got = [o.outputs[0].token_ids for o in spec.generate(prompts, greedy(20))]
-    assert got == want
+    prompts = [p * 3 for p in PROMPTS] + ["abab abab abab"]
+    regex = r"[ab ]{4,12}(cd|ef)"  # the lookup proposes what the grammar partly refuses
+    params = [greedy(20)] * len(PROMPTS) + [
+        SamplingParams(temperature=0.0, max_tokens=30, structured_output={"regex": regex})
+    ]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    engine, pruned = spec.engine, []
+    prune = engine._prune
+    engine._prune = lambda i, seq, p: (pruned.append(i in engine._lite), prune(i, seq, p))[1]
+    outs = spec.generate(prompts, params)
+    assert True in pruned and False in pruned  # lite drafts and a head's tree both pruned
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert re.fullmatch(regex, outs[-1].outputs[0].text)
     assert spec.engine.spec_stats.num_accepted_tokens > 0
     assert ctrl._workloads and ctrl.num_lite > 0  # both modes were verified
     assert spec.engine.num_tracked() == 0
