@@ -633,7 +633,7 @@ class GoodputController:
         is kept only if it beats `plan` by `min_gain`. No hysteresis: switching them on or off
         touches no state."""
         idle = [i for i, k in enumerate(plan) if k == 0]
-        lite = [self.acceptance(s, lite=True) for s in seqs]
+        lite = {i: self.acceptance(seqs[i], lite=True) for i in idle}
         idle.sort(key=lambda i: -lite[i][0])
         tokens = sum(self.expected_tokens(r, k) for r, k in zip(rates, plan, strict=True))
         fed = base_tokens + sum(self.nodes_for_depth(k) for k in plan if k)
