@@ -64,6 +64,13 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
+def eagle3(tiny_llama_dir, heads, policy: str = "adaptive", **config) -> LLM:
+    """An engine drafting with the EAGLE-3 head trained here, `config` added to its method's."""
+    root, _ = heads
+    config = {"method": "eagle3", "model": str(root / "eagle3"), **config}
+    return LLM(str(tiny_llama_dir), speculative_config=config, speculative_policy=policy)
+
+
 CONFIGS = [
     ("medusa", {"num_speculative_tokens": 3}),
     ("medusa", {"speculative_token_tree": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]}),
@@ -313,16 +320,7 @@ def test_lite_drafts_verify_the_lookup_alone_and_leave_the_head_alone(plain, tin
     """Where the controller plans lite drafts (a negative depth), the step verifies the lookup
     branch alone: greedy output unchanged, the head neither runs nor hears of them (what they
     commit is catch-up for it), and their outcomes enter the lite estimates only."""
-    root, _ = heads
-    spec = LLM(
-        str(tiny_llama_dir),
-        speculative_config={
-            "method": "eagle3",
-            "model": str(root / "eagle3"),
-            "prompt_lookup_tokens": 6,
-            "prompt_lookup_min": 1,
-        },
-    )
+    spec = eagle3(tiny_llama_dir, heads, prompt_lookup_tokens=6, prompt_lookup_min=1)
     engine, drafter = spec.engine, spec.engine.drafter
     ctrl = engine.controller
     assert ctrl.policy == "adaptive" and ctrl.lite_depth == 6
@@ -354,17 +352,7 @@ def test_a_batch_mixing_head_drafts_lite_drafts_and_plain_rows_is_lossless(
     """One verification holding a head's tree with its branch, a lookup branch alone and plain
     rows, in every combination over the steps, a constrained request among them (its drafts
     pruned by its grammar): greedy outputs stay plain decoding's."""
-    root, _ = heads
-    spec = LLM(
-        str(tiny_llama_dir),
-        speculative_config={
-            "method": "eagle3",
-            "model": str(root / "eagle3"),
-            "topk": 2,
-            "prompt_lookup_tokens": 5,
-            "prompt_lookup_min": 1,
-        },
-    )
+    spec = eagle3(tiny_llama_dir, heads, topk=2, prompt_lookup_tokens=5, prompt_lookup_min=1)
     ctrl = spec.engine.controller
     plan, step = ctrl.plan, [0]
     cycle = [-5, 3, 0, -2, 1]
@@ -395,17 +383,8 @@ def test_a_batch_mixing_head_drafts_lite_drafts_and_plain_rows_is_lossless(
 def test_a_dynamic_trees_drafting_depth_is_the_levels_the_head_ran(tiny_llama_dir, heads):
     """An EAGLE-2 tree expands `budget` levels and keeps its best nodes, which may reach less
     deep: the draft-cost fit is given the levels run (the time spent), not the kept depth."""
-    root, _ = heads
-    spec = LLM(
-        str(tiny_llama_dir),
-        speculative_config={
-            "method": "eagle3",
-            "model": str(root / "eagle3"),
-            "num_speculative_tokens": 5,
-            "topk": 4,
-            "num_draft_tokens": 3,  # two nodes kept: never 5 levels deep
-        },
-        speculative_policy="static",
+    spec = eagle3(  # two nodes kept: never 5 levels deep
+        tiny_llama_dir, heads, "static", num_speculative_tokens=5, topk=4, num_draft_tokens=3
     )
     engine = spec.engine
     recorded = []
