@@ -150,7 +150,8 @@ class EagleDrafter(Drafter):
         st = self._state.get(seq.seq_id)
         if st is None or st.broken:
             return 0
-        return max(0, sum(f.shape[0] for f in st.pending) - max(1, st.routine))
+        pending = st.seen - st.committed  # rows not yet fed (see `seen`), O(1) per step
+        return max(0, pending - max(1, st.routine))
 
     def drafted_depth(self, seq: Sequence, proposal: DraftProposal) -> int:
         """The levels the head ran: a dynamic tree expands `budget` levels, then keeps its best
