@@ -156,7 +156,7 @@ class EngineConfig:
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
 # Methods whose drafts are deterministic tree nodes, so a lookup branch can join their tree.
-LOOKUP_BRANCH_METHODS = ("medusa", "eagle", "eagle3")
+LOOKUP_BRANCH_METHODS = ("draft_model", "medusa", "eagle", "eagle3")
 DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 QUANTIZED_DRAFT_DTYPES = ("int8", "int4")  # packed by the CPU kernels only
 
@@ -188,11 +188,13 @@ class SpeculativeConfig:
     # nodes kept, the root included. topk 1 drafts a chain. None: the method's default.
     topk: int | None = None
     num_draft_tokens: int | None = None
-    # Heads (medusa, eagle, eagle3): also look the request's last n-gram up in its own prompt
-    # and output (prompt_lookup_min..max, as the ngram method) and graft the continuation, up
-    # to this many tokens, onto the head's draft tree as one more branch; both are verified in
-    # the same forward. None: off. Pays where answers copy their input (code edits, a function
-    # repeated with its docstring), costs a few tree nodes elsewhere.
+    # Heads (medusa, eagle, eagle3) and draft models: also look the request's last n-gram up in
+    # its own prompt and output (prompt_lookup_min..max, as the ngram method) and graft the
+    # continuation, up to this many tokens, onto the draft tree as one more branch; both are
+    # verified in the same forward. None: off. Pays where answers copy their input (code edits,
+    # a function repeated with its docstring), costs a few tree nodes elsewhere. A draft model's
+    # sampled drafts (temperature > 0) take no graft: there the lookup runs instead of the
+    # draft, on steps where it has done as well for the time.
     prompt_lookup_tokens: int | None = None
     # vLLM's static switch, used by the static policy: no drafts while more requests than this
     # are running. None: never.
@@ -254,7 +256,7 @@ class SpeculativeConfig:
         if self.prompt_lookup_tokens is not None:
             if self.method not in LOOKUP_BRANCH_METHODS:
                 raise InvalidRequestError(
-                    "prompt_lookup_tokens adds a lookup branch to a head's tree: methods "
+                    "prompt_lookup_tokens adds a lookup branch to a drafter's tree: methods "
                     f"{', '.join(LOOKUP_BRANCH_METHODS)} only (method ngram is lookup alone)"
                 )
             n = self.prompt_lookup_tokens

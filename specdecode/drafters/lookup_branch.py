@@ -10,12 +10,21 @@ tokens the path follows its nodes, from the first difference on it adds new ones
 verifies the union in its one forward, so each step keeps whichever proposal the target agrees
 with further; when lookup finds nothing the step is the head's alone.
 
-Both parts are deterministic drafts (no q), and the graft keeps sibling tokens distinct, so the
-union is verified with the deterministic-drafts rule: lossless. The head hears about its own
-nodes only (the accepted path up to where it leaves the head's tree); heads that read target
-features catch up from the features of whatever was committed. On a CPU target a verification
-of up to ~16 tokens costs about one decoding step, so the extra nodes are nearly free there; on
-a compute-bound batch the controller prices them like any other node.
+Heads draft deterministically (no q), and the graft keeps sibling tokens distinct, so the union
+is verified with the deterministic-drafts rule: lossless. A draft model samples its drafts at
+temperature > 0 (q given). A deterministic sibling cannot join drafts drawn from q under the
+multi-round rule, and verifying the union by the target's choice instead would accept each
+sampled draft with probability p(x), not min(1, p(x) / q(x)); so its sampled requests get no
+graft: each step verifies either the draft model's chain (with q) or, where the lookup has done
+as well for the time, the lookup chain alone (deterministic). Greedy requests are grafted like
+a head's (their drafts are argmaxes, and greedy verification follows the target's argmax
+through any tree).
+
+The head hears about its own nodes only (the accepted path up to where it leaves the head's
+tree); heads that read target features catch up from the features of whatever was committed. On
+a CPU target a verification of up to ~16 tokens costs about one decoding step, so the extra
+nodes are nearly free there; on a compute-bound batch the controller prices them like any other
+node.
 
 The same idea, choosing per step between a suffix tree and a head by a score, is Arctic
 Inference's hybrid of suffix decoding and its speculator (Snowflake, 2025); here both proposals
@@ -102,11 +111,10 @@ class LookupBranchDrafter(Drafter):
         room: Callable[[Sequence, int], int] | None = None,
         step_time: Callable[[int], float | None] | None = None,
     ) -> None:
-        if head.samples_drafts:
-            raise ValueError("a lookup branch joins deterministic drafts only")
         if num_tokens < 1 or not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError("need num_tokens >= 1 and 1 <= prompt_lookup_min <= max")
         self.head = head
+        self.samples_drafts = head.samples_drafts  # a draft model's q, where it ran alone
         self.num_tokens = num_tokens
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
         self.room = room or (lambda seq, k: k)
@@ -179,7 +187,10 @@ class LookupBranchDrafter(Drafter):
         out = []
         for seq, chain, prop in zip(seqs, chains, props, strict=True):
             self._own[seq.seq_id] = prop
-            out.append(graft(prop, chain))
+            if prop.num_drafts and self.samples_drafts and not seq.params.greedy:
+                out.append(prop)  # drafts sampled from q take no deterministic sibling
+            else:
+                out.append(graft(prop, chain))  # (a graft drops q: verified by the argmax)
         return out
 
     def shadow(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:

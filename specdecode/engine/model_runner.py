@@ -157,27 +157,54 @@ class ModelRunner:
         samples_drafts: bool,
         masks: list[torch.Tensor | None] | None = None,
     ) -> VerifyResult:
-        if not samples_drafts or all(s.params.greedy for s in seqs):
-            # deterministic drafts (or greedy requests): follow the target's choices
-            choices = []
-            for seq, prop, lg in zip(seqs, proposals, logits, strict=True):
-                if seq.params.greedy:
-                    choices.append(lg.argmax(-1).tolist())
-                    continue
-                positions = [seq.num_tokens + d for d in prop.shape.depths]
-                u = position_uniforms(self.sample_seed(seq), positions)
-                choices.append(inverse_cdf(warp(lg, seq.params), u))
-            shapes, tokens = [p.shape for p in proposals], [p.tokens for p in proposals]
-            result = verify_choices(shapes, tokens, choices)
-            self._keep_accepted(seqs, proposals, result)
-            return result
+        # Rows with drafts sampled from q take the rejection sampler; the others (deterministic
+        # drafts: a head's, a lookup's, a sampling drafter's lite or grafted ones; and greedy
+        # requests, whose p is one-hot, so both rules agree) follow the target's choices.
+        sampled = [
+            j
+            for j, (s, p) in enumerate(zip(seqs, proposals, strict=True))
+            if samples_drafts and p.draft_probs is not None and not s.params.greedy
+        ]
+        if not sampled:
+            return self._verify_choices(seqs, proposals, logits)
+        if len(sampled) == len(seqs):
+            return self._verify_sampled(seqs, proposals, logits, masks)
+        chosen = sorted(set(range(len(seqs))) - set(sampled))
+        parts = [
+            (sampled, self._verify_sampled(*_pick(sampled, seqs, proposals, logits, masks))),
+            (chosen, self._verify_choices(*_pick(chosen, seqs, proposals, logits))),
+        ]
+        accepted: list[list[int]] = [[] for _ in seqs]
+        tokens: list[list[int]] = [[] for _ in seqs]
+        for rows, res in parts:
+            for j, a, t in zip(rows, res.accepted, res.tokens, strict=True):
+                accepted[j], tokens[j] = a, t
+        return VerifyResult(accepted, tokens)
+
+    def _verify_choices(self, seqs, proposals, logits) -> VerifyResult:
+        """Deterministic drafts (or greedy requests): follow the target's choices."""
+        choices = []
+        for seq, prop, lg in zip(seqs, proposals, logits, strict=True):
+            if seq.params.greedy:
+                choices.append(lg.argmax(-1).tolist())
+                continue
+            positions = [seq.num_tokens + d for d in prop.shape.depths]
+            u = position_uniforms(self.sample_seed(seq), positions)
+            choices.append(inverse_cdf(warp(lg, seq.params), u))
+        shapes, tokens = [p.shape for p in proposals], [p.tokens for p in proposals]
+        result = verify_choices(shapes, tokens, choices)
+        self._keep_accepted(seqs, proposals, result)
+        return result
+
+    def _verify_sampled(self, seqs, proposals, logits, masks) -> VerifyResult:
+        """Drafts sampled from q: modified rejection sampling (`verify`)."""
         probs = [warp(lg, s.params) for s, lg in zip(seqs, logits, strict=True)]
         n = max(p.shape[0] for p in probs)
         target = torch.zeros(len(seqs), n, probs[0].shape[-1], device=self.device)
         for i, p in enumerate(probs):
             target[i, : p.shape[0]] = p
-        q = [p.draft_probs for p in proposals] if samples_drafts else None
-        if q is not None and masks:  # a constrained request: q under the same grammar masks
+        q = [p.draft_probs for p in proposals]
+        if masks:  # a constrained request: q under the same grammar masks
             for j, m in enumerate(masks):
                 if m is not None:
                     qm = q[j] * m[: q[j].shape[0]]
@@ -253,3 +280,8 @@ def _logprobs(rows: torch.Tensor, tokens: list[int], seq: Sequence) -> list:
             top = list(zip(idx.tolist(), vals.tolist(), strict=True))
         out.append((float(logp[r, tok]), top))
     return out
+
+
+def _pick(rows: list[int], *columns):
+    """The given rows of each per-request list (None stays None)."""
+    return tuple(None if c is None else [c[j] for j in rows] for c in columns)

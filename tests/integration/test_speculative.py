@@ -230,6 +230,84 @@ def test_draft_model_sampled_distribution_unchanged(sharp_llama_dir, tmp_path):
     assert stats.num_accepted_tokens > 1000 and stats.acceptance_rate < 0.95
 
 
+def test_draft_model_with_a_lookup_branch_greedy_equals_plain(
+    plain, tiny_llama_dir, other_draft_dir
+):
+    """The lookup chain grafted onto a draft model's greedy chain: plain decoding's tokens,
+    batched and alone, with the branch accepted where the draft model was not."""
+    cfg = {
+        "method": "draft_model",
+        "model": str(other_draft_dir),
+        "num_speculative_tokens": 3,
+        "prompt_lookup_tokens": 5,
+        "prompt_lookup_min": 1,
+    }
+    spec = LLM(str(tiny_llama_dir), speculative_config=cfg, speculative_policy="static")
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(40))]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(40))] == want
+    assert spec.generate(PROMPTS[0], greedy(40))[0].outputs[0].token_ids == want[0]
+    assert spec.engine.drafter.branch_stats.accepted > 0
+
+
+def test_draft_model_with_a_lookup_branch_keeps_the_distribution(sharp_llama_dir, tmp_path):
+    """At temperature 1 a step verifies the draft model's sampled chain with its q, the lookup
+    chain alone (lite drafts: deterministic, no q), or nothing, per request: forced here to mix
+    in every verification, greedy requests (grafted trees) among them. Sampled first tokens are
+    distributed as without speculation, and the greedy requests give plain decoding's tokens."""
+    from conftest import _write_byte_tokenizer, make_tiny_hf
+
+    make_tiny_hf("llama", tmp_path, seed=1, logit_scale=3.0)  # same weights, softer: q != p
+    _write_byte_tokenizer(tmp_path)
+    plain = LLM(str(sharp_llama_dir))
+    cfg = {
+        "method": "draft_model",
+        "model": str(tmp_path),
+        "num_speculative_tokens": 3,
+        "prompt_lookup_tokens": 3,
+        "prompt_lookup_min": 1,
+    }
+    spec = LLM(str(sharp_llama_dir), speculative_config=cfg)
+    engine, ctrl = spec.engine, spec.engine.controller
+    plan, step = ctrl.plan, [0]
+    cycle = [-3, 3, 0, 2, -2]
+
+    def mixed(seqs, *a):
+        step[0] += 1
+        return [cycle[(step[0] + j) % len(cycle)] for j, _ in enumerate(plan(seqs, *a))]
+
+    ctrl.plan = mixed
+    kinds = []  # per verification: (rows verified with q, rows verified by the target's choice)
+    runner = engine.runner
+    for name in ("_verify_sampled", "_verify_choices"):
+        real = getattr(runner, name)
+
+        def spy(seqs, *a, real=real, name=name):
+            kinds.append((name, len(seqs)))
+            return real(seqs, *a)
+
+        setattr(runner, name, spy)
+    prompt = PROMPTS[0] + plain.generate(PROMPTS[0], greedy(60))[0].outputs[0].text
+    n, positions, sampling = 2000, 4, {"temperature": 1.0, "top_k": 8, "top_p": 0.9}
+
+    def params(offset):
+        return [
+            SamplingParams(max_tokens=positions, ignore_eos=True, seed=offset + s, **sampling)
+            for s in range(n)
+        ]
+
+    a = [o.outputs[0].token_ids for o in plain.generate([prompt] * n, params(0))]
+    want_greedy = plain.generate(prompt, greedy(12))[0].outputs[0].token_ids
+    outs = spec.generate([prompt] * (n + 8), params(n) + [greedy(12)] * 8)
+    b = [o.outputs[0].token_ids for o in outs[:n]]
+    for pos in range(positions):
+        pval = chi_square_pvalue([t[pos] for t in a], [t[pos] for t in b])
+        assert pval > 1e-3, (pos, pval)
+    assert all(o.outputs[0].token_ids == want_greedy for o in outs[n:])
+    stats = engine.spec_stats
+    assert stats.num_accepted_tokens > 500 and ctrl.num_lite > 100
+    assert {k for k, _ in kinds} == {"_verify_sampled", "_verify_choices"}
+
+
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from specdecode.config import SpeculativeConfig
 from specdecode.core import Sequence
@@ -144,20 +145,61 @@ def test_the_head_is_skipped_while_lookup_alone_does_as_well_and_still_probed():
     assert drafter.branch_stats.head_skipped == 0
 
 
-def test_config_accepts_the_branch_for_heads_only():
-    cfg = SpeculativeConfig(method="eagle3", prompt_lookup_tokens=8)
-    assert cfg.prompt_lookup_tokens == 8
-    with pytest.raises(InvalidRequestError, match="methods medusa, eagle, eagle3 only"):
+def test_config_accepts_the_branch_for_heads_and_draft_models():
+    for method in ("eagle3", "draft_model"):
+        cfg = SpeculativeConfig(method=method, prompt_lookup_tokens=8)
+        assert cfg.prompt_lookup_tokens == 8
+    with pytest.raises(InvalidRequestError, match="methods draft_model, medusa, eagle, eagle3"):
         SpeculativeConfig(method="ngram", prompt_lookup_tokens=4)
     for bad in (0, -1, 2.5, True):
         with pytest.raises(InvalidRequestError, match="positive integer"):
             SpeculativeConfig(method="eagle", prompt_lookup_tokens=bad)
-    with pytest.raises(ValueError, match="deterministic"):
 
-        class Sampled(_FixedHead):
-            samples_drafts = True
 
-        LookupBranchDrafter(Sampled(), 4)
+class _SamplingHead(_CountingHead):
+    """A drafter that samples its drafts (a draft model): HEAD's tree with a q row per node."""
+
+    samples_drafts = True
+
+    def propose(self, seqs, budgets):
+        props = super().propose(seqs, budgets)
+        return [
+            DraftProposal(p.shape, p.tokens, torch.full((len(p.tokens), 16), 1 / 16))
+            if p.num_drafts
+            else p
+            for p in props
+        ]
+
+
+def test_a_sampling_drafter_takes_the_branch_on_greedy_rows_and_runs_alone_otherwise():
+    """Drafts sampled from q take no deterministic sibling: a sampled request's step verifies
+    the drafter's own proposal (q kept) or, once the lookup does as well for the time, the
+    lookup chain alone (no q); a greedy request's is grafted (q dropped: argmax verification)."""
+    head = _SamplingHead()
+    drafter = LookupBranchDrafter(head, 4, 1, 2, step_time=lambda n: 0.010)
+    assert drafter.samples_drafts and drafter.lite_depth == 4
+    tokens = [5, 6, 7, 8, 9, 5]  # lookup: 5 -> 6 7 8 9, none of it the head's tree
+    hot, cold = Sequence(tokens, SamplingParams(temperature=1.0)), _seq(tokens)
+    p_hot, p_cold = drafter.propose([hot, cold], [3, 3])
+    assert p_hot.tokens == [5, 1, 2, 3, 4] and p_hot.draft_probs is not None
+    assert p_cold.tokens == [5, 1, 2, 3, 4, 6, 7, 8, 9] and p_cold.draft_probs is None
+    # the target keeps the lookup's tokens (on the sampled row: what it emitted; the drafter
+    # counts what the lookup alone would have had accepted from it)
+    drafter.on_verified([hot, cold], [p_hot, p_cold], [[], [5, 6, 7, 8]])
+    assert head.heard[-1] == ([5, 5], [[], []])
+    # the sampled request's drafts keep being rejected, and the target emits the lookup's
+    # tokens: the drafter stops running for it (probing now and then) and the lookup runs alone
+    seen = []
+    for _ in range(16):
+        (prop,) = drafter.propose([hot], [3])
+        seen.append((head.budgets[-1] == [3], prop.tokens, prop.draft_probs is not None))
+        drafter.on_verified([hot], [prop], [[]])
+        hot.output_token_ids.extend([6, 7, 8, 9, 5])
+    ran = [r for r, _, _ in seen]
+    assert ran[0] and ran.count(False) >= 8 and ran[8:].count(True) >= 1
+    for r, tokens, has_q in seen:
+        assert (tokens, has_q) == (([5, 1, 2, 3, 4], True) if r else ([5, 6, 7, 8, 9], False))
+    assert drafter.branch_stats.head_skipped == ran.count(False)
 
 
 def test_the_shadow_is_the_lookup_alone_and_leaves_no_state():
