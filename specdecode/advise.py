@@ -176,6 +176,8 @@ def candidate_configs(model: str | None, given: dict | None, draft_model: str | 
     out = {"ngram": {"method": "ngram", "num_speculative_tokens": 5}}
     if draft_model:
         out["draft_model"] = {"method": "draft_model", "model": draft_model}
+        # with a prompt-lookup branch: grafted at T=0, run instead of the draft where it pays
+        out["draft_model+lookup"] = {**out["draft_model"], "prompt_lookup_tokens": 8}
     if model is None:  # heads ship for the embedded default model only
         for m in ("medusa", "eagle", "eagle3"):
             out[m] = {"method": m}

@@ -70,9 +70,16 @@ def _length(params: SamplingParams, i: int) -> SamplingParams:
     return replace(params, max_tokens=max(1, mean // 2 + (i * 37) % (mean + 1)))
 
 
-def _stats(core) -> tuple[int, int, int, int, int]:
+def _stats(core) -> tuple[int, ...]:
     s, c = core.spec_stats, core.controller
-    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, c.num_decisions, c.num_drafting
+    return (
+        s.num_drafts,
+        s.num_draft_tokens,
+        s.num_accepted_tokens,
+        c.num_decisions,
+        c.num_drafting,
+        c.num_lite,
+    )
 
 
 def closed_loop(
@@ -119,8 +126,10 @@ def closed_loop(
                     row["repeat"] = True
                 row.update(await _level(engine, request, c, n))
                 diff = [a - b for a, b in zip(_stats(core), before, strict=True)]
-                drafts, drafted, accepted, decisions, drafting = diff
+                drafts, drafted, accepted, decisions, drafting, lite = diff
                 row["drafting_share"] = drafting / decisions if decisions else None
+                # of the decisions, lite drafts verified (a lookup branch without its drafter)
+                row["lite_share"] = lite / decisions if decisions else None
                 row["acceptance_rate"] = accepted / drafted if drafted else None
                 row["tau"] = 1 + accepted / drafts if drafts else None
                 rows.append(row)
@@ -220,6 +229,10 @@ def _print(row: dict, rows: list[dict]) -> None:
     if row.get("repeat"):
         vs = f" (off again: runs {_off_spread(rows, row['concurrency']):.1%} apart)"
     acc = f" acc {row['acceptance_rate']:.0%}" if row["acceptance_rate"] is not None else ""
+    if row.get("drafting_share") is not None:
+        acc += f", drafting {row['drafting_share']:.0%} of decisions"
+        if row.get("lite_share"):
+            acc += f" (lookup alone verified on {row['lite_share']:.0%})"
     print(
         f"c={row['concurrency']:<4} {row['policy']:<9} {row['throughput_tok_s']:7.1f} tok/s{vs}"
         f"  tpot {row['tpot_ms'] or 0:6.1f} ms  ttft {row['ttft_p50_ms']:7.0f} ms{acc}",

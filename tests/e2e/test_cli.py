@@ -185,6 +185,11 @@ def test_bench_serve_sweeps_policies(tiny_llama_dir, tmp_path):
         adaptive = result["rows"][4 * (c == 3) + 2]["throughput_tok_s"]
         assert result["summary"]["adaptive"][str(c)] == pytest.approx(2 * adaptive / sum(offs))
     assert set(result["summary"]["off_spread"]) == {"1", "3"}
+    for row in result["rows"]:  # n-gram has no lite mode (it is lookup alone already)
+        if row["policy"] != "off":
+            assert 0 <= row["drafting_share"] <= 1 and row["lite_share"] == 0
+            assert row["drafting_share"] > 0 or row["policy"] == "adaptive"  # it may decline
+            assert f"drafting {row['drafting_share']:.0%} of decisions" in r.stdout
     md = (out / "serve.md").read_text()
     assert "adaptive vs off" in md and "off runs apart" in md
     assert (out / "serve.png").read_bytes()[:4] == b"\x89PNG"

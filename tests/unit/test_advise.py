@@ -56,6 +56,14 @@ def test_candidates_for_the_default_model_include_the_lookup_branch():
     for cfg in got.values():
         SpeculativeConfig.from_dict(cfg)  # every candidate is a valid config
     assert "eagle3+lookup" not in candidate_configs("some/model", None, None)  # no shipped head
+    got = candidate_configs("some/model", None, "a/draft")
+    assert got["draft_model+lookup"] == {
+        "method": "draft_model",
+        "model": "a/draft",
+        "prompt_lookup_tokens": 8,
+    }
+    for cfg in got.values():
+        SpeculativeConfig.from_dict(cfg)
 
 
 def test_prediction_follows_the_cost_model():
