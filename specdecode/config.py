@@ -155,7 +155,7 @@ class EngineConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
-# Methods whose drafts are deterministic tree nodes, so a lookup branch can join their tree.
+# Methods a lookup branch can join (a draft model's tree at temperature 0 only: lookup_branch).
 LOOKUP_BRANCH_METHODS = ("draft_model", "medusa", "eagle", "eagle3")
 DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 QUANTIZED_DRAFT_DTYPES = ("int8", "int4")  # packed by the CPU kernels only

@@ -90,6 +90,7 @@ class _Request:
 
 
 _SMOOTHING = 0.3
+_PRIOR_SMOOTHING = 0.1
 _EXPLORE_EVERY = 8  # while the head is skipped, run it every this many lookup steps anyway
 
 
@@ -131,6 +132,9 @@ class LookupBranchDrafter(Drafter):
         self._req: dict[int, _Request] = {}
         self._head_seconds: float | None = None  # head drafting time per request (average)
         self._proposals = 0  # proposals with drafts verified
+        # over every request's lookup steps: where a new request's estimates start (a draft
+        # model's first run prefills the whole prompt, worth skipping where copying is the rule)
+        self._prior = _Request()
 
     def max_nodes(self, k: int) -> int:
         return self.head.max_nodes(k) + self.num_tokens
@@ -167,7 +171,10 @@ class LookupBranchDrafter(Drafter):
                 chain = lookup(context_ids(seq), self.min_n, self.max_n, n)
             chains.append(chain)
             if chain:
-                st = self._req.setdefault(seq.seq_id, _Request())
+                st = self._req.get(seq.seq_id)
+                if st is None:  # a new request starts from what earlier ones measured
+                    prior = self._prior
+                    st = self._req[seq.seq_id] = _Request(prior.alone, prior.head_gain)
                 st.chain, st.head_ran = chain, self._head_pays(st, len(seqs), k)
                 probing |= st.head_ran and st.skipped > 0
                 st.skipped = 0 if st.head_ran else st.skipped + 1
@@ -217,8 +224,11 @@ class LookupBranchDrafter(Drafter):
                 while alone < min(len(kept), len(st.chain)) and kept[alone] == st.chain[alone]:
                     alone += 1
                 st.alone += _SMOOTHING * (alone + 1 - st.alone)
+                self._prior.alone += _PRIOR_SMOOTHING * (alone + 1 - self._prior.alone)
                 if st.head_ran:
-                    st.head_gain += _SMOOTHING * (len(kept) - alone - st.head_gain)
+                    gain = len(kept) - alone
+                    st.head_gain += _SMOOTHING * (gain - st.head_gain)
+                    self._prior.head_gain += _PRIOR_SMOOTHING * (gain - self._prior.head_gain)
                 st.chain = None
             own = self._own.get(seq.seq_id, prop)  # kept for drafted_depth, next propose
             n = len(own.tokens)

@@ -136,12 +136,18 @@ def test_the_head_is_skipped_while_lookup_alone_does_as_well_and_still_probed():
     skipped = ran[10:].count(False)
     assert skipped >= 24 and ran[10:].count(True) >= 3  # mostly skipped, probed every 8th
     assert drafter.branch_stats.head_skipped == ran.count(False)
+    # a new request starts from what the earlier one measured: no first run of the head (for
+    # a draft model, a prefill of the whole prompt) where copying has been the rule
+    head.budgets.clear()
+    _run(drafter, _seq([5, 6, 7, 8, 9, 5]), 3, grafted)
+    assert [b[0] for b in head.budgets] == [0, 0, 0]
 
     # the head's path wins every step instead: it keeps running
     head2 = _CountingHead()
     drafter = LookupBranchDrafter(head2, 4, 1, 2, step_time=lambda n: 0.010)
     _run(drafter, seq, 20, lambda prop: [1, 3])  # the head's nodes 1 -> 3, the branch missed
-    assert all(b[0] > 0 for b in head2.budgets)
+    _run(drafter, _seq([5, 6, 7, 8, 9, 5]), 3, lambda prop: [1, 3])  # and for a new request
+    assert len(head2.budgets) == 23 and all(b[0] > 0 for b in head2.budgets)
     assert drafter.branch_stats.head_skipped == 0
 
 
