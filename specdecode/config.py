@@ -155,7 +155,7 @@ class EngineConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
-# Methods a lookup branch can join (a draft model's tree at temperature 0 only: lookup_branch).
+# Methods a lookup branch can join (a draft model's chain sampled from q takes none).
 LOOKUP_BRANCH_METHODS = ("draft_model", "medusa", "eagle", "eagle3")
 DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 QUANTIZED_DRAFT_DTYPES = ("int8", "int4")  # packed by the CPU kernels only
@@ -193,8 +193,8 @@ class SpeculativeConfig:
     # continuation, up to this many tokens, onto the draft tree as one more branch; both are
     # verified in the same forward. None: off. Pays where answers copy their input (code edits,
     # a function repeated with its docstring), costs a few tree nodes elsewhere. A draft model's
-    # sampled drafts (temperature > 0) take no graft: there the lookup runs instead of the
-    # draft, on steps where it has done as well for the time.
+    # chain sampled from q (temperature > 0, no speculative_token_tree) takes no graft: there
+    # the lookup runs instead of the draft, on steps where it has done as well for the time.
     prompt_lookup_tokens: int | None = None
     # vLLM's static switch, used by the static policy: no drafts while more requests than this
     # are running. None: never.

@@ -232,7 +232,7 @@ def _print(row: dict, rows: list[dict]) -> None:
     if row.get("drafting_share") is not None:
         acc += f", drafting {row['drafting_share']:.0%} of decisions"
         if row.get("lite_share"):
-            acc += f" (lookup alone verified on {row['lite_share']:.0%})"
+            acc += f" (lite drafts verified on {row['lite_share']:.0%})"
     print(
         f"c={row['concurrency']:<4} {row['policy']:<9} {row['throughput_tok_s']:7.1f} tok/s{vs}"
         f"  tpot {row['tpot_ms'] or 0:6.1f} ms  ttft {row['ttft_p50_ms']:7.0f} ms{acc}",

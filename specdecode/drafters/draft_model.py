@@ -253,6 +253,8 @@ class DraftModelDrafter(Drafter):
 
     def _keep_tree_path(self, st: _DraftState, accepted: list[int]) -> None:
         """Nodes 1..fed_nodes sit after the root; keep the accepted ones that were fed."""
+        if st.fed_nodes == 0:  # nothing written after the root (or not run: a lookup branch
+            return  # verified alone, a request the cache had no room for)
         root_index = st.blocks.length - st.fed_nodes - 1
         fed = [j for j in accepted if j <= st.fed_nodes]  # a prefix of the path
         st.blocks.length = root_index

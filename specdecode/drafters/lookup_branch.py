@@ -18,7 +18,7 @@ sampled draft with probability p(x), not min(1, p(x) / q(x)); so its sampled req
 graft: each step verifies either the draft model's chain (with q) or, where the lookup has done
 as well for the time, the lookup chain alone (deterministic). Greedy requests are grafted like
 a head's (their drafts are argmaxes, and greedy verification follows the target's argmax
-through any tree).
+through any tree), and so is a draft model's static top-k tree at any temperature.
 
 The head hears about its own nodes only (the accepted path up to where it leaves the head's
 tree); heads that read target features catch up from the features of whatever was committed. On
@@ -184,6 +184,13 @@ class LookupBranchDrafter(Drafter):
             elif seq.seq_id in self._req:
                 self._req[seq.seq_id].chain = None
             head_budgets.append(k)
+        # nor is a drafter's first run for a request, or one after steps it missed: its
+        # catch-up (for a draft model, the whole prompt) is more than a step's tokens
+        probing |= any(
+            self.head.catch_up_tokens(seq) > self.num_tokens + 1
+            for seq, k in zip(seqs, head_budgets, strict=True)
+            if k > 0
+        )
         t0 = time.perf_counter()
         props = self.head.propose(seqs, head_budgets)
         ran = sum(1 for k in head_budgets if k > 0)
@@ -223,6 +230,8 @@ class LookupBranchDrafter(Drafter):
                 alone = 0  # what the branch alone would have had accepted
                 while alone < min(len(kept), len(st.chain)) and kept[alone] == st.chain[alone]:
                     alone += 1
+                # (a sampled request's draft-model chain takes no graft: there `kept` holds its
+                # accepted drafts only, so `alone` is a lower bound, which favours the drafter)
                 st.alone += _SMOOTHING * (alone + 1 - st.alone)
                 self._prior.alone += _PRIOR_SMOOTHING * (alone + 1 - self._prior.alone)
                 if st.head_ran:

@@ -249,6 +249,42 @@ def test_draft_model_with_a_lookup_branch_greedy_equals_plain(
     assert spec.engine.drafter.branch_stats.accepted > 0
 
 
+def test_a_draft_model_tree_with_a_lookup_branch_the_draft_model_skipped(
+    plain, tiny_llama_dir, other_draft_dir
+):
+    """A static top-k tree (deterministic drafts) takes the graft; where the lookup matches the
+    draft model is skipped (forced here on every lookup step, from a request's first): the
+    draft model, which has fed nothing, keeps its cache as it was; greedy output unchanged."""
+    cfg = {
+        "method": "draft_model",
+        "model": str(other_draft_dir),
+        "num_speculative_tokens": 3,
+        "speculative_token_tree": TREE,
+        "prompt_lookup_tokens": 4,
+        "prompt_lookup_min": 1,
+    }
+    spec = LLM(str(tiny_llama_dir), speculative_config=cfg, speculative_policy="static")
+    drafter = spec.engine.drafter
+    drafter._head_pays = lambda *a: False
+    # the model's own loop as the prompt: lookup matches from the first decoding step on
+    prompts = [p + plain.generate(p, greedy(40))[0].outputs[0].text for p in PROMPTS]
+    first: dict[int, int] = {}  # the draft model's budget on each request's first step
+    propose = drafter.head.propose
+
+    def spy(seqs, budgets):
+        for seq, k in zip(seqs, budgets, strict=True):
+            first.setdefault(seq.seq_id, k)
+        return propose(seqs, budgets)
+
+    drafter.head.propose = spy
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(30))]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy(30))] == want
+    assert 0 in first.values()  # skipped before its cache held anything for the request
+    assert spec.generate(prompts[0], greedy(30))[0].outputs[0].token_ids == want[0]
+    assert drafter.branch_stats.head_skipped > 0 and drafter.branch_stats.accepted > 0
+    assert spec.engine.num_tracked() == 0
+
+
 def test_draft_model_with_a_lookup_branch_keeps_the_distribution(sharp_llama_dir, tmp_path):
     """At temperature 1 a step verifies the draft model's sampled chain with its q, the lookup
     chain alone (lite drafts: deterministic, no q), or nothing, per request: forced here to mix
@@ -276,13 +312,16 @@ def test_draft_model_with_a_lookup_branch_keeps_the_distribution(sharp_llama_dir
         return [cycle[(step[0] + j) % len(cycle)] for j, _ in enumerate(plan(seqs, *a))]
 
     ctrl.plan = mixed
-    kinds = []  # per verification: (rows verified with q, rows verified by the target's choice)
+    calls = []  # per verification: the rules its rows took
     runner = engine.runner
-    for name in ("_verify_sampled", "_verify_choices"):
+    for name in ("_verify", "_verify_sampled", "_verify_choices"):
         real = getattr(runner, name)
 
         def spy(seqs, *a, real=real, name=name):
-            kinds.append((name, len(seqs)))
+            if name == "_verify":
+                calls.append(set())
+            else:
+                calls[-1].add(name)
             return real(seqs, *a)
 
         setattr(runner, name, spy)
@@ -305,7 +344,7 @@ def test_draft_model_with_a_lookup_branch_keeps_the_distribution(sharp_llama_dir
     assert all(o.outputs[0].token_ids == want_greedy for o in outs[n:])
     stats = engine.spec_stats
     assert stats.num_accepted_tokens > 500 and ctrl.num_lite > 100
-    assert {k for k, _ in kinds} == {"_verify_sampled", "_verify_choices"}
+    assert {"_verify_sampled", "_verify_choices"} in calls  # both in one step: split, merged
 
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]

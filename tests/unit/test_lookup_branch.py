@@ -194,15 +194,17 @@ def test_a_sampling_drafter_takes_the_branch_on_greedy_rows_and_runs_alone_other
     drafter.on_verified([hot, cold], [p_hot, p_cold], [[], [5, 6, 7, 8]])
     assert head.heard[-1] == ([5, 5], [[], []])
     # the sampled request's drafts keep being rejected, and the target emits the lookup's
-    # tokens: the drafter stops running for it (probing now and then) and the lookup runs alone
+    # tokens (all four accepted where the lookup chain is verified alone): the drafter stops
+    # running for it (probing now and then) and the lookup runs alone
     seen = []
     for _ in range(16):
         (prop,) = drafter.propose([hot], [3])
         seen.append((head.budgets[-1] == [3], prop.tokens, prop.draft_probs is not None))
-        drafter.on_verified([hot], [prop], [[]])
+        drafter.on_verified([hot], [prop], [[] if prop.draft_probs is not None else [1, 2, 3, 4]])
         hot.output_token_ids.extend([6, 7, 8, 9, 5])
     ran = [r for r, _, _ in seen]
     assert ran[0] and ran.count(False) >= 8 and ran[8:].count(True) >= 1
+    assert drafter._req[hot.seq_id].alone > 4  # the lookup alone emits ~5 tokens a step
     for r, tokens, has_q in seen:
         assert (tokens, has_q) == (([5, 1, 2, 3, 4], True) if r else ([5, 6, 7, 8, 9], False))
     assert drafter.branch_stats.head_skipped == ran.count(False)
