@@ -365,6 +365,11 @@ class GoodputController:
     ) -> float:
         """Expected tokens per second of `plan` (negative depths: lite drafts, priced with
         `lite_rates`, one node a level and no drafting time)."""
+        return self._rate(*self._totals(base_tokens, rates, plan, catch_up, lite_rates))
+
+    def _totals(self, base_tokens, rates, plan, catch_up=None, lite_rates=None):
+        """What `goodput` prices `plan` on: (expected tokens, tokens fed, draft levels run,
+        catch-up seconds)."""
         tokens, fed = 0.0, base_tokens
         for i, k in enumerate(plan):
             if k >= 0:
@@ -374,7 +379,7 @@ class GoodputController:
                 tokens += self.expected_tokens((lite_rates or rates)[i], -k)
                 fed += -k
         extra = sum(c for c, k in zip(catch_up, plan, strict=True) if k > 0) if catch_up else 0.0
-        return self._rate(tokens, fed, sum(k for k in plan if k > 0), extra)
+        return tokens, fed, sum(k for k in plan if k > 0), extra
 
     def _rate(self, tokens: float, fed: int, depth: int, extra: float = 0.0) -> float:
         """Expected tokens per second of a step feeding `fed` tokens with `depth` draft levels
@@ -635,10 +640,7 @@ class GoodputController:
         idle = [i for i, k in enumerate(plan) if k == 0]
         lite = {i: self.acceptance(seqs[i], lite=True) for i in idle}
         idle.sort(key=lambda i: -lite[i][0])
-        tokens = sum(self.expected_tokens(r, k) for r, k in zip(rates, plan, strict=True))
-        fed = base_tokens + sum(self.nodes_for_depth(k) for k in plan if k)
-        depth = sum(plan)
-        paid = sum(c for c, k in zip(cost, plan, strict=True) if k)
+        tokens, fed, depth, paid = self._totals(base_tokens, rates, plan, cost)
         out, g_best = list(plan), best
         for i in idle:
             take, run, add = 0, 1.0, 0.0
