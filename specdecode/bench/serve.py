@@ -299,9 +299,10 @@ def markdown(result: dict) -> str:
             if off and ad and off["tpot_ms"] is not None and ad["tpot_ms"] is not None
             else "-"
         )
-        share = ad.get("drafting_share") if ad else None
+        share, lite = (ad.get("drafting_share"), ad.get("lite_share")) if ad else (None, None)
+        drafted = fmt(share, ".0%") + (f" (lite {lite:.0%})" if lite else "")
         cells += [fmt(s, ".2f") + "x" * (s is not None), fmt(a, ".2f") + "x" * (a is not None)]
-        cells += [tpot, fmt(share, ".0%")]
+        cells += [tpot, drafted]
         if repeated:
             cells.append(fmt(_off_spread(rows, c), ".1%"))
         lines.append(f"| {c} | " + " | ".join(cells) + " |")

@@ -87,6 +87,9 @@ class _Request:
     skipped: int = 0  # lookup steps in a row without the head
     chain: list[int] | None = None  # this step's lookup continuation
     head_ran: bool = True
+    # a verified step not yet scored: (chain, head ran, output length before it, drafts kept);
+    # scored against the tokens the step emitted once they are appended (next propose)
+    pending: tuple[list[int], bool, int, int] | None = None
 
 
 _SMOOTHING = 0.3
@@ -165,6 +168,7 @@ class LookupBranchDrafter(Drafter):
         chains, head_budgets = [], []
         probing = False  # a probe after skipped steps catches up on their features: not typical
         for seq, k in zip(seqs, budgets, strict=True):
+            self._score(seq)
             n = self.room(seq, self.num_tokens) if k > 0 else 0
             chain: list[int] = []
             if n > 0:
@@ -226,18 +230,7 @@ class LookupBranchDrafter(Drafter):
         for seq, prop, path in zip(seqs, proposals, accepted, strict=True):
             st = self._req.get(seq.seq_id)
             if st is not None and st.chain:
-                kept = [prop.tokens[node] for node in path]
-                alone = 0  # what the branch alone would have had accepted
-                while alone < min(len(kept), len(st.chain)) and kept[alone] == st.chain[alone]:
-                    alone += 1
-                # (a sampled request's draft-model chain takes no graft: there `kept` holds its
-                # accepted drafts only, so `alone` is a lower bound, which favours the drafter)
-                st.alone += _SMOOTHING * (alone + 1 - st.alone)
-                self._prior.alone += _PRIOR_SMOOTHING * (alone + 1 - self._prior.alone)
-                if st.head_ran:
-                    gain = len(kept) - alone
-                    st.head_gain += _SMOOTHING * (gain - st.head_gain)
-                    self._prior.head_gain += _PRIOR_SMOOTHING * (gain - self._prior.head_gain)
+                st.pending = (st.chain, st.head_ran, len(seq.output_token_ids), len(path))
                 st.chain = None
             own = self._own.get(seq.seq_id, prop)  # kept for drafted_depth, next propose
             n = len(own.tokens)
@@ -257,7 +250,34 @@ class LookupBranchDrafter(Drafter):
     def observe(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None:
         self.head.observe(seqs, features)
 
+    def _score(self, seq: Sequence) -> None:
+        """Score a request's last verified lookup step against the tokens it emitted: the
+        lookup chain alone would have emitted its leading matches plus one token (the target's
+        own at the first mismatch), the step emitted its kept drafts plus one. Where the chain
+        was grafted, the emitted tokens past its matches were the target's choice against it;
+        where it was not (a sampled draft model's chain, verified with q) they are a draw from
+        the target's distribution all the same, so the count is an unbiased estimate of what
+        verifying the chain alone would have kept."""
+        st = self._req.get(seq.seq_id)
+        if st is None or st.pending is None:
+            return
+        chain, head_ran, start, kept = st.pending
+        st.pending = None
+        emitted = seq.output_token_ids[start : start + kept + 1]
+        if not emitted:
+            return  # the step's tokens were not appended (the request failed)
+        alone = 0
+        while alone < min(len(emitted), len(chain)) and emitted[alone] == chain[alone]:
+            alone += 1
+        st.alone += _SMOOTHING * (alone + 1 - st.alone)
+        self._prior.alone += _PRIOR_SMOOTHING * (alone + 1 - self._prior.alone)
+        if head_ran:  # (below 0 where the chain alone would have gone further)
+            gain = len(emitted) - 1 - alone
+            st.head_gain += _SMOOTHING * (gain - st.head_gain)
+            self._prior.head_gain += _PRIOR_SMOOTHING * (gain - self._prior.head_gain)
+
     def release(self, seq: Sequence) -> None:
+        self._score(seq)
         self._own.pop(seq.seq_id, None)
         self._req.pop(seq.seq_id, None)
         self.head.release(seq)

@@ -111,17 +111,31 @@ class _CountingHead(_FixedHead):
 
     def propose(self, seqs, budgets):
         self.budgets.append(list(budgets))
-        time.sleep(0.002)  # the head's drafting time: ~2 ms a request
+        time.sleep(0.002 * sum(1 for k in budgets if k))  # the head's time: 2 ms a request
         return super().propose(seqs, budgets)
 
 
-def _run(drafter, seq, steps, path_of):
+def _run(drafter, seq, steps, path_of, bonus=5):
+    """Propose, verify (`path_of`: the nodes kept), append what the step emitted: the kept
+    tokens and the target's own next token."""
     for _ in range(steps):
         (prop,) = drafter.propose([seq], [3])
-        drafter.on_verified([seq], [prop], [path_of(prop)])
+        path = path_of(prop)
+        drafter.on_verified([seq], [prop], [path])
+        seq.output_token_ids.extend([prop.tokens[n] for n in path] + [bonus])
 
 
-def test_the_head_is_skipped_while_lookup_alone_does_as_well_and_still_probed():
+@pytest.fixture
+def fixed_lookup(monkeypatch):
+    """Lookup always continues with 6 7 8 9 (none of it in the head's tree), whatever the
+    steps appended: these tests are about when the head runs, not about lookup."""
+    fixed = [6, 7, 8, 9]
+    monkeypatch.setattr(
+        "specdecode.drafters.lookup_branch.lookup", lambda ctx, lo, hi, k: fixed[:k]
+    )
+
+
+def test_the_head_is_skipped_while_lookup_alone_does_as_well_and_still_probed(fixed_lookup):
     head = _CountingHead()
     # a 10 ms target step: the head's ~2 ms must add more than a fifth of what lookup gives
     drafter = LookupBranchDrafter(head, 4, 1, 2, step_time=lambda n: 0.010)
@@ -177,7 +191,9 @@ class _SamplingHead(_CountingHead):
         ]
 
 
-def test_a_sampling_drafter_takes_the_branch_on_greedy_rows_and_runs_alone_otherwise():
+def test_a_sampling_drafter_takes_the_branch_on_greedy_rows_and_runs_alone_otherwise(
+    fixed_lookup,
+):
     """Drafts sampled from q take no deterministic sibling: a sampled request's step verifies
     the drafter's own proposal (q kept) or, once the lookup does as well for the time, the
     lookup chain alone (no q); a greedy request's is grafted (q dropped: argmax verification)."""
@@ -189,24 +205,27 @@ def test_a_sampling_drafter_takes_the_branch_on_greedy_rows_and_runs_alone_other
     p_hot, p_cold = drafter.propose([hot, cold], [3, 3])
     assert p_hot.tokens == [5, 1, 2, 3, 4] and p_hot.draft_probs is not None
     assert p_cold.tokens == [5, 1, 2, 3, 4, 6, 7, 8, 9] and p_cold.draft_probs is None
-    # the target keeps the lookup's tokens (on the sampled row: what it emitted; the drafter
-    # counts what the lookup alone would have had accepted from it)
+    # the greedy row keeps the lookup's tokens (the grafted nodes); the sampled row's drafts
+    # are rejected, and the target's own token is not the lookup's either
     drafter.on_verified([hot, cold], [p_hot, p_cold], [[], [5, 6, 7, 8]])
+    hot.output_token_ids.append(0)
+    cold.output_token_ids.extend([6, 7, 8, 9, 5])
     assert head.heard[-1] == ([5, 5], [[], []])
-    # the sampled request's drafts keep being rejected, and the target emits the lookup's
-    # tokens (all four accepted where the lookup chain is verified alone): the drafter stops
+    # from then on its drafts keep being rejected, and the target emits the lookup's tokens
+    # (all four accepted where the lookup chain is verified alone): the drafter stops
     # running for it (probing now and then) and the lookup runs alone
     seen = []
     for _ in range(16):
         (prop,) = drafter.propose([hot], [3])
-        seen.append((head.budgets[-1] == [3], prop.tokens, prop.draft_probs is not None))
-        drafter.on_verified([hot], [prop], [[] if prop.draft_probs is not None else [1, 2, 3, 4]])
-        hot.output_token_ids.extend([6, 7, 8, 9, 5])
+        sampled = prop.draft_probs is not None
+        seen.append((head.budgets[-1] == [3], prop.tokens, sampled))
+        drafter.on_verified([hot], [prop], [[] if sampled else [1, 2, 3, 4]])
+        hot.output_token_ids.extend([6] if sampled else [6, 7, 8, 9, 5])
     ran = [r for r, _, _ in seen]
     assert ran[0] and ran.count(False) >= 8 and ran[8:].count(True) >= 1
     assert drafter._req[hot.seq_id].alone > 4  # the lookup alone emits ~5 tokens a step
     for r, tokens, has_q in seen:
-        assert (tokens, has_q) == (([5, 1, 2, 3, 4], True) if r else ([5, 6, 7, 8, 9], False))
+        assert (tokens[1:], has_q) == (([1, 2, 3, 4], True) if r else ([6, 7, 8, 9], False))
     assert drafter.branch_stats.head_skipped == ran.count(False)
 
 
@@ -228,3 +247,39 @@ def test_the_shadow_is_the_lookup_alone_and_leaves_no_state():
 def test_stateful_drafters_cannot_shadow():
     with pytest.raises(NotImplementedError, match="shadow"):
         _FixedHead().shadow([_seq([1, 2])], [2])
+
+
+def test_a_sampled_step_is_scored_against_the_tokens_it_emitted(fixed_lookup):
+    """Where a draft model's sampled chain ran without the graft, what the lookup alone would
+    have kept is read from the tokens the step emitted (a draw from the target's distribution
+    either way), the target's own last token included: a rejected draft followed by the
+    lookup's token counts for the lookup, not for the drafter."""
+    head = _SamplingHead()
+    drafter = LookupBranchDrafter(head, 4, 1, 2, step_time=lambda n: 1.0)  # the head pays
+    seq = Sequence([5, 6, 7, 8, 9, 5], SamplingParams(temperature=1.0))
+    (prop,) = drafter.propose([seq], [3])
+    assert prop.draft_probs is not None
+    drafter.on_verified([seq], [prop], [[]])  # every draft rejected ...
+    st = drafter._req[seq.seq_id]
+    assert (st.alone, st.head_gain) == (1.0, 1.0)  # scored once the tokens are appended
+    seq.output_token_ids.extend([6, 7])  # the target's token: the lookup's first (+ a forced one)
+    (prop,) = drafter.propose([seq], [3])
+    assert st.alone == pytest.approx(1.0 + 0.3 * (2 - 1.0))  # the lookup alone: 1 kept, 2 emitted
+    assert st.head_gain == pytest.approx(1.0 + 0.3 * (-1 - 1.0))  # the draft model: 1 fewer
+    # its drafts 1, 3 kept, then the target's 6: the lookup alone would have kept nothing
+    assert prop.draft_probs is not None and prop.tokens[1:] == [1, 2, 3, 4]
+    drafter.on_verified([seq], [prop], [[1, 3]])
+    seq.output_token_ids.extend([1, 3, 6])
+    before = (st.alone, st.head_gain)
+    drafter.release(seq)  # a finished request's last step is scored too
+    assert st.alone == pytest.approx(before[0] + 0.3 * (1 - before[0]))
+    assert st.head_gain == pytest.approx(before[1] + 0.3 * (2 - before[1]))
+    assert drafter.tracked_ids() == set()
+    # a step whose tokens never came (the request failed) is not scored
+    seq2 = Sequence([5, 6, 7, 8, 9, 5], SamplingParams(temperature=1.0))
+    (prop,) = drafter.propose([seq2], [3])
+    drafter.on_verified([seq2], [prop], [[]])
+    st2 = drafter._req[seq2.seq_id]
+    before = (st2.alone, st2.head_gain)
+    drafter.propose([seq2], [3])
+    assert (st2.alone, st2.head_gain) == before
