@@ -33,7 +33,7 @@ format: install
 	$(VENV)/bin/ruff format specdecode tests
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 bench: install
 	$(VENV)/bin/specdecode bench latency

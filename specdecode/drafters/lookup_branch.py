@@ -84,6 +84,11 @@ class _Request:
 
     alone: float = 1.0  # tokens a step would emit with the lookup branch alone
     head_gain: float = 1.0  # tokens the head's nodes added on top of the branch
+    # own observations of each: until the first, the estimates are the drafter-wide prior's,
+    # which the first replaces (a chat request after code traffic must not inherit code's
+    # copying for more than one step)
+    seen_alone: int = 0
+    seen_gain: int = 0
     skipped: int = 0  # lookup steps in a row without the head
     chain: list[int] | None = None  # this step's lookup continuation
     head_ran: bool = True
@@ -269,11 +274,13 @@ class LookupBranchDrafter(Drafter):
         alone = 0
         while alone < min(len(emitted), len(chain)) and emitted[alone] == chain[alone]:
             alone += 1
-        st.alone += _SMOOTHING * (alone + 1 - st.alone)
+        st.alone += (_SMOOTHING if st.seen_alone else 1.0) * (alone + 1 - st.alone)
+        st.seen_alone += 1
         self._prior.alone += _PRIOR_SMOOTHING * (alone + 1 - self._prior.alone)
         if head_ran:  # (below 0 where the chain alone would have gone further)
             gain = len(emitted) - 1 - alone
-            st.head_gain += _SMOOTHING * (gain - st.head_gain)
+            st.head_gain += (_SMOOTHING if st.seen_gain else 1.0) * (gain - st.head_gain)
+            st.seen_gain += 1
             self._prior.head_gain += _PRIOR_SMOOTHING * (gain - self._prior.head_gain)
 
     def release(self, seq: Sequence) -> None:

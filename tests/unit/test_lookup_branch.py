@@ -205,12 +205,12 @@ def test_a_sampling_drafter_takes_the_branch_on_greedy_rows_and_runs_alone_other
     p_hot, p_cold = drafter.propose([hot, cold], [3, 3])
     assert p_hot.tokens == [5, 1, 2, 3, 4] and p_hot.draft_probs is not None
     assert p_cold.tokens == [5, 1, 2, 3, 4, 6, 7, 8, 9] and p_cold.draft_probs is None
-    # the greedy row keeps the lookup's tokens (the grafted nodes); the sampled row's drafts
-    # are rejected, and the target's own token is not the lookup's either
-    drafter.on_verified([hot, cold], [p_hot, p_cold], [[], [5, 6, 7, 8]])
-    hot.output_token_ids.append(0)
+    # the greedy row keeps the lookup's tokens (the grafted nodes); the sampled row keeps two
+    # of its drafts (1, 3), and the target's own token is not the lookup's either
+    drafter.on_verified([hot, cold], [p_hot, p_cold], [[1, 3], [5, 6, 7, 8]])
+    hot.output_token_ids.extend([1, 3, 0])
     cold.output_token_ids.extend([6, 7, 8, 9, 5])
-    assert head.heard[-1] == ([5, 5], [[], []])
+    assert head.heard[-1] == ([5, 5], [[1, 3], []])
     # from then on its drafts keep being rejected, and the target emits the lookup's tokens
     # (all four accepted where the lookup chain is verified alone): the drafter stops
     # running for it (probing now and then) and the lookup runs alone
@@ -253,33 +253,40 @@ def test_a_sampled_step_is_scored_against_the_tokens_it_emitted(fixed_lookup):
     """Where a draft model's sampled chain ran without the graft, what the lookup alone would
     have kept is read from the tokens the step emitted (a draw from the target's distribution
     either way), the target's own last token included: a rejected draft followed by the
-    lookup's token counts for the lookup, not for the drafter."""
+    lookup's token counts for the lookup, not for the drafter. A request's first observation
+    replaces the drafter-wide prior it started from; later ones are averaged in."""
     head = _SamplingHead()
     drafter = LookupBranchDrafter(head, 4, 1, 2, step_time=lambda n: 1.0)  # the head pays
     seq = Sequence([5, 6, 7, 8, 9, 5], SamplingParams(temperature=1.0))
     (prop,) = drafter.propose([seq], [3])
-    assert prop.draft_probs is not None
-    drafter.on_verified([seq], [prop], [[]])  # every draft rejected ...
+    assert prop.draft_probs is not None and prop.tokens[1:] == [1, 2, 3, 4]
+    drafter.on_verified([seq], [prop], [[1, 3]])  # drafts 1, 3 kept ...
     st = drafter._req[seq.seq_id]
     assert (st.alone, st.head_gain) == (1.0, 1.0)  # scored once the tokens are appended
+    seq.output_token_ids.extend([1, 3, 6])  # ... then the target's 6: the lookup kept nothing
+    (prop,) = drafter.propose([seq], [3])
+    assert (st.alone, st.head_gain) == (1.0, 2.0)  # the first observation, as it came
+    assert prop.draft_probs is not None
+    drafter.on_verified([seq], [prop], [[]])  # every draft rejected ...
     seq.output_token_ids.extend([6, 7])  # the target's token: the lookup's first (+ a forced one)
     (prop,) = drafter.propose([seq], [3])
     assert st.alone == pytest.approx(1.0 + 0.3 * (2 - 1.0))  # the lookup alone: 1 kept, 2 emitted
-    assert st.head_gain == pytest.approx(1.0 + 0.3 * (-1 - 1.0))  # the draft model: 1 fewer
-    # its drafts 1, 3 kept, then the target's 6: the lookup alone would have kept nothing
-    assert prop.draft_probs is not None and prop.tokens[1:] == [1, 2, 3, 4]
-    drafter.on_verified([seq], [prop], [[1, 3]])
-    seq.output_token_ids.extend([1, 3, 6])
+    assert st.head_gain == pytest.approx(2.0 + 0.3 * (-1 - 2.0))  # the draft model: 1 fewer
+    assert prop.draft_probs is not None  # (1.1 tokens for its time: it still pays)
+    drafter.on_verified([seq], [prop], [[1]])
+    seq.output_token_ids.extend([1, 6])
     before = (st.alone, st.head_gain)
     drafter.release(seq)  # a finished request's last step is scored too
     assert st.alone == pytest.approx(before[0] + 0.3 * (1 - before[0]))
-    assert st.head_gain == pytest.approx(before[1] + 0.3 * (2 - before[1]))
+    assert st.head_gain == pytest.approx(before[1] + 0.3 * (1 - before[1]))
     assert drafter.tracked_ids() == set()
-    # a step whose tokens never came (the request failed) is not scored
+    # a new request starts from the prior; a step whose tokens never came (the request
+    # failed) is not scored
     seq2 = Sequence([5, 6, 7, 8, 9, 5], SamplingParams(temperature=1.0))
     (prop,) = drafter.propose([seq2], [3])
-    drafter.on_verified([seq2], [prop], [[]])
     st2 = drafter._req[seq2.seq_id]
-    before = (st2.alone, st2.head_gain)
+    prior = (drafter._prior.alone, drafter._prior.head_gain)
+    assert (st2.alone, st2.head_gain) == prior != (1.0, 1.0)
+    drafter.on_verified([seq2], [prop], [[]])
     drafter.propose([seq2], [3])
-    assert (st2.alone, st2.head_gain) == before
+    assert (st2.alone, st2.head_gain) == prior
