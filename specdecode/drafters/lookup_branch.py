@@ -89,6 +89,7 @@ class _Request:
     # copying for more than one step)
     seen_alone: int = 0
     seen_gain: int = 0
+    missed: bool = False  # the last step verified without the head kept none of the lookup's
     skipped: int = 0  # lookup steps in a row without the head
     chain: list[int] | None = None  # this step's lookup continuation
     head_ran: bool = True
@@ -160,8 +161,8 @@ class LookupBranchDrafter(Drafter):
         return self.head.drafted_depth(seq, own) if own.num_drafts else 0
 
     def _head_pays(self, st: _Request, batch: int, k: int) -> bool:
-        if self._head_seconds is None or self.step_time is None:
-            return True
+        if self._head_seconds is None or self.step_time is None or st.missed:
+            return True  # (after a miss: measure what the head adds here, not on the prior)
         step = self.step_time(batch * (1 + self.max_nodes(k)))
         if not step or step <= 0:
             return True
@@ -274,6 +275,7 @@ class LookupBranchDrafter(Drafter):
         alone = 0
         while alone < min(len(emitted), len(chain)) and emitted[alone] == chain[alone]:
             alone += 1
+        st.missed = not head_ran and alone == 0
         st.alone += (_SMOOTHING if st.seen_alone else 1.0) * (alone + 1 - st.alone)
         st.seen_alone += 1
         self._prior.alone += _PRIOR_SMOOTHING * (alone + 1 - self._prior.alone)

@@ -290,3 +290,26 @@ def test_a_sampled_step_is_scored_against_the_tokens_it_emitted(fixed_lookup):
     drafter.on_verified([seq2], [prop], [[]])
     drafter.propose([seq2], [3])
     assert (st2.alone, st2.head_gain) == prior
+
+
+def test_a_lookup_miss_without_the_head_runs_the_head_next(fixed_lookup):
+    """A request that starts from code traffic's prior (lookup alone does as well) skips the
+    head on its first lookup step; once the lookup alone keeps nothing, the head runs on the
+    next, and what it adds there, not the prior, decides the steps after."""
+    head = _CountingHead()
+    drafter = LookupBranchDrafter(head, 4, 1, 2, step_time=lambda n: 0.010)
+    drafter._head_seconds = 0.002  # measured on earlier requests
+    drafter._prior.alone, drafter._prior.head_gain = 6.0, 0.0
+    seq = _seq([5, 6, 7, 8, 9, 5])
+    (prop,) = drafter.propose([seq], [3])
+    assert head.budgets[-1] == [0] and prop.tokens[1:] == [6, 7, 8, 9]  # the prior: skipped
+    drafter.on_verified([seq], [prop], [[]])
+    seq.output_token_ids.append(0)  # the lookup's first token rejected
+    (prop,) = drafter.propose([seq], [3])
+    assert head.budgets[-1] == [3]  # a miss: the head runs
+    drafter.on_verified([seq], [prop], [[1, 3]])  # and its drafts are kept
+    seq.output_token_ids.extend([1, 3, 0])
+    drafter.propose([seq], [3])
+    assert head.budgets[-1] == [3]
+    st = drafter._req[seq.seq_id]
+    assert (st.alone, st.head_gain) == (1.0, 2.0)  # its own observations, not the prior's
