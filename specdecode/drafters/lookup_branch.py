@@ -110,7 +110,10 @@ class LookupBranchDrafter(Drafter):
     (head's drafting time per request) / (target step time per request). Both times are
     measured (`step_time`: the engine's step-cost curve); until they are, the head always runs.
     While skipped, it still runs every few lookup steps, so a request whose copying stops
-    finds out."""
+    finds out, and at once after a step whose lookup alone kept nothing. A new request starts
+    from the average of earlier requests' estimates (so a request on copy-heavy traffic can
+    skip a draft model's first run, a prefill of its whole prompt); its first own observation
+    replaces that prior."""
 
     def __init__(
         self,
