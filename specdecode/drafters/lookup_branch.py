@@ -90,6 +90,7 @@ class _Request:
     seen_alone: int = 0
     seen_gain: int = 0
     missed: bool = False  # the last step verified without the head kept none of the lookup's
+    prior_total: float = 2.0  # tokens a lookup step emitted with the head, on earlier requests
     skipped: int = 0  # lookup steps in a row without the head
     chain: list[int] | None = None  # this step's lookup continuation
     head_ran: bool = True
@@ -169,7 +170,11 @@ class LookupBranchDrafter(Drafter):
         step = self.step_time(batch * (1 + self.max_nodes(k)))
         if not step or step <= 0:
             return True
-        if st.head_gain / max(st.alone, 1.0) > self._head_seconds / (step / batch):
+        gain = st.head_gain
+        if not st.seen_gain:  # no own measure yet: the drafter is taken to add what the lookup
+            # falls short here of the total earlier requests got (the prior's alone + gain)
+            gain = max(gain, st.prior_total - st.alone)
+        if gain / max(st.alone, 1.0) > self._head_seconds / (step / batch):
             return True
         return st.skipped % _EXPLORE_EVERY == _EXPLORE_EVERY - 1
 
@@ -188,6 +193,7 @@ class LookupBranchDrafter(Drafter):
                 if st is None:  # a new request starts from what earlier ones measured
                     prior = self._prior
                     st = self._req[seq.seq_id] = _Request(prior.alone, prior.head_gain)
+                    st.prior_total = prior.alone + prior.head_gain
                 st.chain, st.head_ran = chain, self._head_pays(st, len(seqs), k)
                 probing |= st.head_ran and st.skipped > 0
                 st.skipped = 0 if st.head_ran else st.skipped + 1
@@ -265,19 +271,24 @@ class LookupBranchDrafter(Drafter):
         own at the first mismatch), the step emitted its kept drafts plus one. Where the chain
         was grafted, the emitted tokens past its matches were the target's choice against it;
         where it was not (a sampled draft model's chain, verified with q) they are a draw from
-        the target's distribution all the same, so the count is an unbiased estimate of what
-        verifying the chain alone would have kept."""
+        the target's distribution all the same, so the count estimates what verifying the chain
+        alone would have kept, up to the step's length: where every emitted token matched the
+        chain, the chain alone would have gone on (censored), and the request's running
+        estimate stands in for the part not seen. A step cut short by a stop is not scored."""
         st = self._req.get(seq.seq_id)
         if st is None or st.pending is None:
             return
         chain, head_ran, start, kept = st.pending
         st.pending = None
         emitted = seq.output_token_ids[start : start + kept + 1]
-        if not emitted:
-            return  # the step's tokens were not appended (the request failed)
-        alone = 0
-        while alone < min(len(emitted), len(chain)) and emitted[alone] == chain[alone]:
-            alone += 1
+        if len(emitted) < kept + 1:
+            return  # not appended (the request failed) or cut short (a stop, max_tokens)
+        n = 0
+        while n < min(len(emitted), len(chain)) and emitted[n] == chain[n]:
+            n += 1
+        alone = float(n)
+        if n == len(emitted) < len(chain):  # censored: at least this many (sampled rows only)
+            alone = max(alone, min(float(len(chain)), st.alone - 1))
         st.missed = not head_ran and alone == 0
         st.alone += (_SMOOTHING if st.seen_alone else 1.0) * (alone + 1 - st.alone)
         st.seen_alone += 1

@@ -313,3 +313,46 @@ def test_a_lookup_miss_without_the_head_runs_the_head_next(fixed_lookup):
     assert head.budgets[-1] == [3]
     st = drafter._req[seq.seq_id]
     assert (st.alone, st.head_gain) == (1.0, 2.0)  # its own observations, not the prior's
+    # a request whose lookup keeps a token a step (no miss): the head is taken to add what the
+    # lookup falls short of earlier requests' total (6 tokens a step), and runs
+    seq2 = _seq([5, 6, 7, 8, 9, 5])
+    drafter._prior.alone, drafter._prior.head_gain = 6.0, 0.0
+    (prop,) = drafter.propose([seq2], [3])
+    assert head.budgets[-1] == [0]  # the prior: skipped
+    drafter.on_verified([seq2], [prop], [[1]])
+    seq2.output_token_ids.extend([6, 0])
+    drafter.propose([seq2], [3])
+    assert head.budgets[-1] == [3]
+    # the same request on code-like traffic (the lookup kept as much as before): skipped again
+    seq3 = _seq([5, 6, 7, 8, 9, 5])
+    drafter._prior.alone, drafter._prior.head_gain = 5.0, 0.0
+    (prop,) = drafter.propose([seq3], [3])
+    drafter.on_verified([seq3], [prop], [[1, 2, 3, 4]])
+    seq3.output_token_ids.extend([6, 7, 8, 9, 5])
+    drafter.propose([seq3], [3])
+    assert head.budgets[-2:] == [[0], [0]]
+
+
+def test_a_censored_or_cut_short_step(fixed_lookup):
+    """A sampled step whose every emitted token matched the lookup: the chain alone would have
+    gone on, so the running estimate stands in for what the step did not show; a step cut short
+    by a stop is not scored."""
+    head = _SamplingHead()
+    drafter = LookupBranchDrafter(head, 4, 1, 2, step_time=lambda n: 1.0)
+    seq = Sequence([5, 6, 7, 8, 9, 5], SamplingParams(temperature=1.0))
+    (prop,) = drafter.propose([seq], [3])
+    st = drafter._req[seq.seq_id]
+    st.alone, st.seen_alone = 4.0, 3  # the lookup alone has been emitting 4 tokens a step
+    drafter.on_verified([seq], [prop], [[]])  # the draft rejected, the target's token is 6
+    seq.output_token_ids.append(6)
+    drafter.propose([seq], [3])
+    assert st.alone == pytest.approx(4.0)  # seen: >= 1 kept; taken: 3 kept, 4 emitted
+    assert st.head_gain == pytest.approx(0 - 3)  # the draft model: 3 fewer (first own measure)
+    st.head_gain = 5.0  # (so that the draft model runs)
+    (prop,) = drafter.propose([seq], [3])
+    before = (st.alone, st.head_gain)
+    assert prop.draft_probs is not None
+    drafter.on_verified([seq], [prop], [[1, 3]])
+    seq.output_token_ids.extend([1])  # a stop after its first token
+    drafter.release(seq)
+    assert (st.alone, st.head_gain) == before
