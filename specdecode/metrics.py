@@ -12,6 +12,9 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [k] accepted at depth i+1
     drafted_per_position: list[int] = field(default_factory=list)  # [k] steps reaching depth i+1
+    # levels the drafter ran (what its drafting time is spent on, `Drafter.drafted_depth`): a
+    # dynamic tree runs deeper than it keeps, a lookup branch verified alone runs none
+    drafted_levels: int = 0
 
     def record(self, num_drafted: int, depth: int, num_accepted: int) -> None:
         """One verification: `num_drafted` nodes in a tree of `depth`, `num_accepted` kept."""
@@ -33,6 +36,7 @@ class SpecDecodeStats:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
+        self.drafted_levels += other.drafted_levels
         for mine, theirs in (
             (self.accepted_per_position, other.accepted_per_position),
             (self.drafted_per_position, other.drafted_per_position),

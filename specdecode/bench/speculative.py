@@ -206,6 +206,7 @@ def _diff_stats(engine, before):
         now.num_accepted_tokens - before.num_accepted_tokens,
         minus(now.accepted_per_position, before.accepted_per_position),
         minus(now.drafted_per_position, before.drafted_per_position),
+        now.drafted_levels - before.drafted_levels,
     )
 
 

@@ -250,6 +250,7 @@ class LLMEngine:
             0 if i in self._lite else self.drafter.drafted_depth(batch.seqs[i], proposals[i])
             for i in spec
         ]
+        self.spec_stats.drafted_levels += sum(depths)
         t4 = time.perf_counter()
         if self.runner.features:
             feats = [self.runner.features[i] for i in range(len(batch))]

@@ -102,7 +102,13 @@ def test_advise_skips_bad_lines_and_validates(roomy, tmp_path):
     assert option["method"] == "ngram" and 1 <= option["depth"] <= 3
     rows = advice["validation"]["rows"]
     assert {(row["method"], row["concurrency"]) for row in rows} >= {("off", 1), ("off", 2)}
-    assert all(row["measured_tok_s"] > 0 and row["predicted_tok_s"] > 0 for row in rows)
+    predicted = [row for row in rows if row["policy"] != "adaptive"]
+    assert all(row["measured_tok_s"] > 0 and row["predicted_tok_s"] > 0 for row in predicted)
+    # the drafter under the default adaptive policy, measured beside plain at each level
+    adaptive = [row for row in rows if row["policy"] == "adaptive"]
+    assert [(row["method"], row["concurrency"]) for row in adaptive] == [("ngram", 1), ("ngram", 2)]
+    assert all(row["vs_off"] > 0 and "predicted_tok_s" not in row for row in adaptive)
+    assert "ngram under the adaptive policy (the default) at concurrency 2" in r.stdout
 
 
 def test_advise_with_no_usable_line_fails_clearly(roomy, tmp_path):

@@ -269,12 +269,15 @@ def test_a_draft_model_tree_with_a_lookup_branch_the_draft_model_skipped(
     # the model's own loop as the prompt: lookup matches from the first decoding step on
     prompts = [p + plain.generate(p, greedy(40))[0].outputs[0].text for p in PROMPTS]
     first: dict[int, int] = {}  # the draft model's budget on each request's first step
+    ran = []  # the levels the draft model ran, all steps
     propose = drafter.head.propose
 
     def spy(seqs, budgets):
         for seq, k in zip(seqs, budgets, strict=True):
             first.setdefault(seq.seq_id, k)
-        return propose(seqs, budgets)
+        out = propose(seqs, budgets)
+        ran.extend(max(p.shape.depths) for p in out if p.num_drafts)
+        return out
 
     drafter.head.propose = spy
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(30))]
@@ -282,6 +285,9 @@ def test_a_draft_model_tree_with_a_lookup_branch_the_draft_model_skipped(
     assert 0 in first.values()  # skipped before its cache held anything for the request
     assert spec.generate(prompts[0], greedy(30))[0].outputs[0].token_ids == want[0]
     assert drafter.branch_stats.head_skipped > 0 and drafter.branch_stats.accepted > 0
+    # drafting time is priced on the levels the draft model ran: none on the skipped steps
+    stats = spec.engine.spec_stats
+    assert stats.drafted_levels == sum(ran) < sum(stats.drafted_per_position)
     assert spec.engine.num_tracked() == 0
 
 

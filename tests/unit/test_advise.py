@@ -100,6 +100,32 @@ def test_prediction_follows_the_cost_model():
     assert big_spec["throughput_tok_s"] / big["throughput_tok_s"] < small_gain
 
 
+def test_drafting_is_priced_on_the_levels_the_drafter_ran():
+    """The draft-cost model is fitted on levels run (`Drafter.drafted_depth`); a dynamic tree
+    runs deeper than it keeps and a lookup branch verified alone runs none, so the kept depths
+    would misprice both."""
+    step = StepCostModel()
+    for n in (1, 2, 4, 8, 16, 32):
+        step.calibrate(n, 0.010 + 0.001 * n)
+    draft = DraftCostModel()
+    for d in (1, 2, 4, 8):
+        draft.observe(d, 0.002 * d)
+    cost = CostModel(step, draft)
+    # a tree: 100 steps kept depth 1 (100) and 2 (40) but the head ran 5 levels on each
+    tree = _measured([50, 10], [100, 40], 100, tree=True)
+    assert tree.depth_per_step(2) == pytest.approx(1.4)  # not recorded: kept depths stand in
+    tree.drafted_levels = 500
+    assert tree.depth_per_step(2) == pytest.approx(5.0)
+    want_ms = 1000 * 0.002 * 2 * 5  # 2 requests x 5 levels at 2 ms a level
+    assert predict(cost, 2, 20, 50, tree, 2)["draft_ms"] == pytest.approx(want_ms, 1e-3)
+    # a chain of 4 whose lookup branch was verified alone on half the steps: 200 levels run
+    chain = _measured([80, 60, 40, 20], [100, 100, 100, 100], 100)
+    chain.drafted_levels = 200
+    assert chain.depth_per_step(4) == pytest.approx(2.0)
+    assert chain.depth_per_step(2) == pytest.approx(1.0)  # half the positions, half the levels
+    assert chain.depth_per_step(9) == pytest.approx(2.0)
+
+
 def _row(method, wl, temp, speedup, acc, tau):
     return dict(
         method=method, workload=wl, temperature=temp, speedup=speedup, acceptance_rate=acc, tau=tau
