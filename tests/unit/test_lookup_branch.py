@@ -3,8 +3,6 @@ only its own nodes, room limits, and the config's checks."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -104,14 +102,35 @@ def test_no_branch_without_a_budget_and_within_the_room():
     assert drafter.tracked_ids() == set()
 
 
+class _Clock:
+    """The drafter's clock in these tests: it moves only when a fake head says it drafted, so
+    the skip decisions do not depend on how loaded the machine is."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch):
+    c = _Clock()
+    monkeypatch.setattr("specdecode.drafters.lookup_branch.time", c)
+    _CountingHead.clock = c
+    return c
+
+
 class _CountingHead(_FixedHead):
+    clock: _Clock
+
     def __init__(self):
         super().__init__()
         self.budgets = []
 
     def propose(self, seqs, budgets):
         self.budgets.append(list(budgets))
-        time.sleep(0.002 * sum(1 for k in budgets if k))  # the head's time: 2 ms a request
+        self.clock.now += 0.002 * sum(1 for k in budgets if k)  # the head's time: 2 ms a request
         return super().propose(seqs, budgets)
 
 
