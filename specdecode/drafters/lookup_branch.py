@@ -24,7 +24,13 @@ The head hears about its own nodes only (the accepted path up to where it leaves
 tree); heads that read target features catch up from the features of whatever was committed. On
 a CPU target a verification of up to ~16 tokens costs about one decoding step, so the extra
 nodes are nearly free there; on a compute-bound batch the controller prices them like any other
-node.
+node, and the chain itself is cut where its next node no longer pays: node i (1-based) is
+verified while P(the chain's first i tokens are kept) x (a plain step's time per request) is
+above the time one more fed token adds to the step (the engine's step-cost curve), with the
+chain's acceptance by position measured per request against what the steps emitted (shrunk to
+the drafter-wide figures). Nodes the head already proposed cost nothing extra. On an AVX2 CPU
+one more token of verification costs a sixth to a quarter of a plain step, and a chat
+request's lookup rarely holds past its first few tokens.
 
 The same idea, choosing per step between a suffix tree and a head by a score, is Arctic
 Inference's hybrid of suffix decoding and its speculator (Snowflake, 2025); here both proposals
@@ -35,13 +41,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from specdecode.core import Sequence
 from specdecode.drafters.base import Drafter, DraftProposal
 from specdecode.drafters.ngram import context_ids, lookup
+from specdecode.engine.controller import AcceptanceCounts
 from specdecode.tree import TreeShape
 
 
@@ -97,11 +104,15 @@ class _Request:
     # a verified step not yet scored: (chain, head ran, output length before it, drafts kept);
     # scored against the tokens the step emitted once they are appended (next propose)
     pending: tuple[list[int], bool, int, int] | None = None
+    # the lookup chain's acceptance by position, scored as `alone` is (the full chain, also
+    # where a cut one was verified: the emitted tokens say whether its next ones would hold)
+    positions: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(decay=0.9))
 
 
 _SMOOTHING = 0.3
 _PRIOR_SMOOTHING = 0.1
 _EXPLORE_EVERY = 8  # while the head is skipped, run it every this many lookup steps anyway
+_POSITION_STRENGTH = 2.0  # a request's chain acceptance, shrunk to the drafter-wide one by this
 
 
 class LookupBranchDrafter(Drafter):
@@ -148,6 +159,7 @@ class LookupBranchDrafter(Drafter):
         # over every request's lookup steps: where a new request's estimates start (a draft
         # model's first run prefills the whole prompt, worth skipping where copying is the rule)
         self._prior = _Request()
+        self._prior.positions = AcceptanceCounts(decay=0.995)
 
     def max_nodes(self, k: int) -> int:
         return self.head.max_nodes(k) + self.num_tokens
@@ -218,13 +230,55 @@ class LookupBranchDrafter(Drafter):
             old = self._head_seconds
             self._head_seconds = per if old is None else old + _SMOOTHING * (per - old)
         out = []
+        costs = self._node_costs(len(seqs), max(budgets, default=0))
         for seq, chain, prop in zip(seqs, chains, props, strict=True):
             self._own[seq.seq_id] = prop
             if prop.num_drafts and self.samples_drafts and not seq.params.greedy:
                 out.append(prop)  # drafts sampled from q take no deterministic sibling
-            else:
-                out.append(graft(prop, chain))  # (a graft drops q: verified by the argmax)
+            else:  # (a graft drops q: verified by the argmax)
+                out.append(graft(prop, self._cut(seq, chain, prop, costs)))
         return out
+
+    def _node_costs(self, batch: int, k: int) -> tuple[float, float] | None:
+        """(a plain step's time per request, the time one more fed token adds to this step),
+        from the engine's step-cost curve; None until it has points."""
+        if self.step_time is None or batch == 0:
+            return None
+        plain = self.step_time(batch)
+        fed = max(1, round(batch * (1 + self.expected_nodes(k))))
+        lo, hi = self.step_time(fed), self.step_time(fed + 4)
+        if not plain or lo is None or hi is None:
+            return None
+        return plain / batch, max(0.0, (hi - lo) / 4)
+
+    def chain_rates(self, seq: Sequence, n: int) -> list[float]:
+        """P(the lookup chain's token i is kept | its first i-1 were), i = 1..n, for `seq`: its
+        own counts shrunk to the drafter-wide ones (which start at 1: nothing cut unmeasured)."""
+        st = self._req.get(seq.seq_id)
+        wide = self._prior.positions
+        out = []
+        for d in range(n):
+            prior = wide.rate(d, 1.0, 1.0)
+            out.append(st.positions.rate(d, prior, _POSITION_STRENGTH) if st else prior)
+        return out
+
+    def _cut(self, seq: Sequence, chain: list[int], prop: DraftProposal, costs) -> list[int]:
+        """The chain's prefix worth verifying: the length that maximises, over its nodes,
+        P(kept) x a plain step's time per request - the time the node adds to the step (none
+        for a node the head's tree already holds)."""
+        if not chain or costs is None:
+            return chain
+        value, extra = costs
+        kids = {n: {prop.tokens[c]: c for c in cs} for n, cs in enumerate(prop.shape.children)}
+        node, reach, total, best, best_len = 0, 1.0, 0.0, 0.0, 0
+        rates = self.chain_rates(seq, len(chain))
+        for i, (tok, rate) in enumerate(zip(chain, rates, strict=True)):
+            node = kids.get(node, {}).get(tok) if node is not None else None
+            reach *= rate
+            total += reach * value - (0.0 if node is not None else extra)
+            if total > best:
+                best, best_len = total, i + 1
+        return chain[:best_len]
 
     def shadow(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         """The lookup branch alone, at most `budgets[i]` deep, no state touched (the head does
@@ -286,6 +340,10 @@ class LookupBranchDrafter(Drafter):
         n = 0
         while n < min(len(emitted), len(chain)) and emitted[n] == chain[n]:
             n += 1
+        # by position: kept up to n, rejected at n where the step emitted past it
+        seen = len(chain) if n < len(emitted) else n
+        for counts in (st.positions, self._prior.positions):
+            counts.record(seen, n)
         alone = float(n)
         if n == len(emitted) < len(chain):  # censored: at least this many (sampled rows only)
             alone = max(alone, min(float(len(chain)), st.alone - 1))

@@ -375,3 +375,41 @@ def test_a_censored_or_cut_short_step(fixed_lookup):
     seq.output_token_ids.extend([1])  # a stop after its first token
     drafter.release(seq)
     assert (st.alone, st.head_gain) == before
+
+
+def test_the_chain_is_cut_where_its_next_node_no_longer_pays(monkeypatch):
+    """A step costs 10 ms + 2 ms a fed token, so a chain node pays while P(kept) > 2/12. The
+    target keeps the first 2 of the lookup's 6 tokens: the chain is cut to 2. Scored against
+    what the steps emitted, the cut chain still learns when its next token starts to hold,
+    and grows back; a chain the target keeps whole is never cut."""
+    chain = [6, 7, 8, 9, 10, 11]
+    monkeypatch.setattr(
+        "specdecode.drafters.lookup_branch.lookup", lambda ctx, lo, hi, k: chain[:k]
+    )
+
+    def step(n):
+        return 0.010 + 0.002 * n
+
+    def run(drafter, seq, steps, keep, bonus):
+        lengths = []
+        for _ in range(steps):
+            (prop,) = drafter.propose([seq], [3])
+            lengths.append(sum(1 for t in prop.tokens[1:] if t in chain))
+            path = [n for n, t in enumerate(prop.tokens) if n and t in chain[:keep]]
+            drafter.on_verified([seq], [prop], [path])
+            seq.output_token_ids.extend([prop.tokens[n] for n in path] + [bonus])
+        return lengths
+
+    drafter = LookupBranchDrafter(_FixedHead(), 6, 1, 2, step_time=step)
+    seq = _seq([5, 6, 5])
+    got = run(drafter, seq, 10, keep=2, bonus=5)  # the third token is never the target's
+    assert got[0] == 6 and got[-1] == 2, got  # nothing measured: the whole chain
+    got = run(drafter, seq, 10, keep=2, bonus=8)  # now the target's next token is the chain's
+    assert got[0] == 2 and got[-1] == 6, got
+    assert drafter.chain_rates(seq, 3)[2] > 0.5
+
+    drafter = LookupBranchDrafter(_FixedHead(), 6, 1, 2, step_time=step)
+    assert run(drafter, _seq([5, 6, 5]), 10, keep=6, bonus=5) == [6] * 10
+    # without a step-cost curve nothing is cut
+    drafter = LookupBranchDrafter(_FixedHead(), 6, 1, 2)
+    assert run(drafter, _seq([5, 6, 5]), 10, keep=2, bonus=5) == [6] * 10
