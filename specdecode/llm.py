@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from specdecode.config import EngineConfig
-from specdecode.core import CompletionOutput, RequestOutput, Sequence
+from specdecode.core import CompletionOutput, RequestOutput
 from specdecode.engine.engine import LLMEngine
 from specdecode.engine.output import OutputProcessor
 from specdecode.errors import InvalidRequestError
@@ -92,14 +92,17 @@ class LLM:
         """Yield text pieces of one completion as they are generated."""
         ids = self._chat_ids(prompt) if chat else self.encode(prompt)  # type: ignore[arg-type]
         seq = self.engine.add_request(ids, params or SamplingParams())
-        while not seq.finished:
-            self.engine.step()
+        try:
+            while not seq.finished:
+                self.engine.step()
+                delta = OutputProcessor.stream_delta(seq)
+                if delta:
+                    yield delta
             delta = OutputProcessor.stream_delta(seq)
             if delta:
                 yield delta
-        delta = OutputProcessor.stream_delta(seq)
-        if delta:
-            yield delta
+        finally:  # a consumer that stops early (or an error) leaves nothing running
+            self.engine.abort(seq)
 
     def _run(self, ids: list[list[int]], params, prompts: list) -> list[RequestOutput]:
         if params is None:
@@ -107,11 +110,19 @@ class LLM:
         plist = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(ids):
             raise InvalidRequestError("need one SamplingParams per prompt, or a single one")
-        seqs: list[Sequence] = []
-        for i, (p, sp) in enumerate(zip(ids, plist, strict=True)):
-            seqs.append(self.engine.add_request(p, sp, request_id=str(i)))
-        for _ in self.engine.run_to_completion():
-            pass
+        # every request checked before any is queued: a bad one leaves nothing behind
+        seqs = [
+            self.engine.make_sequence(p, sp, request_id=str(i))
+            for i, (p, sp) in enumerate(zip(ids, plist, strict=True))
+        ]
+        for seq in seqs:
+            self.engine.add_sequence(seq)
+        try:
+            for _ in self.engine.run_to_completion():
+                pass
+        finally:  # interrupted (Ctrl-C, an error): the rest must not run in the next call
+            for seq in seqs:
+                self.engine.abort(seq)
         return [
             RequestOutput(
                 request_id=s.request_id,

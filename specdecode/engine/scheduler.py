@@ -71,7 +71,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncommitted, budget)
-            if not self.manager.allocate(seq.blocks, seq.blocks.length + n):
+            # a one-token prompt decodes (and may draft) on its first step: room for the tree
+            extra = num_lookahead if n == seq.num_uncommitted == 1 else 0
+            if not self.manager.allocate(seq.blocks, seq.blocks.length + n + extra):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

@@ -27,6 +27,13 @@ class _Request(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's sampling fields that change the output and are not implemented: refused, not
+    # dropped (their neutral values pass)
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    use_beam_search: bool = False
+    best_of: int | None = None
     # vLLM's extra sampling fields
     top_k: int | None = Field(default=None, ge=-1)
     ignore_eos: bool = False
@@ -53,6 +60,13 @@ class _Request(BaseModel):
                 raise InvalidRequestError(f"{name} is not supported (only 0)", param=name)
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+        neutral = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "best_of": 1}
+        for name, value in neutral.items():
+            got = getattr(self, name)
+            if got is not None and got != value:
+                raise InvalidRequestError(f"{name} is not supported (only {value})", param=name)
+        if self.use_beam_search:
+            raise InvalidRequestError("use_beam_search is not supported", param="use_beam_search")
 
     # structured output: OpenAI's response_format, vLLM's guided_* fields and structured_outputs
     response_format: dict[str, Any] | None = None

@@ -102,6 +102,22 @@ def test_stream_concatenates_to_the_text(llm):
     assert "".join(pieces) == llm.generate(PROMPTS[0], params)[0].outputs[0].text
 
 
+def test_an_abandoned_stream_or_a_bad_prompt_leaves_nothing_behind(llm):
+    """A consumer that stops reading a stream, or a batch with one bad prompt, must not leave
+    requests queued or holding KV blocks for the next call to run."""
+    free = llm.engine.manager.num_free_blocks
+    stream = llm.stream(PROMPTS[0], SamplingParams(max_tokens=None, ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert not llm.engine.has_unfinished() and llm.engine.manager.num_free_blocks == free
+    with pytest.raises(InvalidRequestError, match="context"):
+        llm.generate([PROMPTS[0], "x" * 256], greedy(5))
+    assert not llm.engine.has_unfinished() and llm.engine.num_tracked() == 0
+    before = llm.engine.num_generated_tokens
+    llm.generate(PROMPTS[1], greedy(5))
+    assert llm.engine.num_generated_tokens - before == 5  # only this request ran
+
+
 def test_chat_template_is_applied(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], greedy(5))[0]
     assert out.prompt_token_ids == llm.encode("<user>hi<assistant>")

@@ -484,3 +484,16 @@ def test_bench_measures_decode_time_inside_the_request(tiny_llama_dir):
     (drafting, lite) = drafting
     assert branch is None and 0 <= drafting <= 1 and lite == 0  # n-gram has no lite mode
     assert drafting > 0 or stats.num_drafts == 0  # what adaptive chose, reported
+
+
+def test_a_one_token_prompt_gets_room_for_a_tree_larger_than_a_block(plain, tiny_llama_dir):
+    """A one-token prompt decodes, and drafts, on its first step: it is admitted with room for
+    its draft tree, here 6 drafts + the root in blocks of 4 tokens."""
+    cfg = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 6}
+    spec = LLM(str(tiny_llama_dir), block_size=4, speculative_config=cfg,
+               speculative_policy="static")  # fmt: skip
+    prompts = [[65], [66, 67], [68]]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(20))]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy(20))] == want
+    assert spec.generate([[65]], greedy(20))[0].outputs[0].token_ids == want[0]
+    assert spec.engine.spec_stats.num_accepted_tokens > 0

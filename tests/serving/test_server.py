@@ -19,6 +19,7 @@ import uvicorn
 from specdecode import LLM, SamplingParams
 from specdecode.config import EngineConfig
 from specdecode.engine.engine import LLMEngine
+from specdecode.errors import InvalidRequestError
 from specdecode.serving.async_engine import AsyncLLMEngine
 from specdecode.serving.server import ServerConfig, build_app
 
@@ -220,7 +221,21 @@ BAD = [
     (body(model="gpt-9"), 404),
     (body(messages=[{"role": "user", "content": "x" * 30_000}]), 413),
     (body(presence_penalty=1), 400),
+    (body(repetition_penalty=1.3), 400),  # vLLM's fields that would change the output
+    (body(min_p=0.1), 400),
 ]
+
+
+def test_unsupported_sampling_fields_are_refused_unless_neutral():
+    from specdecode.serving.protocol import CompletionRequest
+
+    neutral = CompletionRequest(
+        prompt="x", repetition_penalty=1.0, min_p=0.0, min_tokens=0, best_of=1
+    )
+    assert neutral.sampling_params(4, None).max_tokens == 4
+    for field, value in (("min_tokens", 3), ("best_of", 2), ("use_beam_search", True)):
+        with pytest.raises(InvalidRequestError, match=field):
+            CompletionRequest(prompt="x", **{field: value}).sampling_params(4, None)
 
 
 @pytest.mark.parametrize("payload,status", BAD)
