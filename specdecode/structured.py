@@ -192,6 +192,8 @@ def prune(tokens: list[int], children: list[list[int]], matcher):
     keep = [0]
 
     def visit(node: int) -> None:
+        if matcher.is_terminated():  # the node is a stop token: nothing follows it
+            return
         for c in children[node]:
             if matcher.accept_token(tokens[c]):
                 keep.append(c)

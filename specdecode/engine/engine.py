@@ -263,9 +263,11 @@ class LLMEngine:
                 continue
             before = len(seq.output_token_ids)
             if seq.error is None:
+                if seq.matcher is not None:
+                    tokens = self._accept_grammar(seq, tokens)
                 self.output.append(seq, tokens, self.runner.logprobs.get(i))
             if seq.matcher is not None and seq.error is None:
-                self._advance_grammar(seq, before)
+                self._advance_grammar(seq)
             if seq.error is not None and seq.finish_reason is None:
                 seq.finish_reason = "error"
             self.num_generated_tokens += len(seq.output_token_ids) - before
@@ -425,17 +427,26 @@ class LLMEngine:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         return max(0, min(k, room))
 
-    def _advance_grammar(self, seq: Sequence, before: int) -> None:
-        """Feed the step's tokens to the request's grammar, then append the tokens it forces."""
+    @staticmethod
+    def _accept_grammar(seq: Sequence, tokens: list[int]) -> list[int]:
+        """Feed the step's tokens to the request's grammar; the ones it takes. A step that
+        accepted the grammar's stop token (a draft node) keeps nothing after it: plain
+        decoding would have ended there, and the bonus token drawn past it is unconstrained
+        (only visible with ignore_eos, where the stop token does not end the request)."""
+        m = seq.matcher
+        for j, tok in enumerate(tokens):
+            if m.is_terminated():
+                return tokens[:j]
+            if not m.accept_token(tok):  # p and q were masked: this cannot happen
+                raise RuntimeError(f"the grammar refused token {tok} it had allowed")
+        return tokens
+
+    def _advance_grammar(self, seq: Sequence) -> None:
+        """Append the tokens the request's grammar forces after the step's (jump-ahead)."""
         from specdecode.structured import single_allowed
 
         m = seq.matcher
         seq.next_bitmask = None
-        for tok in seq.output_token_ids[before:]:
-            if m.is_terminated():  # only past a stop token with ignore_eos: nothing to check
-                break
-            if not m.accept_token(tok):  # p and q were masked: this cannot happen
-                raise RuntimeError(f"the grammar refused token {tok} it had allowed")
         compiler = self.grammar_compiler()
         for _ in range(256):  # jump-ahead, bounded per step
             if seq.finish_reason is not None or m.is_terminated():

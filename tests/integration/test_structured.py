@@ -133,3 +133,29 @@ def test_constrained_sampled_distribution_unchanged(sharp_llama_dir, tmp_path):
         assert pval > 1e-3, (pos, pval)
     stats = spec.engine.spec_stats
     assert stats.num_accepted_tokens > 500 and stats.acceptance_rate < 0.95
+
+
+def test_speculation_stops_at_the_grammar_stop_token_under_ignore_eos(tmp_path):
+    """A step that accepts the grammar's stop token as a draft keeps nothing after it: with
+    ignore_eos the stop token does not end the request, and the bonus token drawn past it is
+    not constrained (it was appended, then the request ended, off the grammar)."""
+    from conftest import _write_byte_tokenizer, make_tiny_hf
+
+    make_tiny_hf("llama", tmp_path, seed=1, logit_scale=3.0)
+    _write_byte_tokenizer(tmp_path)
+    plain = LLM(str(tmp_path))
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    spec = LLM(str(tmp_path), speculative_config=cfg, speculative_policy="static")
+    a, b, eos = ord("a"), ord("b"), 2  # the prompt has eos after a and b: lookup drafts it
+    prompt = {"prompt_token_ids": [a, eos, b, eos, a, eos, b, eos, ord("x"), a]}
+    ps = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True,
+                       structured_output={"regex": "[ab]+"})
+        for s in range(24)
+    ]  # fmt: skip
+    want = [o.outputs[0] for o in plain.generate([prompt] * len(ps), ps)]
+    got = [o.outputs[0] for o in spec.generate([prompt] * len(ps), ps)]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert all(re.fullmatch("[ab]+", g.text) for g in got)
+    assert sum(g.token_ids[-1] == eos for g in got) >= 3  # the stop token was reached
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
