@@ -86,6 +86,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     spec: dict | None = None  # SpecDecodeStats.as_dict() when speculation ran
+    # with SamplingParams.logprobs: per token (logprob, [(token id, logprob)] top-n), raw
+    logprobs: list | None = None
 
 
 @dataclass

@@ -135,6 +135,7 @@ class LLM:
                         list(s.output_token_ids),
                         s.finish_reason,
                         s.spec.as_dict() if s.spec.num_drafts else None,
+                        list(s.output_logprobs) if s.params.logprobs is not None else None,
                     )
                 ],
                 finished=True,

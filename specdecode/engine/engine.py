@@ -455,7 +455,11 @@ class LLMEngine:
             if forced is None:
                 seq.next_bitmask = bitmask  # the next step's mask: no second fill
                 break
-            self.output.append(seq, [forced])
+            # no model choice: probability 1 under the grammar (and no forward at its position
+            # yet to give a raw figure); an entry all the same, so logprobs stay aligned
+            n = seq.params.logprobs
+            entry = None if n is None else [(0.0, [(forced, 0.0)] if n else [])]
+            self.output.append(seq, [forced], entry)
             if not m.accept_token(forced):
                 raise RuntimeError(f"the grammar refused token {forced} it forced")
             seq.num_forced_tokens += 1

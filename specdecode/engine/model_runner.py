@@ -116,6 +116,11 @@ class ModelRunner:
         rows = [offsets[i + 1] - 1 for i in plain]
         rows += [r for i in spec for r in range(offsets[i], offsets[i + 1])]
         logits = self.model.compute_logits(hidden[rows]) if rows else None
+        raw = logits  # logprobs are reported from the raw distributions, before any grammar
+        if logits is not None and any(
+            s.matcher is not None and s.params.logprobs is not None for s in batch.seqs
+        ):
+            raw = logits.clone()
         node_masks = self._constrain(batch, plain, spec, proposals, num_new, logits)
         self.logprobs = {}
         argmax = None
@@ -128,12 +133,14 @@ class ModelRunner:
             else:
                 result[i] = [self._sample(seq, logits[j : j + 1])]
             if batch.seqs[i].params.logprobs is not None:
-                self.logprobs[i] = _logprobs(logits[j : j + 1], result[i], batch.seqs[i])
+                self.logprobs[i] = _logprobs(raw[j : j + 1], result[i], batch.seqs[i])
         for seq, n, prop in zip(batch.seqs, num_new, proposals, strict=True):
             if prop is None:
                 seq.blocks.length += n
         if spec:
-            spec_logits = logits[len(plain) :].split([num_new[i] for i in spec])
+            sizes = [num_new[i] for i in spec]
+            spec_logits = logits[len(plain) :].split(sizes)
+            spec_raw = raw[len(plain) :].split(sizes)
             verified = self._verify(
                 [batch.seqs[i] for i in spec],
                 [proposals[i] for i in spec],
@@ -145,7 +152,7 @@ class ModelRunner:
                 result[i] = verified.tokens[j]
                 self.accepted_nodes[i] = verified.accepted[j]
                 if batch.seqs[i].params.logprobs is not None:  # rows that emitted the tokens
-                    rows = spec_logits[j][[0, *verified.accepted[j]]]
+                    rows = spec_raw[j][[0, *verified.accepted[j]]]
                     self.logprobs[i] = _logprobs(rows, result[i], batch.seqs[i])
         return result
 

@@ -159,3 +159,24 @@ def test_speculation_stops_at_the_grammar_stop_token_under_ignore_eos(tmp_path):
     assert all(re.fullmatch("[ab]+", g.text) for g in got)
     assert sum(g.token_ids[-1] == eos for g in got) >= 3  # the stop token was reached
     assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("spec_cfg", [None, SPEC[0]], ids=["plain", "ngram"])
+def test_logprobs_stay_aligned_and_raw_under_a_grammar(plain, tiny_llama_dir, spec_cfg):
+    """Forced tokens get an entry (logprob 0: no choice under the grammar), so logprobs stay
+    one per token; sampled tokens report the model's raw distribution, not the masked one."""
+    llm = plain
+    if spec_cfg is not None:
+        llm = LLM(str(tiny_llama_dir), speculative_config=spec_cfg, speculative_policy="static")
+    so = {"regex": r"ab[0-9]cdef[0-9]{1,3}"}
+    sp = SamplingParams(temperature=0, max_tokens=20, structured_output=so, logprobs=3)
+    out = llm.generate(PROMPTS[0], sp)[0].outputs[0]
+    free = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=1, logprobs=3))
+    assert re.fullmatch(so["regex"], out.text)
+    entries = out.logprobs
+    assert len(entries) == len(out.token_ids)
+    # "a" was the only token allowed first: masked, its logprob would be 0; raw it is not, and
+    # the top-3 is the unconstrained model's at the same position
+    assert entries[0][0] < 0 and entries[0][1] == free[0].outputs[0].logprobs[0][1]
+    forced = [e for t, e in zip(out.token_ids, entries, strict=True) if e == (0.0, [(t, 0.0)])]
+    assert len(forced) >= 4  # "cdef" after the digit, at least
