@@ -25,6 +25,13 @@ from specdecode.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
+class EngineStoppedError(RuntimeError):
+    """A request arrived after the engine loop stopped (the server answers 503)."""
+
+
+_MAX_FAILED_STEPS = 3  # steps in a row that fail before running any request: give up on them
+
+
 @dataclass
 class StreamUpdate:
     text: str  # new text since the last update (stop strings held back until decided)
@@ -87,6 +94,8 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._streams: dict[int, _Stream] = {}
         self._stop = False
+        self._closed = False  # set with the lock once nobody reads the inbox any more
+        self._failed_steps = 0  # steps in a row that failed before running any request
         self._running = False
         self._thread: threading.Thread | None = None
         self.num_failed_requests = 0
@@ -133,7 +142,7 @@ class AsyncLLMEngine:
         """Queue a request (raises `InvalidRequestError` at once if it is malformed); read its
         output with `handle.updates()` inside a running event loop."""
         if self._stop:
-            raise RuntimeError("the engine is not running")
+            raise EngineStoppedError("the engine is not running")
         seq = self.engine.make_sequence(prompt_token_ids, params, request_id)
         stream = _Stream(seq, asyncio.get_running_loop())
         self._post("add", seq, stream)
@@ -149,8 +158,17 @@ class AsyncLLMEngine:
 
     def _post(self, action: str, seq: Sequence, stream: _Stream | None) -> None:
         with self._lock:
-            self._inbox.append((action, seq, stream))
+            closed = self._closed
+            if not closed:
+                self._inbox.append((action, seq, stream))
+        if closed:  # the engine stopped after `add` checked: its stream must still end
+            if action == "add" and stream is not None:
+                stream.put(StreamUpdate("", [], error=self._stopped_message()))
+            return
         self._wake.set()
+
+    def _stopped_message(self) -> str:
+        return f"the engine stopped: {self.step_error or 'shutdown'}"
 
     # ---- the engine thread ---------------------------------------------------------------------
 
@@ -171,8 +189,18 @@ class AsyncLLMEngine:
                     for seq in batch:  # finished inside the failed step: tell their clients
                         if seq.finished:
                             self._emit(seq)
+                    # a failure before any request ran (scheduling, calibration) names no
+                    # suspect: after a few in a row, fail what is open rather than spin
+                    self._failed_steps = 0 if batch else self._failed_steps + 1
+                    if self._failed_steps >= _MAX_FAILED_STEPS:
+                        self._failed_steps = 0
+                        for seq in list(self.engine.scheduler.running) + list(
+                            self.engine.scheduler.waiting
+                        ):
+                            self._fail(seq, f"internal error: {self.step_error}")
                     self._isolate(batch)
                     continue
+                self._failed_steps = 0
                 for seq in updated:
                     self._emit(seq)
         except BaseException as e:
@@ -181,12 +209,13 @@ class AsyncLLMEngine:
             raise
         finally:
             self._stop = True
-            self._fail_all(f"the engine stopped: {self.step_error or 'shutdown'}")
+            self._fail_all(self._stopped_message())
 
     def _fail_all(self, message: str) -> None:
         """Nobody is left to serve the open requests: end every stream with an error."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
+            self._closed = True
         for action, _, stream in inbox:
             if action == "add" and stream is not None:
                 stream.put(StreamUpdate("", [], error=message))

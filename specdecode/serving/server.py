@@ -26,7 +26,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode.errors import InvalidRequestError, SpecDecodeError
 from specdecode.sampling import SamplingParams
-from specdecode.serving.async_engine import AsyncLLMEngine, RequestHandle, StreamUpdate
+from specdecode.serving.async_engine import (
+    AsyncLLMEngine,
+    EngineStoppedError,
+    RequestHandle,
+    StreamUpdate,
+)
 from specdecode.serving.metrics import ServerMetrics
 from specdecode.serving.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -51,6 +56,22 @@ class APIError(Exception):
 def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
+
+
+class _ApiKey:
+    """`Authorization: Bearer KEY` required on /v1/ routes (/health and /metrics stay open)."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(got, self.want):
+                response = _error(401, "invalid or missing API key", "authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -81,13 +102,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         log.exception("unhandled error")
         return _error(500, f"internal error: {type(e).__name__}", "internal_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1/"):
-            got = request.headers.get("authorization", "")
-            if not secrets.compare_digest(got.encode(), f"Bearer {config.api_key}".encode()):
-                return _error(401, "invalid or missing API key", "authentication_error")
-        return await call_next(request)
+    if config.api_key:
+        # a plain ASGI middleware: Starlette's BaseHTTPMiddleware (@app.middleware) would hide
+        # a client's disconnect from the route, and an abandoned request would run to its end
+        app.add_middleware(_ApiKey, key=config.api_key)
 
     async def read_json(request: Request, model_cls):
         declared = request.headers.get("content-length")
@@ -227,6 +245,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             for h in handles:
                 h.abort()
             raise bad_request(str(e), e.param) from e
+        except EngineStoppedError as e:
+            for h in handles:
+                h.abort()
+            raise APIError(503, str(e), "internal_error") from e
         meta = (request_id, created, chat, prompt_tokens)
         if req.stream:
             body = sse(handles, req.include_usage, meta)
@@ -256,8 +278,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         try:
             while not all(t.done() for t in tasks):
                 done, _ = await asyncio.wait(tasks, timeout=0.25, return_when="FIRST_EXCEPTION")
-                if any(t.exception() is not None for t in done):
-                    break  # one choice failed: the response is that error
+                failed = next((t for t in done if t.exception() is not None), None)
+                if failed is not None:  # one choice failed: the response is that error
+                    raise failed.exception()
                 if await request.is_disconnected():
                     return Response(status_code=499)  # aborted below, memory freed
             results = [t.result() for t in tasks]

@@ -302,6 +302,40 @@ def test_client_disconnect_mid_stream_frees_the_request(served, engine, monkeypa
     assert 0 < core.num_generated_tokens - before < 200  # it was cut short
 
 
+@pytest.mark.parametrize("api_key", [None, KEY], ids=["open", "keyed"])
+def test_client_disconnect_before_a_full_response_frees_the_request(engine, monkeypatch, api_key):
+    """A non-streaming request whose client leaves is aborted too (with or without the API key
+    check in front of the route, which must not hide the disconnect)."""
+    s = Served(engine, api_key=api_key)
+    try:
+        assert idle(engine)
+        core = engine.engine
+        step = core.step
+
+        def slow_step():
+            time.sleep(0.02)
+            return step()
+
+        monkeypatch.setattr(core, "step", slow_step)
+        before = core.num_generated_tokens
+        body = json.dumps({"messages": chat_messages("abc"), "max_tokens": 200,
+                           "temperature": 0, "ignore_eos": True})  # fmt: skip
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
+        deadline = time.time() + 10
+        while core.num_generated_tokens == before and time.time() < deadline:
+            time.sleep(0.01)  # until it is generating
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        assert idle(engine), "the abandoned request must be aborted and its memory freed"
+        assert 0 < core.num_generated_tokens - before < 200  # it was cut short
+    finally:
+        s.stop()
+
+
 def test_an_exception_in_one_request_fails_only_that_request(served, engine, client, plain):
     core = engine.engine
     real = core.output.append
@@ -338,6 +372,84 @@ def test_an_exception_in_one_request_fails_only_that_request(served, engine, cli
         assert r.choices[0].message.content == expected(plain, q, 15)
     assert engine.num_failed_requests >= 1
     assert idle(engine)
+
+
+def test_one_failing_choice_of_several_answers_with_its_own_error(served, engine):
+    """n=2 with the second choice failing while the first still runs: the response is the
+    failed choice's error, not a 500 about reading an unfinished choice."""
+    core = engine.engine
+    real = core.output.append
+
+    def faulty(seq, tokens, logprobs=None):
+        if seq.request_id.endswith("-1"):
+            raise RuntimeError("injected fault")
+        return real(seq, tokens, logprobs)
+
+    core.output.append = faulty
+    try:
+        got, data = raw(served.port, "POST", "/v1/completions", json.dumps(
+            {"prompt": "hello", "n": 2, "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+        ).encode())  # fmt: skip
+    finally:
+        core.output.append = real
+    err = json.loads(data)["error"]
+    assert got == 500 and "injected fault" in err["message"], data
+    assert idle(engine)
+
+
+def test_steps_that_fail_before_running_anything_fail_the_open_requests(served, engine, client):
+    """A step that raises before any request ran (scheduling, calibration) names no suspect:
+    after a few in a row the open requests get the error instead of waiting forever."""
+    core = engine.engine
+    real = core.step
+
+    def broken():
+        core.last_batch = []
+        raise RuntimeError("cannot schedule")
+
+    core.step = broken
+    try:
+        got, data = raw(served.port, "POST", "/v1/completions",
+                        json.dumps({"prompt": "hello", "max_tokens": 5}).encode())  # fmt: skip
+    finally:
+        core.step = real
+    assert got == 500 and "cannot schedule" in json.loads(data)["error"]["message"], data
+    assert idle(engine)
+    ok = client.chat.completions.create(model=MODEL, messages=chat_messages("hi"), max_tokens=3)
+    assert ok.choices[0].message.content is not None  # and the server goes on
+
+
+def test_a_request_after_the_engine_stopped_is_told_so(tiny_llama_dir):
+    from specdecode.serving.async_engine import EngineStoppedError
+
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=str(tiny_llama_dir))))
+    engine.start()
+    try:
+
+        async def late():
+            # the loop stopped after `add` checked (simulated): the stream still ends, with why
+            engine.shutdown()
+            engine._stop = False
+            handle = engine.add([65, 66], SamplingParams(max_tokens=3))
+
+            async def read():
+                return [u async for u in handle.updates()]
+
+            return await asyncio.wait_for(read(), timeout=10)
+
+        (update,) = asyncio.run(late())
+        assert update.error and "stopped" in update.error
+        engine._stop = True
+        with pytest.raises(EngineStoppedError):
+            asyncio.run(asyncio.to_thread(engine.add, [65], SamplingParams(max_tokens=3)))
+    finally:
+        engine.shutdown()
+    s = Served(engine, api_key=None)
+    try:
+        got, data = raw(s.port, "POST", "/v1/completions", json.dumps({"prompt": "hi"}).encode())
+        assert got == 503, data
+    finally:
+        s.stop()
 
 
 def test_load_hundreds_of_concurrent_streams(served, engine, plain):
