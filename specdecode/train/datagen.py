@@ -7,8 +7,11 @@ answers it; the shard stores the token ids of prompt + answer and a loss mask th
 answer's tokens only.
 
 Shards (`shard-00000.safetensors`, ...) hold a fixed range of conversations, are written
-atomically and skipped when present, so an interrupted run resumes where it stopped. Under
-`torchrun` each rank takes the shards with index % WORLD_SIZE == RANK.
+atomically and skipped when present, so an interrupted run resumes where it stopped. Each shard
+records the conversation ids of its range (`slice_ids`, the ones whose prompts were too long
+included): a run over more conversations regenerates a last shard that was only partly filled,
+and a different `--shard-size` over the same directory is refused (its ranges would not match).
+Under `torchrun` each rank takes the shards with index % WORLD_SIZE == RANK.
 """
 
 from __future__ import annotations
@@ -114,6 +117,43 @@ def iter_examples(data_dir: Path, features: bool = True) -> Iterator[Example]:
         yield from read_shard(path, features)
 
 
+def _recorded_slice(path: Path) -> tuple[list[str] | None, list[str]]:
+    """(the conversation ids of the shard's range, None for shards written before they were
+    recorded; the ids it holds)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    held = json.loads(meta["conversation_ids"])
+    return (json.loads(meta["slice_ids"]) if "slice_ids" in meta else None), held
+
+
+def _shard_done(path: Path, want: list[str]) -> bool:
+    """Whether the shard at `path` holds the range `want`; False (to regenerate) for a range it
+    holds only the start of (a run extended past a partly filled last shard); an error for a
+    range that does not match (another shard size or conversation list in the same place)."""
+    from specdecode.errors import InvalidRequestError
+
+    if not path.exists():
+        return False
+    recorded, held = _recorded_slice(path)
+    if recorded is None:  # an older shard: the ids it holds must come from this range
+        if set(held) <= set(want):
+            return True
+        recorded = held
+    if recorded == want:
+        return True
+    if recorded == want[: len(recorded)]:
+        log.info("%s holds %d of its %d conversations: regenerating it", path.name,
+                 len(recorded), len(want))  # fmt: skip
+        return False
+    raise InvalidRequestError(
+        f"{path} holds other conversations than this run puts there (first {recorded[:1]}, "
+        f"expected {want[:1]}): a different --shard-size or conversation list? Use the same "
+        "flags as the run that wrote it, or another --out"
+    )
+
+
 def _seed(conversation_id: str) -> int:
     """A per-conversation seed that is the same in every process (unlike `hash`)."""
     return int(hashlib.sha256(conversation_id.encode()).hexdigest()[:8], 16)
@@ -175,7 +215,11 @@ def generate(
     rank, world = rank_and_world()
     num_shards = -(-len(conversations) // shard_size)
     mine = [i for i in range(num_shards) if i % world == rank]
-    todo = [i for i in mine if not shard_path(out, i).exists()]
+
+    def ids_of(i: int) -> list[str]:
+        return [cid for cid, _ in conversations[i * shard_size : (i + 1) * shard_size]]
+
+    todo = [i for i in mine if not _shard_done(shard_path(out, i), ids_of(i))]
     if len(todo) < len(mine):
         log.info("resuming: %d of %d shards already written", len(mine) - len(todo), len(mine))
     engine = llm.engine
@@ -195,7 +239,10 @@ def generate(
     for i in todo:
         waiting[i] = []
         for cid, messages in conversations[i * shard_size : (i + 1) * shard_size]:
-            p = llm._chat_ids([messages[0]])
+            first = next((m for m in messages if m["role"] == "user"), None)
+            if first is None:  # (a chat of only a system turn)
+                continue
+            p = llm._chat_ids([first])
             if len(p) > max_prompt_tokens:
                 continue
             params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=_seed(cid))
@@ -215,7 +262,8 @@ def generate(
                     if recorder is not None:
                         f = recorder.pop(seq.seq_id)
                         feats.append(f[: len(p) + len(answer) - 1])
-                write_shard(shard_path(out, i), examples, meta, feats if recorder else None)
+                shard_meta = {**meta, "slice_ids": json.dumps(ids_of(i))}
+                write_shard(shard_path(out, i), examples, shard_meta, feats if recorder else None)
                 written.append(shard_path(out, i))
                 bar.update(1)
                 bar.set_postfix(answer_tokens=tokens)

@@ -52,6 +52,25 @@ def test_resume_after_interruption(llm, tmp_path):
     assert read_shard(shard_path(tmp_path, 1)) == lost
 
 
+def test_a_longer_run_over_the_same_directory_fills_the_partial_last_shard(llm, tmp_path):
+    """Extending a run (5 -> 6 conversations, shards of 2) regenerates the last shard the first
+    run left partly filled; a different shard size over the same directory is refused; a chat
+    that opens with a system turn is asked its first user turn."""
+    from specdecode.errors import InvalidRequestError
+
+    generate(llm, CONVS[:5], tmp_path, shard_size=2, max_tokens=4)
+    assert [e.conversation_id for e in iter_examples(tmp_path)] == ["c0", "c1", "c2", "c3", "c4"]
+    written = generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=4)
+    assert written == [shard_path(tmp_path, 2)]
+    assert [e.conversation_id for e in iter_examples(tmp_path)] == [c for c, _ in CONVS]
+    with pytest.raises(InvalidRequestError, match="shard-size"):
+        generate(llm, CONVS, tmp_path, shard_size=3, max_tokens=4)
+    system = [("s0", [{"role": "system", "content": "a banner"}, *CONVS[0][1]])]
+    (ex,) = read_shard(generate(llm, system, tmp_path / "sys", max_tokens=4)[0])
+    prompt = llm._chat_ids(CONVS[0][1])
+    assert ex.input_ids[: len(prompt)] == prompt
+
+
 def test_a_second_data_set_skips_the_conversations_of_the_first(llm, tmp_path):
     from specdecode.cli import main
 
