@@ -13,6 +13,16 @@ from specdecode.data import SOURCES
 from specdecode.errors import InvalidRequestError, SpecDecodeError
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -272,17 +282,17 @@ def build_parser() -> argparse.ArgumentParser:
         th.add_argument(
             "--draft-vocab", type=int, default=16384, help="draft vocabulary size (0 = full)"
         )
-        th.add_argument("--steps", type=int, default=1000)
-        th.add_argument("--batch-tokens", type=int, default=4096)
-        th.add_argument("--max-len", type=int, default=768)
+        th.add_argument("--steps", type=_at_least_one, default=1000)
+        th.add_argument("--batch-tokens", type=_at_least_one, default=4096)
+        th.add_argument("--max-len", type=_at_least_one, default=768)
         th.add_argument("--lr", type=float, default=1e-3)
-        th.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
+        th.add_argument("--warmup", type=_at_least_one, default=20, help="linear warm-up steps")
         th.add_argument(
             "--init",
             default=None,
             help="continue training this head (on any data; its draft vocabulary is kept)",
         )
-        th.add_argument("--eval-examples", type=int, default=64)
+        th.add_argument("--eval-examples", type=_at_least_one, default=64)
         th.add_argument(
             "--max-minutes",
             type=float,
@@ -305,9 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
             "multiplies bf16 natively (AVX512-BF16 or AMX), else fp32",
         )
         if kind == "medusa":
-            th.add_argument("--num-heads", type=int, default=4)
+            th.add_argument("--num-heads", type=_at_least_one, default=4)
         elif kind == "eagle3":
-            th.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled")
+            th.add_argument(
+                "--ttt-steps", type=_at_least_one, default=4, help="draft steps unrolled"
+            )
             th.add_argument(
                 "--ttt-ramp",
                 type=float,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -29,8 +30,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(device: str) -> torch.device:
+    """`auto`: CUDA if present, else CPU. A bare `cuda` under torchrun (LOCAL_RANK set) is the
+    rank's own GPU, as `torchrun --nproc-per-node N` expects, not every rank on GPU 0."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
     return torch.device(device)
 
 

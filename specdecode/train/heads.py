@@ -273,7 +273,7 @@ class _Trainer:
             history = {"before": self._evaluate(evaluate)}
         t0 = last_save = time.perf_counter()
         bar = tqdm(range(cfg.steps), desc=f"training {kind}", unit="step")
-        done, stopped = 0, None
+        done, stopped, skipped = 0, None, 0
         try:
             for step in bar:
                 progress = step / cfg.steps
@@ -293,6 +293,10 @@ class _Trainer:
                 self.progress = progress
                 with autocast():
                     loss, metrics = loss_fn(self.next_batch(extra=self.extra))
+                if not torch.is_tensor(loss) or not torch.isfinite(loss):
+                    # no answer token within --max-len in this batch (nothing to learn)
+                    skipped += 1
+                    continue
                 opt.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -316,7 +320,10 @@ class _Trainer:
         if stopped:
             level = logging.WARNING if stopped == "interrupt" else logging.INFO
             log.log(level, "training stopped by %s after %d steps; saving the head", stopped, done)
+        if skipped:
+            log.warning("%d batches held no answer token within --max-len: skipped", skipped)
         history["steps_done"] = done
+        history["steps_skipped"] = skipped
         history["stopped_by"] = stopped or "steps"
         history["train_seconds"] = round(time.perf_counter() - t0, 1)
         with autocast():

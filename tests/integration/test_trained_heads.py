@@ -224,6 +224,20 @@ def _fail_at(monkeypatch, call: int, exc: BaseException):
     return real
 
 
+def test_batches_with_no_answer_within_max_len_are_skipped(heads, tiny_llama_dir, tmp_path):
+    """--max-len shorter than the prompts leaves nothing to learn in a batch: each such step is
+    skipped and counted, not a crash (Medusa, EAGLE-3) or a NaN loss (EAGLE-1)."""
+    from specdecode.models.loader import load_model
+
+    root, _ = heads
+    target = load_model(tiny_llama_dir).model.requires_grad_(False)
+    cfg = HeadTrainConfig(draft_vocab=64, steps=3, batch_tokens=512, warmup=1, eval_examples=8,
+                          max_len=8)  # fmt: skip
+    for train in (train_medusa, train_eagle, train_eagle3):
+        history = train(target, root / "data", tmp_path / train.__name__, cfg, [2])
+        assert history["steps_skipped"] == 3 and history["steps_done"] == 0
+
+
 def test_ctrl_c_stops_training_and_saves_the_head(heads, tiny_llama_dir, tmp_path, monkeypatch):
     from specdecode.models.head_io import load_head
     from specdecode.models.loader import load_model

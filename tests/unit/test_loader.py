@@ -138,3 +138,13 @@ def test_gguf_conversion_matches_the_original(tmp_path, monkeypatch):
     got = logits_of(load_model(tmp_path / "converted").model, ids)
     want = hf(torch.tensor([ids])).logits[0].detach()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_cuda_under_torchrun_is_the_ranks_own_gpu(monkeypatch):
+    from specdecode.engine.engine import resolve_device
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert str(resolve_device("cuda")) == "cuda:3"
+    assert str(resolve_device("cuda:0")) == "cuda:0" and str(resolve_device("cpu")) == "cpu"
+    monkeypatch.delenv("LOCAL_RANK")
+    assert str(resolve_device("cuda")) == "cuda"
