@@ -90,8 +90,8 @@ class ModelConfig:
 
     def hf_dict(self, num_layers: int | None = None) -> dict[str, Any]:
         """The Hugging Face config.json keys of this shape (drafts and heads write these with
-        their own layer count; RoPE scaling is not carried)."""
-        return {
+        their own layer count), RoPE scaling included."""
+        out = {
             "model_type": self.family,  # the Hugging Face model_type of each family
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -107,6 +107,18 @@ class ModelConfig:
             "attention_bias": self.attention_bias,
             "tie_word_embeddings": False,
         }
+        sc = self.rope.scaling
+        if sc and sc[0] == "linear":
+            out["rope_scaling"] = {"rope_type": "linear", "factor": sc[1]}
+        elif sc and sc[0] == "llama3":
+            out["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": sc[1],
+                "low_freq_factor": sc[2],
+                "high_freq_factor": sc[3],
+                "original_max_position_embeddings": sc[4],
+            }
+        return out
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:

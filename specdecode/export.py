@@ -2,7 +2,8 @@
 
 - eagle3: vllm = LlamaForCausalLMEagle3 with `midlayer.*`, d2t/t2d; sglang = the same with the
   aux layer ids counted as layer outputs; speculators = Eagle3Speculator (`layers.0.*`).
-- eagle (EAGLE-1): vllm = EagleLlamaForCausalLM (no fc bias); sglang = LlamaForCausalLMEagle.
+- eagle (EAGLE-1): vllm = EagleLlamaForCausalLM (no fc bias); sglang = LlamaForCausalLMEagle
+  (whose fc always has a bias: a zero one is written for heads without).
 - medusa: vllm = MedusaModel (`blocks.*`, the target's LM head as `original_lm_head`).
 
 Layer-id conventions differ: we (and vLLM) name the EAGLE-3 features by the layer they *enter*;
@@ -31,6 +32,27 @@ FORMATS = ("vllm", "sglang", "speculators")
 def _llama_keys(c) -> dict:
     # the head's layer is a Llama layer whatever the target's family
     return {**c.hf_dict(num_layers=1), "model_type": "llama", "torch_dtype": "bfloat16"}
+
+
+def _llama_layer(tensors: dict[str, torch.Tensor], fmt: str, hidden: int) -> None:
+    """Our head's layer follows the target's family; the engines load a Llama layer. Qwen3's
+    q/k norms have no place there; Qwen2's q/k/v biases load in vLLM (`attention_bias` also
+    gives o_proj a bias: written as zeros, the same function) but SGLang's EAGLE layers have
+    none and would drop them without a word."""
+    if any(k.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")) for k in tensors):
+        raise InvalidRequestError(
+            "this head's layer has Qwen3's q/k norms, which the Llama layer of vLLM's and "
+            "SGLang's EAGLE heads does not have; it cannot be exported"
+        )
+    biased = [k for k in tensors if k.endswith("self_attn.q_proj.bias")]
+    if biased and fmt == "sglang":
+        raise InvalidRequestError(
+            "this head's layer has q/k/v biases (a Qwen2 target's), which SGLang's EAGLE layer "
+            "does not load; export it with --format vllm"
+        )
+    for k in biased:
+        o = k.replace("q_proj.bias", "o_proj.bias")
+        tensors.setdefault(o, torch.zeros(hidden))
 
 
 def export_head(
@@ -70,6 +92,7 @@ def export_head(
 def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | None):
     c = target.config
     tensors = _unfused(head, head.config)
+    _llama_layer(tensors, fmt, c.hidden_size)
     n_draft = head.lm_head.out_features
     vocab = head.vocab_ids if head.vocab_ids is not None else torch.arange(c.vocab_size)
     tensors["d2t"], tensors["t2d"] = vocab_maps(vocab, c.vocab_size)
@@ -133,7 +156,11 @@ def _eagle(head: EagleHead, fmt: str):
             "vLLM's EAGLE-1 loader has no fc bias and this head has one; use --format sglang"
         )
     tensors = _unfused(head, head.config)
+    _llama_layer(tensors, fmt, head.config.hidden_size)
     arch = "EagleLlamaForCausalLM" if fmt == "vllm" else "LlamaForCausalLMEagle"
+    if fmt == "sglang" and not has_bias:  # SGLang's fc always has a bias: a zero one here
+        tensors["fc.bias"] = torch.zeros(head.config.hidden_size)
+        has_bias = True
     config = {"architectures": [arch], **_llama_keys(head.config), "bias": has_bias}
     return tensors, config
 

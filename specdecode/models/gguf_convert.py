@@ -101,6 +101,17 @@ def gguf_config(reader) -> dict:
     }
     if arch == "qwen2":
         cfg["attention_bias"] = True
+    if "rope_freqs.weight" in names:  # Llama 3.1+: per-frequency factors, not read here
+        raise UnsupportedModelError(
+            "this GGUF scales RoPE per frequency (rope_freqs: Llama 3.1 and later), which the "
+            "converter does not read; load the Hugging Face checkpoint instead"
+        )
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise UnsupportedModelError(f"unsupported GGUF RoPE scaling {scaling!r}")
+        factor = float(get("rope.scaling.factor"))
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
     return cfg
 
 

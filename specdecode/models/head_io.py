@@ -149,9 +149,9 @@ def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
     raw = _read_config(path)
     kind = head_kind(path)
     tc = target.config
-    if raw.get("hidden_size") != tc.hidden_size or raw.get("vocab_size", tc.vocab_size) != (
-        tc.vocab_size
-    ):
+    # FasterDecoding's Medusa config names no sizes: the tensors' shapes are checked below
+    hidden = raw.get("hidden_size", tc.hidden_size if kind == "medusa" else None)
+    if hidden != tc.hidden_size or raw.get("vocab_size", tc.vocab_size) != tc.vocab_size:
         raise InvalidRequestError(f"{path} was trained for a different target model")
     tensors = _load_tensors(path, allow_pickle)
     vocab_ids = tensors.pop("vocab_ids", None)
@@ -209,9 +209,21 @@ def _load_medusa(raw: dict, tensors: dict[str, torch.Tensor], tc: ModelConfig) -
     missing = head.load_state_dict(state, strict=False).missing_keys
     if missing:
         raise InvalidRequestError(f"the Medusa checkpoint lacks {missing[0]!r}")
+    for name, t in state.items():
+        if t.shape[-1] != tc.hidden_size:
+            raise InvalidRequestError(
+                f"the Medusa checkpoint's {name} is {list(t.shape)}: trained for a target of "
+                f"hidden size {t.shape[-1]}, not {tc.hidden_size}"
+            )
     if proj:
         if sorted(proj) != list(range(int(heads_n))):
             raise InvalidRequestError("the Medusa checkpoint has projections for some heads only")
+        rows = {tuple(w.shape) for w in proj.values()}
+        if rows != {(tc.vocab_size, tc.hidden_size)}:
+            raise InvalidRequestError(
+                f"the Medusa checkpoint projects to {sorted(rows)}; the target needs "
+                f"[{tc.vocab_size}, {tc.hidden_size}]"
+            )
         head.own_projections = [proj[i] for i in range(int(heads_n))]
     return head
 
@@ -225,6 +237,11 @@ def _load_eagle3(raw: dict, tensors: dict[str, torch.Tensor], tc: ModelConfig):
     t2d = tensors.pop("t2d", None)
     vocab_n = raw.get("draft_vocab_size") or tensors["lm_head.weight"].shape[0]
     layers = raw.get("eagle_aux_hidden_state_layer_ids")
+    if layers and not all(0 <= int(x) < tc.num_layers for x in layers):
+        raise InvalidRequestError(
+            f"the EAGLE-3 head reads features of layers {list(layers)}; the target has "
+            f"{tc.num_layers}: it was trained for another target"
+        )
     head = Eagle3Head(tc, int(vocab_n), tuple(int(x) for x in layers) if layers else None)
     # speculators defaults to normalising the hidden state before the residual
     default = "speculators_model_type" in raw
@@ -253,11 +270,21 @@ def _load_layer_weights(head: EagleHead, tensors: dict[str, torch.Tensor]) -> No
         "up_proj": ("gate_up_proj", cfg.intermediate_size),
     }
     filled: dict[str, int] = {}
+    # a Llama layer's checkpoint on a target whose layers have q/k/v biases (Qwen2): none is a
+    # zero bias; and a zero o_proj bias (vLLM's `attention_bias` layout) is none
+    for name, p in params.items():
+        if name.endswith("qkv_proj.bias") and not any(
+            name.replace("qkv_proj", part) in tensors for part in ("q_proj", "k_proj", "v_proj")
+        ):
+            p.data.zero_()
+            filled[name] = p.shape[0]
     for name, t in tensors.items():
         target, offset = name, None
         for part, (into, off) in fused.items():
             if f".{part}." in name:
                 target, offset = name.replace(part, into), off
+        if target not in params and name.endswith("o_proj.bias") and not t.any():
+            continue
         if target not in params:
             raise InvalidRequestError(f"unexpected tensor {name!r} in the head checkpoint")
         p = params[target].data

@@ -147,9 +147,13 @@ def test_medusa_layouts(target, tmp_path, layout):
                 f"blocks.{i}.layers.0.bias": b,
                 f"lm_heads.{i}.weight": projs[i],
             }
-    if layout == "fasterdecoding":
-        config = {"medusa_num_heads": 2, "medusa_num_layers": 1, "hidden_size": H, "vocab_size": V}
+    if layout == "fasterdecoding":  # its config names no sizes: the shapes are checked
+        config = {"medusa_num_heads": 2, "medusa_num_layers": 1, "base_model_name_or_path": "x"}
         _write(tmp_path, config, tensors, "medusa_lm_head.safetensors")
+        bad = {**tensors, "0.1.weight": projs[0][:50]}  # projects to 50 tokens, not V
+        _write(tmp_path / "bad", config, bad, "medusa_lm_head.safetensors")
+        with pytest.raises(InvalidRequestError, match="projects to"):
+            load_head(tmp_path / "bad", target)
     else:
         config = {
             "architectures": ["MedusaModel"],
@@ -231,3 +235,59 @@ def test_export_refusals(target, tmp_path):
         export_head(tmp_path / "m", target, "sglang", tmp_path / "x")
     config = export_head(tmp_path / "m", target, "vllm", tmp_path / "mv")
     assert config["original_lm_head"] and config["num_heads"] == 2
+
+
+def test_heads_of_qwen_targets_export_as_llama_layers(tmp_path):
+    """A Qwen2 target's head has q/k/v biases: vLLM's Llama layer takes them with
+    `attention_bias`, which also gives o_proj a bias (written as zeros, read back as none);
+    SGLang's has none, so it is refused there, as Qwen3's q/k norms are everywhere. A plain
+    Llama-layer head loads onto the Qwen2 target (no bias is a zero bias)."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    qwen2 = replace(CFG, family="qwen2", attention_bias=True)
+    torch.manual_seed(0)
+    target = LlamaModel(qwen2).eval()
+    head = _randomise(Eagle3Head(qwen2, V))
+    head.attach(target.embed_tokens, torch.arange(V))
+    save_head(head, tmp_path / "ours", qwen2, {})
+    config = export_head(tmp_path / "ours", target, "vllm", tmp_path / "vllm")
+    tensors = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    assert config["attention_bias"] and "midlayer.self_attn.q_proj.bias" in tensors
+    assert not tensors["midlayer.self_attn.o_proj.bias"].any()
+    _same_eagle(head, load_head(tmp_path / "vllm", target))
+    with pytest.raises(InvalidRequestError, match="SGLang"):
+        export_head(tmp_path / "ours", target, "sglang", tmp_path / "sglang")
+    plain = {k: v for k, v in tensors.items() if not k.endswith(("_proj.bias",))}
+    _write(tmp_path / "llama", {**config, "attention_bias": False}, plain)
+    loaded = load_head(tmp_path / "llama", target)
+    assert not loaded.layers[0].self_attn.qkv_proj.bias.any()
+
+    qwen3 = replace(CFG, family="qwen3", qk_norm=True)
+    target3 = LlamaModel(qwen3).eval()
+    head3 = Eagle3Head(qwen3, V)
+    head3.attach(target3.embed_tokens, torch.arange(V))
+    save_head(head3, tmp_path / "q3", qwen3, {})
+    with pytest.raises(InvalidRequestError, match="q/k norms"):
+        export_head(tmp_path / "q3", target3, "vllm", tmp_path / "q3-vllm")
+
+
+def test_sglang_eagle1_gets_a_zero_fc_bias_and_eagle3_layers_must_exist(target, tmp_path):
+    from safetensors.torch import load_file
+
+    head = _randomise(EagleHead(CFG, fc_bias=False))
+    head.attach(target.embed_tokens, target.lm_head.weight, None)
+    save_head(head, tmp_path / "e1", CFG, {})
+    export_head(tmp_path / "e1", target, "sglang", tmp_path / "e1-sglang")
+    tensors = load_file(str(tmp_path / "e1-sglang" / "model.safetensors"))
+    assert not tensors["fc.bias"].any()  # SGLang's fc always has one
+    _same_eagle(head, load_head(tmp_path / "e1-sglang", target))
+    head3 = _eagle3(target, torch.arange(V))
+    tensors = {k.replace("layers.0.", "midlayer."): v for k, v in _unfused(head3, CFG).items()}
+    deep = [2, CFG.num_layers + 5, CFG.num_layers + 20]  # a deeper target's layers
+    config = {**LLAMA, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": V,
+              "eagle_aux_hidden_state_layer_ids": deep}  # fmt: skip
+    _write(tmp_path / "deep", config, tensors)
+    with pytest.raises(InvalidRequestError, match="another target"):
+        load_head(tmp_path / "deep", target)

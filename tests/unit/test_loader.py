@@ -78,13 +78,15 @@ def test_unpermute_inverts_llama_cpp_interleave():
     assert np.array_equal(unpermute_rows(permuted, n_head), w)
 
 
-def _write_gguf(hf, path):
+def _write_gguf(hf, path, extra=None):
     """Fabricate a llama GGUF from a transformers model, the way llama.cpp's converter lays it out
-    (q/k rows interleaved, F32 tensors)."""
+    (q/k rows interleaved, F32 tensors). `extra(writer)` adds more."""
     import gguf
 
     cfg = hf.config
     w = gguf.GGUFWriter(str(path), "llama")
+    if extra is not None:
+        extra(w)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -148,3 +150,36 @@ def test_cuda_under_torchrun_is_the_ranks_own_gpu(monkeypatch):
     assert str(resolve_device("cuda:0")) == "cuda:0" and str(resolve_device("cpu")) == "cpu"
     monkeypatch.delenv("LOCAL_RANK")
     assert str(resolve_device("cuda")) == "cuda"
+
+
+def test_gguf_rope_scaling_is_read_or_refused(tmp_path):
+    """Linear RoPE scaling is carried into the converted config; Llama 3.1's per-frequency
+    factors (a rope_freqs tensor) are refused, not silently dropped."""
+    import gguf
+
+    from specdecode.errors import UnsupportedModelError
+    from specdecode.models.gguf_convert import gguf_config
+
+    hf = make_tiny_hf("llama", tmp_path / "hf")
+
+    def linear(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(4.0)
+
+    _write_gguf(hf, tmp_path / "linear.gguf", linear)
+    cfg = gguf_config(gguf.GGUFReader(str(tmp_path / "linear.gguf")))
+    assert cfg["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    _write_gguf(
+        hf, tmp_path / "l31.gguf", lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, "f4"))
+    )
+    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
+        gguf_config(gguf.GGUFReader(str(tmp_path / "l31.gguf")))
+
+
+def test_exported_configs_carry_rope_scaling():
+    from specdecode.config import ModelConfig, RopeConfig, _rope_from_hf
+
+    for scaling in (("linear", 2.0), ("llama3", 8.0, 1.0, 4.0, 64), None):
+        rope = RopeConfig(theta=5e5, scaling=scaling)
+        c = ModelConfig("llama", 128, 64, 128, 2, 4, 2, 16, 1e-6, 256, False, False, False, rope)
+        assert _rope_from_hf(c.hf_dict(1)) == rope
