@@ -97,38 +97,49 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 
 def speculative_config(args: argparse.Namespace) -> dict | None:
-    """Merge `--speculative-config` with the legacy flags (the JSON wins where both are set)."""
+    """Merge `--speculative-config` with vLLM's legacy flags and SGLang's; a key two flags set
+    to different values is an error (which one the user meant is not ours to guess)."""
     cfg: dict = {}
+    source: dict[str, str] = {}
+
+    def put(key: str, value, flag: str) -> None:
+        if value is None:
+            return
+        if key in cfg and cfg[key] != value:
+            raise InvalidRequestError(
+                f"{flag} sets {key} to {value!r} but {source[key]} set it to {cfg[key]!r}"
+            )
+        cfg[key], source[key] = value, flag
+
     if getattr(args, "speculative_model", None):
         model = args.speculative_model
         if model.strip("[]") == "ngram":
-            cfg["method"] = "ngram"
+            put("method", "ngram", "--speculative-model")
         else:
-            cfg.update(method="draft_model", model=model)
+            put("method", "draft_model", "--speculative-model")
+            put("model", model, "--speculative-model")
     algorithm = getattr(args, "speculative_algorithm", None)
     if algorithm:
-        cfg["method"] = {
+        method = {
             "EAGLE": "eagle",
             "EAGLE3": "eagle3",
             "MEDUSA": "medusa",
             "NGRAM": "ngram",
             "STANDALONE": "draft_model",
         }[algorithm]
-    if getattr(args, "speculative_draft_model_path", None):
-        cfg["model"] = args.speculative_draft_model_path
-    sglang = {
-        "num_speculative_tokens": getattr(args, "speculative_num_steps", None),
-        "topk": getattr(args, "speculative_eagle_topk", None),
-        "num_draft_tokens": getattr(args, "speculative_num_draft_tokens", None),
-    }
-    cfg.update({k: v for k, v in sglang.items() if v is not None})
-    legacy = {
-        "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
-        "prompt_lookup_max": getattr(args, "ngram_prompt_lookup_max", None),
-        "prompt_lookup_min": getattr(args, "ngram_prompt_lookup_min", None),
-        "disable_by_batch_size": getattr(args, "speculative_disable_by_batch_size", None),
-    }
-    cfg.update({k: v for k, v in legacy.items() if v is not None})
+        put("method", method, "--speculative-algorithm")
+    put("model", getattr(args, "speculative_draft_model_path", None),
+        "--speculative-draft-model-path")  # fmt: skip
+    for key, flag in (
+        ("num_speculative_tokens", "speculative_num_steps"),
+        ("topk", "speculative_eagle_topk"),
+        ("num_draft_tokens", "speculative_num_draft_tokens"),
+        ("num_speculative_tokens", "num_speculative_tokens"),
+        ("prompt_lookup_max", "ngram_prompt_lookup_max"),
+        ("prompt_lookup_min", "ngram_prompt_lookup_min"),
+        ("disable_by_batch_size", "speculative_disable_by_batch_size"),
+    ):
+        put(key, getattr(args, flag, None), "--" + flag.replace("_", "-"))
     if getattr(args, "speculative_config", None):
         try:
             raw = json.loads(args.speculative_config)
@@ -136,7 +147,8 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
             raise InvalidRequestError(f"--speculative-config is not valid JSON: {e}") from e
         if not isinstance(raw, dict):
             raise InvalidRequestError("--speculative-config must be a JSON object")
-        cfg.update(raw)
+        for key, value in raw.items():
+            put(key, value, "--speculative-config")
     if cfg and "method" not in cfg:
         raise InvalidRequestError("speculative flags given without a method or draft model")
     return cfg or None

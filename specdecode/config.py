@@ -208,8 +208,8 @@ class SpeculativeConfig:
     # chain sampled from q (temperature > 0, no speculative_token_tree) takes no graft: there
     # the lookup runs instead of the draft, on steps where it has done as well for the time.
     prompt_lookup_tokens: int | None = None
-    # vLLM's static switch, used by the static policy: no drafts while more requests than this
-    # are running. None: never.
+    # vLLM's switch, a hard cap under every policy: no drafts while more requests than this are
+    # running. None: never.
     disable_by_batch_size: int | None = None
 
     @property
@@ -250,6 +250,15 @@ class SpeculativeConfig:
             not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 2
         ):
             raise InvalidRequestError("num_draft_tokens must be an integer >= 2 (root included)")
+        if (self.topk is not None or self.num_draft_tokens is not None) and self.method not in (
+            "eagle",
+            "eagle3",
+        ):
+            raise InvalidRequestError(
+                "topk / num_draft_tokens (SGLang's --speculative-eagle-topk / "
+                "--speculative-num-draft-tokens) shape EAGLE-2 trees: methods eagle and eagle3 "
+                "only (a static tree for the others: speculative_token_tree)"
+            )
         if self.disable_by_batch_size is not None and (
             not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1
         ):

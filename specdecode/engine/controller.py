@@ -2,8 +2,9 @@
 
 Policies (`--speculative-policy`):
 - `off`: never draft (plain decoding with the same engine).
-- `static`: vLLM's behaviour: every decoding request drafts `num_speculative_tokens`, unless more
-  than `disable_by_batch_size` requests are running (vLLM's `disable_by_batch_size`).
+- `static`: vLLM's behaviour: every decoding request drafts `num_speculative_tokens`.
+- `disable_by_batch_size` (vLLM's `--speculative-disable-by-batch-size`) is a hard cap under
+  every policy: no drafts at all while more requests than that are running.
 - `adaptive` (default): each step, for the requests that are decoding, choose a draft depth k_i
   in 0..K that maximises the expected goodput of the whole step,
 
@@ -415,12 +416,12 @@ class GoodputController:
         the engine); `num_running`: requests in the batch; `catch_up`: tokens the drafter
         would have to process for each before drafting (the drafter's `catch_up_tokens`)."""
         catch_up = catch_up or [0] * len(seqs)
-        if self.policy == "off" or not seqs:
+        limit = self.disable_by_batch_size
+        capped = limit is not None and num_running > limit
+        if self.policy == "off" or not seqs or capped:
             budgets = [0] * len(seqs)
         elif self.policy == "static":
-            limit = self.disable_by_batch_size
-            k = 0 if limit is not None and num_running > limit else self.max_depth
-            budgets = [k] * len(seqs)
+            budgets = [self.max_depth] * len(seqs)
         else:
             budgets = self._adaptive(seqs, base_tokens, catch_up)
         for s, k in zip(seqs, budgets, strict=True):
@@ -431,7 +432,7 @@ class GoodputController:
             self._shadow_idle[s.seq_id] = 0 if k else self._shadow_idle.get(s.seq_id, 0) + 1
         self.shadow_requests = []
         self._probe_charged = None
-        if self.policy == "adaptive":
+        if self.policy == "adaptive" and not capped:
             budgets = self._explore(seqs, budgets, catch_up, base_tokens)
         self.last_budgets = budgets
         self.num_decisions += len(budgets)

@@ -134,6 +134,37 @@ def test_sglang_flags_map_to_the_speculative_config():
     }
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-speculative-tokens", "3", "--speculative-num-steps", "5"], "num_speculative"),
+        (["--speculative-model", "d", "--speculative-algorithm", "EAGLE3"], "method"),
+        (
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 5}',
+                "--num-speculative-tokens",
+                "3",
+            ],
+            "num_speculative_tokens",
+        ),  # fmt: skip
+    ],
+)
+def test_flags_that_disagree_are_refused(flags, message):
+    from specdecode.cli import build_parser, speculative_config
+    from specdecode.config import SpeculativeConfig
+    from specdecode.errors import InvalidRequestError
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", *flags])
+    with pytest.raises(InvalidRequestError, match=message):
+        speculative_config(args)
+    same = ["--num-speculative-tokens", "4", "--speculative-num-steps", "4", "--speculative-model",
+            "[ngram]"]  # fmt: skip
+    assert speculative_config(build_parser().parse_args(["generate", "--prompt", "x", *same]))
+    with pytest.raises(InvalidRequestError, match="EAGLE-2 trees"):
+        SpeculativeConfig(method="ngram", topk=4)
+
+
 def test_bench_compares_methods_in_one_run(tiny_llama_dir, tmp_path):
     model = _roomy_tiny(tiny_llama_dir, tmp_path)
     out = tmp_path / "bench.json"

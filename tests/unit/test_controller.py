@@ -249,6 +249,11 @@ def test_static_policy_and_its_batch_size_switch():
     c = GoodputController("static", 3, lambda k: k, disable_by_batch_size=4)
     assert c.plan(seqs(4), 4, 4) == [3] * 4
     assert c.plan(seqs(5), 5, 5) == [0] * 5
+    # a hard cap under the adaptive policy too (no drafts, probes or lite drafts past it)
+    a = controller(memory_bound, acceptance=0.9, draft_s=0.0001)
+    a.disable_by_batch_size = 4
+    assert any(a.plan(seqs(4), 4, 4))
+    assert a.plan(seqs(5), 5, 5) == [0] * 5 and not a.shadow_requests
     off = GoodputController("off", 3, lambda k: k)
     assert off.plan(seqs(2), 2, 2) == [0, 0]
     with pytest.raises(InvalidRequestError, match="policy"):
