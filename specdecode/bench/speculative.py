@@ -245,7 +245,9 @@ def hf_rate(model, pad: int, prompts: list[list[int]], temp: float, max_tokens: 
     for i, ids in enumerate(prompts):
         torch.manual_seed(i)
         x = torch.tensor([ids])
-        kw = {"do_sample": temp > 0, **({"temperature": temp} if temp > 0 else {})}
+        # the engine samples the full distribution: no top-k 50 (transformers' default)
+        sample = {"temperature": temp, "top_k": 0, "top_p": 1.0} if temp > 0 else {}
+        kw = {"do_sample": temp > 0, **sample}
         t = time.perf_counter()
         y = model.generate(
             x,
@@ -289,6 +291,9 @@ class _HFReference:
             draft = AutoModelForCausalLM.from_pretrained(
                 str(resolve_model(spec_cfg.model)), dtype=draft_dtype
             ).eval()
+            # k drafts a step, as the engine's (transformers' default is 20, then a heuristic)
+            draft.generation_config.num_assistant_tokens = self.k
+            draft.generation_config.num_assistant_tokens_schedule = "constant"
             self.extra = {"assistant_model": draft}
         else:
             self.method = None
@@ -299,6 +304,7 @@ class _HFReference:
             return {}
         out = {"hf_method": self.method}
         for mode, extra in (("plain", {}), ("spec", self.extra)):
+            hf_rate(self.model, self.pad, prompts[:1], temp, 4, **extra)  # warm-up, untimed
             out[f"hf_{mode}_tok_s"] = hf_rate(
                 self.model, self.pad, prompts, temp, max_tokens, **extra
             )

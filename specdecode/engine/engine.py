@@ -409,6 +409,8 @@ class LLMEngine:
                     meta = build_metadata(self.cache.kv, self.manager, blocks, nums)
                     out = self.model(ids, pos, meta, ())
                     self.model.compute_logits(out.hidden)
+                    if self.runner.device.type == "cuda":  # launches are asynchronous there
+                        torch.cuda.synchronize(self.runner.device)
                     best = min(best, time.perf_counter() - t0)
                 self.controller.step_cost.calibrate(n, best)
             finally:
