@@ -128,7 +128,7 @@ def _recorded_slice(path: Path) -> tuple[list[str] | None, list[str]]:
     return (json.loads(meta["slice_ids"]) if "slice_ids" in meta else None), held
 
 
-def _shard_done(path: Path, want: list[str]) -> bool:
+def _shard_done(path: Path, want: list[str], feature_layers: str | None = None) -> bool:
     """Whether the shard at `path` holds the range `want`; False (to regenerate) for a range it
     holds only the start of (a run extended past a partly filled last shard); an error for a
     range that does not match (another shard size or conversation list in the same place)."""
@@ -136,6 +136,16 @@ def _shard_done(path: Path, want: list[str]) -> bool:
 
     if not path.exists():
         return False
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        stored = f.metadata().get("feature_layers")
+    if stored != feature_layers:
+        raise InvalidRequestError(
+            f"{path} stores target features of layers {stored or 'none'}, this run "
+            f"{feature_layers or 'none'}: use the same --features as the run that wrote it, or "
+            "another --out"
+        )
     recorded, held = _recorded_slice(path)
     if recorded is None:  # an older shard: the ids it holds must come from this range
         if set(held) <= set(want):
@@ -219,7 +229,8 @@ def generate(
     def ids_of(i: int) -> list[str]:
         return [cid for cid, _ in conversations[i * shard_size : (i + 1) * shard_size]]
 
-    todo = [i for i in mine if not _shard_done(shard_path(out, i), ids_of(i))]
+    layers = json.dumps(list(feature_layers)) if feature_layers is not None else None
+    todo = [i for i in mine if not _shard_done(shard_path(out, i), ids_of(i), layers)]
     if len(todo) < len(mine):
         log.info("resuming: %d of %d shards already written", len(mine) - len(todo), len(mine))
     engine = llm.engine

@@ -159,7 +159,7 @@ def train_draft(
     from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
-    examples = list(iter_examples(data_dir))
+    examples = list(iter_examples(data_dir, features=False))  # (a head's features: unused)
     if len(examples) <= cfg.eval_examples:
         raise ValueError(
             f"{data_dir} holds {len(examples)} examples; need more than "

@@ -625,4 +625,10 @@ def _continue_from(head, tr: _Trainer, vocab: torch.Tensor | None) -> None:
     )
     if type(prev) is not type(head) or not same_vocab:
         raise ValueError(f"{tr.cfg.init} is not a head of this kind with this draft vocabulary")
+    for attr in ("aux_layers", "norm_before_residual"):  # EAGLE-3: what the features mean
+        if getattr(prev, attr, None) != getattr(head, attr, None):
+            raise ValueError(
+                f"{tr.cfg.init} has {attr} {getattr(prev, attr)}, this run "
+                f"{getattr(head, attr)}: continue it on data with the same feature layers"
+            )
     head.load_state_dict({k: v.float() for k, v in prev.state_dict().items()})

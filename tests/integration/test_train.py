@@ -65,6 +65,8 @@ def test_a_longer_run_over_the_same_directory_fills_the_partial_last_shard(llm, 
     assert [e.conversation_id for e in iter_examples(tmp_path)] == [c for c, _ in CONVS]
     with pytest.raises(InvalidRequestError, match="shard-size"):
         generate(llm, CONVS, tmp_path, shard_size=3, max_tokens=4)
+    with pytest.raises(InvalidRequestError, match="--features"):  # shards without features
+        generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=4, feature_layers=(0, 1))
     system = [("s0", [{"role": "system", "content": "a banner"}, *CONVS[0][1]])]
     (ex,) = read_shard(generate(llm, system, tmp_path / "sys", max_tokens=4)[0])
     prompt = llm._chat_ids(CONVS[0][1])
