@@ -142,14 +142,6 @@ class LLMEngine:
         if policy not in ("adaptive", "static", "off"):
             raise InvalidRequestError(f"unknown speculative policy {policy!r}")
         self.controller.policy = policy
-        # a feature-reading drafter's capture is work plain decoding does not do: off while the
-        # engine is idle and plain (a request in flight may need its features later)
-        d = self.drafter
-        if d is not None and d.feature_layers is not None and not self.has_unfinished():
-            if self.feature_observers in ([d.observe], []):  # (not data generation's)
-                plain = policy == "off"
-                self.runner.feature_layers = None if plain else d.feature_layers
-                self.feature_observers[:] = [] if plain else [d.observe]
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
