@@ -64,7 +64,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         "--speculative-disable-by-batch-size",
         type=int,
         default=None,
-        help="static policy: no drafts while more requests than this are running",
+        help="no drafts while more requests than this are running (any policy)",
     )
     spec.add_argument(
         "--speculative-policy",
@@ -111,12 +111,13 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
             )
         cfg[key], source[key] = value, flag
 
+    implied = None  # --speculative-model's method, where no other flag names one
     if getattr(args, "speculative_model", None):
         model = args.speculative_model
         if model.strip("[]") == "ngram":
             put("method", "ngram", "--speculative-model")
         else:
-            put("method", "draft_model", "--speculative-model")
+            implied = "draft_model"
             put("model", model, "--speculative-model")
     algorithm = getattr(args, "speculative_algorithm", None)
     if algorithm:
@@ -149,6 +150,8 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
             raise InvalidRequestError("--speculative-config must be a JSON object")
         for key, value in raw.items():
             put(key, value, "--speculative-config")
+    if implied and "method" not in cfg:
+        cfg["method"] = implied
     if cfg and "method" not in cfg:
         raise InvalidRequestError("speculative flags given without a method or draft model")
     return cfg or None

@@ -250,14 +250,15 @@ class SpeculativeConfig:
             not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 2
         ):
             raise InvalidRequestError("num_draft_tokens must be an integer >= 2 (root included)")
-        if (self.topk is not None or self.num_draft_tokens is not None) and self.method not in (
-            "eagle",
-            "eagle3",
+        chain = self.num_speculative_tokens + 1  # a chain's nodes, the root included
+        if self.method not in ("eagle", "eagle3") and (
+            self.topk not in (None, 1) or self.num_draft_tokens not in (None, chain)
         ):
             raise InvalidRequestError(
                 "topk / num_draft_tokens (SGLang's --speculative-eagle-topk / "
-                "--speculative-num-draft-tokens) shape EAGLE-2 trees: methods eagle and eagle3 "
-                "only (a static tree for the others: speculative_token_tree)"
+                f"--speculative-num-draft-tokens) other than a chain's (1 / {chain}) shape "
+                "EAGLE-2 trees: methods eagle and eagle3 only (a static tree for the others: "
+                "speculative_token_tree)"
             )
         if self.disable_by_batch_size is not None and (
             not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1

@@ -104,7 +104,11 @@ def _measure_interleaved(llm, methods, prompts, temp: float, max_tokens: int):
     engine = llm.engine
     plain: list = []
     parts: list[list] = [[] for _ in methods]
-    for _, m in methods:  # one short request each first: one-off costs stay out of the figures
+    policy = engine.controller.policy
+    engine.set_policy("off")
+    _measure_one(llm, prompts[0], 0, temp, 8)  # one short request each first: one-off costs
+    engine.set_policy(policy)  # stay out of the figures
+    for _, m in methods:
         _measure_one(m, prompts[0], 0, temp, 8)
     before = [_copy_stats(m.engine) for _, m in methods]
     branch_before = [_branch_stats(m.engine) for _, m in methods]

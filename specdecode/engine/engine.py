@@ -34,8 +34,9 @@ def resolve_device(device: str) -> torch.device:
     rank's own GPU, as `torchrun --nproc-per-node N` expects, not every rank on GPU 0."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and "LOCAL_RANK" in os.environ:
-        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device == "cuda" and rank and rank < torch.cuda.device_count():  # (one visible GPU a
+        device = f"cuda:{rank}"  # rank, CUDA_VISIBLE_DEVICES: that one is cuda)
     return torch.device(device)
 
 

@@ -11,6 +11,7 @@ atomically and skipped when present, so an interrupted run resumes where it stop
 records the conversation ids of its range (`slice_ids`, the ones whose prompts were too long
 included): a run over more conversations regenerates a last shard that was only partly filled,
 and a different `--shard-size` over the same directory is refused (its ranges would not match).
+Shards written before ranges were recorded are trusted when their ids fall in the range.
 Under `torchrun` each rank takes the shards with index % WORLD_SIZE == RANK.
 """
 
@@ -151,16 +152,17 @@ def _shard_done(path: Path, want: list[str], feature_layers: str | None = None) 
         if set(held) <= set(want):
             return True
         recorded = held
-    if recorded == want:
+    if recorded[: len(want)] == want:  # the range, or more of it (a longer run wrote it)
         return True
     if recorded == want[: len(recorded)]:
         log.info("%s holds %d of its %d conversations: regenerating it", path.name,
                  len(recorded), len(want))  # fmt: skip
         return False
     raise InvalidRequestError(
-        f"{path} holds other conversations than this run puts there (first {recorded[:1]}, "
-        f"expected {want[:1]}): a different --shard-size or conversation list? Use the same "
-        "flags as the run that wrote it, or another --out"
+        f"{path} holds another range of conversations than this run puts there ({len(recorded)} "
+        f"from {recorded[0]!r}, this run {len(want)} from {want[0]!r}): a different "
+        "--shard-size or conversation list? Use the same flags as the run that wrote it, or "
+        "another --out"
     )
 
 

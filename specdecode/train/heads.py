@@ -293,8 +293,7 @@ class _Trainer:
                 self.progress = progress
                 with autocast():
                     loss, metrics = loss_fn(self.next_batch(extra=self.extra))
-                if not torch.is_tensor(loss) or not torch.isfinite(loss):
-                    # no answer token within --max-len in this batch (nothing to learn)
+                if not torch.is_tensor(loss):  # no answer token within --max-len: skipped
                     skipped += 1
                     continue
                 opt.zero_grad()
@@ -467,6 +466,8 @@ def train_eagle(
         pred = head.forward_dense(batch.nxt[:, :n], noisy)  # [B, L, H]: f'_{t+1}
         # trained where f_{t+1} exists and token t+2 is an answer token
         sel = batch.valid[:, 1 : n + 1] & (torch.arange(n)[None] + 1 < batch.rows[:, None])
+        if not sel.any():  # no answer token within --max-len: nothing to learn (skipped)
+            return 0.0, {}
         p_pred = pred[sel]
         p_true = F.pad(final, (0, 0, 0, 1))[:, 1 : n + 1][sel]
         reg = F.smooth_l1_loss(p_pred.float(), p_true)

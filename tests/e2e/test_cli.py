@@ -138,7 +138,10 @@ def test_sglang_flags_map_to_the_speculative_config():
     "flags, message",
     [
         (["--num-speculative-tokens", "3", "--speculative-num-steps", "5"], "num_speculative"),
-        (["--speculative-model", "d", "--speculative-algorithm", "EAGLE3"], "method"),
+        (
+            ["--speculative-algorithm", "EAGLE3", "--speculative-config", '{"method": "eagle"}'],
+            "method",
+        ),  # fmt: skip
         (
             [
                 "--speculative-config",
@@ -163,6 +166,11 @@ def test_flags_that_disagree_are_refused(flags, message):
     assert speculative_config(build_parser().parse_args(["generate", "--prompt", "x", *same]))
     with pytest.raises(InvalidRequestError, match="EAGLE-2 trees"):
         SpeculativeConfig(method="ngram", topk=4)
+    SpeculativeConfig(method="ngram", num_speculative_tokens=4, topk=1, num_draft_tokens=5)
+    # --speculative-model names the head's path; another flag may name its method
+    both = ["--speculative-model", "heads/e3", "--speculative-config", '{"method": "eagle3"}']
+    args = build_parser().parse_args(["generate", "--prompt", "x", *both])
+    assert speculative_config(args) == {"method": "eagle3", "model": "heads/e3"}
 
 
 def test_bench_compares_methods_in_one_run(tiny_llama_dir, tmp_path):

@@ -146,8 +146,11 @@ def test_cuda_under_torchrun_is_the_ranks_own_gpu(monkeypatch):
     from specdecode.engine.engine import resolve_device
 
     monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
     assert str(resolve_device("cuda")) == "cuda:3"
     assert str(resolve_device("cuda:0")) == "cuda:0" and str(resolve_device("cpu")) == "cpu"
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)  # one visible GPU per rank
+    assert str(resolve_device("cuda")) == "cuda"
     monkeypatch.delenv("LOCAL_RANK")
     assert str(resolve_device("cuda")) == "cuda"
 
