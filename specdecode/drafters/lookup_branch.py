@@ -230,7 +230,8 @@ class LookupBranchDrafter(Drafter):
             old = self._head_seconds
             self._head_seconds = per if old is None else old + _SMOOTHING * (per - old)
         out = []
-        costs = self._node_costs(len(seqs), max(budgets, default=0))
+        # (the step-cost curve is read only where some request has a chain to cut)
+        costs = self._node_costs(len(seqs), max(budgets)) if any(chains) else None
         for seq, chain, prop in zip(seqs, chains, props, strict=True):
             self._own[seq.seq_id] = prop
             if prop.num_drafts and self.samples_drafts and not seq.params.greedy:

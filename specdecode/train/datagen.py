@@ -95,38 +95,29 @@ def shard_paths(data_dir: Path) -> list[Path]:
     return paths
 
 
-def shard_metadata(data_dir: Path) -> dict:
+def _metadata(path: Path) -> dict:
+    """A shard's metadata (the header only, no tensor read)."""
     from safetensors import safe_open
 
-    with safe_open(str(shard_paths(data_dir)[0]), framework="pt") as f:
+    with safe_open(str(path), framework="pt") as f:
         return dict(f.metadata())
+
+
+def shard_metadata(data_dir: Path) -> dict:
+    return _metadata(shard_paths(data_dir)[0])
 
 
 def answered_ids(data_dir: Path) -> set[str]:
     """The conversation ids stored in a shard directory (read from the shards' metadata)."""
-    from safetensors import safe_open
-
     ids: set[str] = set()
     for path in shard_paths(data_dir):
-        with safe_open(str(path), framework="pt") as f:
-            ids.update(json.loads(f.metadata()["conversation_ids"]))
+        ids.update(json.loads(_metadata(path)["conversation_ids"]))
     return ids
 
 
 def iter_examples(data_dir: Path, features: bool = True) -> Iterator[Example]:
     for path in sorted(data_dir.glob("shard-*.safetensors")):
         yield from read_shard(path, features)
-
-
-def _recorded_slice(path: Path) -> tuple[list[str] | None, list[str]]:
-    """(the conversation ids of the shard's range, None for shards written before they were
-    recorded; the ids it holds)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-    held = json.loads(meta["conversation_ids"])
-    return (json.loads(meta["slice_ids"]) if "slice_ids" in meta else None), held
 
 
 def _shard_done(path: Path, want: list[str], feature_layers: str | None = None) -> bool:
@@ -137,17 +128,16 @@ def _shard_done(path: Path, want: list[str], feature_layers: str | None = None) 
 
     if not path.exists():
         return False
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        stored = f.metadata().get("feature_layers")
+    meta = _metadata(path)
+    stored = meta.get("feature_layers")
     if stored != feature_layers:
         raise InvalidRequestError(
             f"{path} stores target features of layers {stored or 'none'}, this run "
             f"{feature_layers or 'none'}: use the same --features as the run that wrote it, or "
             "another --out"
         )
-    recorded, held = _recorded_slice(path)
+    held = json.loads(meta["conversation_ids"])
+    recorded = json.loads(meta["slice_ids"]) if "slice_ids" in meta else None
     if recorded is None:  # an older shard: the ids it holds must come from this range
         if set(held) <= set(want):
             return True
