@@ -4,7 +4,8 @@
   aux layer ids counted as layer outputs; speculators = Eagle3Speculator (`layers.0.*`).
 - eagle (EAGLE-1): vllm = EagleLlamaForCausalLM (no fc bias); sglang = LlamaForCausalLMEagle
   (whose fc always has a bias: a zero one is written for heads without).
-- medusa: vllm = MedusaModel (`blocks.*`, the target's LM head as `original_lm_head`).
+- medusa: vllm = MedusaModel (`blocks.*`, the target's LM head as `original_lm_head`; a draft
+  vocabulary as `token_map` with `truncated_vocab_size`).
 
 Layer-id conventions differ: we (and vLLM) name the EAGLE-3 features by the layer they *enter*;
 SGLang names them by the layer whose *output* they are (id - 1). vLLM's speculators path
@@ -174,13 +175,17 @@ def _medusa(head: MedusaHeads, target: LlamaModel, fmt: str):
         for j, block in enumerate(blocks):
             tensors[f"blocks.{i}.layers.{j}.weight"] = block.linear.weight.detach()
             tensors[f"blocks.{i}.layers.{j}.bias"] = block.linear.bias.detach()
-    if head.own_projections is not None:
+    vocab = head.vocab_ids
+    if head.own_projections is not None:  # over the draft vocabulary when there is one
         for i, w in enumerate(head.own_projections):
             tensors[f"lm_heads.{i}.weight"] = w
         original = False
-    else:  # ours project with the target's LM head: vLLM's `original_lm_head`
-        tensors["lm_head.weight"] = target.lm_head.weight.detach()
+    else:  # ours project with the target's LM head (its draft rows): `original_lm_head`
+        lm = target.lm_head.weight.detach()
+        tensors["lm_head.weight"] = lm if vocab is None else lm[vocab.to(lm.device)]
         original = True
+    if vocab is not None:  # vLLM scatters the draft logits back to the target's ids
+        tensors["token_map"] = vocab.detach().cpu().long()
     config = {
         "architectures": ["MedusaModel"],
         "model_type": "medusa",
@@ -190,7 +195,7 @@ def _medusa(head: MedusaHeads, target: LlamaModel, fmt: str):
         "num_hidden_layers": len(head.medusa_head[0]),
         "medusa_fc_bias": True,
         "original_lm_head": original,
-        "truncated_vocab_size": None,
+        "truncated_vocab_size": None if vocab is None else int(vocab.numel()),
     }
     return tensors, config
 

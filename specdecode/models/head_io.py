@@ -157,7 +157,8 @@ def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
     vocab_ids = tensors.pop("vocab_ids", None)
     device = target.norm.weight.device
     if kind == "medusa":
-        head = _load_medusa(raw, tensors, tc)
+        head, token_map = _load_medusa(raw, tensors, tc)
+        vocab_ids = token_map if token_map is not None else vocab_ids
     elif kind == "eagle":
         tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
         tensors.pop("embed_tokens.weight", None)  # SafeAILab stores the target's copy
@@ -179,15 +180,34 @@ def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
     return head.eval().requires_grad_(False)
 
 
-def _load_medusa(raw: dict, tensors: dict[str, torch.Tensor], tc: ModelConfig) -> MedusaHeads:
+def _load_medusa(
+    raw: dict, tensors: dict[str, torch.Tensor], tc: ModelConfig
+) -> tuple[MedusaHeads, torch.Tensor | None]:
     """Ours (`medusa_head.{i}.{j}.linear.*`), FasterDecoding (`{i}.{j}.linear.*`, vocabulary
-    projection `{i}.{L}.weight`) or vLLM (`blocks.{i}.layers.{j}.*`, `lm_heads.{i}.weight`)."""
+    projection `{i}.{L}.weight`) or vLLM (`blocks.{i}.layers.{j}.*`, `lm_heads.{i}.weight`; a
+    draft vocabulary as `token_map`, used as vLLM does: when `truncated_vocab_size` is below
+    the target's). Returns the heads and that draft vocabulary (None: the target's)."""
     import re
 
     heads_n = raw.get("medusa_num_heads") or raw.get("num_heads")
     layers_n = raw.get("medusa_num_layers") or raw.get("num_hidden_layers") or 1
     if not heads_n:
         raise InvalidRequestError("the Medusa config lacks medusa_num_heads / num_heads")
+    token_map = tensors.pop("token_map", None)
+    truncated = raw.get("truncated_vocab_size") or tc.vocab_size
+    if token_map is not None and int(truncated) < tc.vocab_size:
+        token_map = token_map.long().flatten()
+        if (
+            token_map.numel() != int(truncated)
+            or token_map.unique().numel() != token_map.numel()
+            or not bool(((token_map >= 0) & (token_map < tc.vocab_size)).all())
+        ):
+            raise InvalidRequestError(
+                f"the Medusa checkpoint's token_map is not {truncated} distinct ids of the "
+                f"target's {tc.vocab_size}-token vocabulary"
+            )
+    else:
+        token_map = None
     state, proj = {}, {}
     for name, t in tensors.items():
         name = name.removeprefix("medusa_heads.").removeprefix("medusa_head.")
@@ -218,14 +238,17 @@ def _load_medusa(raw: dict, tensors: dict[str, torch.Tensor], tc: ModelConfig) -
     if proj:
         if sorted(proj) != list(range(int(heads_n))):
             raise InvalidRequestError("the Medusa checkpoint has projections for some heads only")
+        if token_map is not None:  # vLLM keeps a full projection's draft rows
+            proj = {i: w[token_map] if w.shape[0] == tc.vocab_size else w for i, w in proj.items()}
+        n = tc.vocab_size if token_map is None else token_map.numel()
         rows = {tuple(w.shape) for w in proj.values()}
-        if rows != {(tc.vocab_size, tc.hidden_size)}:
+        if rows != {(n, tc.hidden_size)}:
             raise InvalidRequestError(
                 f"the Medusa checkpoint projects to {sorted(rows)}; the target needs "
-                f"[{tc.vocab_size}, {tc.hidden_size}]"
+                f"[{n}, {tc.hidden_size}]"
             )
         head.own_projections = [proj[i] for i in range(int(heads_n))]
-    return head
+    return head, token_map
 
 
 def _load_eagle3(raw: dict, tensors: dict[str, torch.Tensor], tc: ModelConfig):

@@ -237,6 +237,48 @@ def test_export_refusals(target, tmp_path):
     assert config["original_lm_head"] and config["num_heads"] == 2
 
 
+def test_medusa_with_a_draft_vocabulary_exports_its_token_map(target, tmp_path):
+    """A Medusa head over a reduced draft vocabulary exports as vLLM reads one (`token_map`,
+    `truncated_vocab_size`, the LM head's draft rows) and reads back with the same drafts; a
+    vLLM checkpoint with full-vocabulary projections and a token_map loads their draft rows;
+    a token_map that is not distinct target ids is refused."""
+    from safetensors.torch import load_file
+
+    vocab = torch.tensor([3, 0, 17, 40, 41, 9])
+    medusa = _randomise(MedusaHeads(H, 2))
+    medusa.attach(target.lm_head.weight, vocab)
+    save_head(medusa, tmp_path / "m", CFG, {})
+    config = export_head(tmp_path / "m", target, "vllm", tmp_path / "mv")
+    assert config["truncated_vocab_size"] == 6 and config["original_lm_head"]
+    tensors = load_file(str(tmp_path / "mv" / "model.safetensors"))
+    assert torch.equal(tensors["token_map"], vocab)
+    assert torch.equal(tensors["lm_head.weight"], target.lm_head.weight[vocab].to(torch.bfloat16))
+    loaded = load_head(tmp_path / "mv", target)
+    assert torch.equal(loaded.vocab_ids, vocab)
+    x = torch.randn(4, H)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), medusa(x))
+
+    projs = [torch.randn(V, H).to(torch.bfloat16).float() for _ in range(2)]
+    full = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    full |= {f"lm_heads.{i}.weight": w for i, w in enumerate(projs)}
+    vllm_config = {**config, "original_lm_head": False}
+    _write(tmp_path / "own", vllm_config, full)
+    own = load_head(tmp_path / "own", target)
+    with torch.no_grad():
+        feats = medusa.features(x)
+        want = torch.stack([feats[:, k] @ projs[k][vocab].T for k in range(2)], dim=1)
+        torch.testing.assert_close(own(x), want)
+    assert torch.equal(own.vocab_ids, vocab)
+    for bad in (torch.tensor([3, 0, 17, 40, 41, 3]), torch.tensor([3, 0, 17, 40, 41, V])):
+        _write(tmp_path / "bad", vllm_config, {**full, "token_map": bad})
+        with pytest.raises(InvalidRequestError, match="token_map"):
+            load_head(tmp_path / "bad", target)
+    # a token_map vLLM would ignore (no truncated size below the target's) is ignored here too
+    _write(tmp_path / "whole", {**vllm_config, "truncated_vocab_size": None}, full)
+    assert load_head(tmp_path / "whole", target).vocab_ids is None
+
+
 def test_heads_of_qwen_targets_export_as_llama_layers(tmp_path):
     """A Qwen2 target's head has q/k/v biases: vLLM's Llama layer takes them with
     `attention_bias`, which also gives o_proj a bias (written as zeros, read back as none);
