@@ -94,7 +94,13 @@ class Drafter(ABC):
         """`accepted[i]`: the draft nodes of proposal i the target kept, in path order."""
 
     def release(self, seq: Sequence) -> None:
-        """The sequence finished or was preempted: drop its state."""
+        """The sequence finished or was aborted: drop its state."""
+
+    def preempt(self, seq: Sequence) -> None:
+        """The sequence was preempted and will be recomputed: drop what the recompute
+        rebuilds (by default everything), keep what it must continue (a seeded random
+        stream: restarting it would draw again the numbers its earlier drafts used)."""
+        self.release(seq)
 
     def tracked_ids(self) -> set[int]:
         """Sequences this drafter holds state for (leak checks)."""

@@ -62,6 +62,7 @@ class DraftModelDrafter(Drafter):
         self.manager = BlockManager(num_blocks, block_size)
         self.cache = KVCache(model.config, num_blocks, block_size, dtype, self.device)
         self._state: dict[int, _DraftState] = {}
+        self._preempted_generators: dict[int, torch.Generator] = {}  # until the recompute
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, engine: LLMEngine) -> DraftModelDrafter:
@@ -115,8 +116,8 @@ class DraftModelDrafter(Drafter):
         st = self._state.get(seq.seq_id)
         if st is None:
             seed = seq.params.seed
-            gen = None
-            if seed is not None:
+            gen = self._preempted_generators.pop(seq.seq_id, None)
+            if gen is None and seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(seed ^ 0x5EED5EED)
             st = self._state[seq.seq_id] = _DraftState(SeqBlocks(), gen)
@@ -262,12 +263,22 @@ class DraftModelDrafter(Drafter):
         st.fed_nodes = 0
 
     def tracked_ids(self) -> set[int]:
-        return set(self._state)
+        return set(self._state) | set(self._preempted_generators)
 
     def release(self, seq: Sequence) -> None:
+        self._preempted_generators.pop(seq.seq_id, None)
         st = self._state.pop(seq.seq_id, None)
         if st is not None:
             self.manager.free(st.blocks)
+
+    def preempt(self, seq: Sequence) -> None:
+        """The draft cache is rebuilt with the target's; the seeded draft stream goes on where
+        it was (drafts drawn again from its start would reuse the uniforms that chose the
+        tokens already emitted, and the text would no longer follow the target)."""
+        st = self._state.get(seq.seq_id)
+        self.release(seq)
+        if st is not None and st.generator is not None:
+            self._preempted_generators[seq.seq_id] = st.generator
 
 
 def _frequent_ids(engine: LLMEngine, n: int) -> torch.Tensor:

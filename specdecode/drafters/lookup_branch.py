@@ -359,10 +359,17 @@ class LookupBranchDrafter(Drafter):
             self._prior.head_gain += _PRIOR_SMOOTHING * (gain - self._prior.head_gain)
 
     def release(self, seq: Sequence) -> None:
+        self._drop(seq)
+        self.head.release(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        self._drop(seq)
+        self.head.preempt(seq)
+
+    def _drop(self, seq: Sequence) -> None:
         self._score(seq)
         self._own.pop(seq.seq_id, None)
         self._req.pop(seq.seq_id, None)
-        self.head.release(seq)
 
     def tracked_ids(self) -> set[int]:
         return self.head.tracked_ids() | set(self._own) | set(self._req)

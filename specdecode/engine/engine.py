@@ -95,7 +95,7 @@ class LLMEngine:
             from specdecode.drafters.factory import build_drafter
 
             self.drafter = build_drafter(self.spec_config, self)
-            self.scheduler.on_preempt.append(self.drafter.release)
+            self.scheduler.on_preempt.append(self.drafter.preempt)
             if self.drafter.feature_layers is not None:
                 self.runner.feature_layers = self.drafter.feature_layers
                 self.feature_observers.append(self.drafter.observe)

@@ -230,6 +230,34 @@ def test_draft_model_sampled_distribution_unchanged(sharp_llama_dir, tmp_path):
     assert stats.num_accepted_tokens > 1000 and stats.acceptance_rate < 0.95
 
 
+@pytest.mark.parametrize("branch", [False, True], ids=["chain", "lookup-branch"])
+def test_a_preempted_seeded_draft_stream_goes_on(tiny_llama_dir, other_draft_dir, branch):
+    """A seeded request's sampled drafts draw from the draft model's own generator. Preempted,
+    the request's draft cache is rebuilt but its random stream goes on where it was: restarted
+    from the seed, the new drafts would reuse the uniforms that chose tokens already emitted,
+    and the text would no longer be distributed as the target's."""
+    cfg = {"method": "draft_model", "model": str(other_draft_dir), "num_speculative_tokens": 3}
+    if branch:  # the draft model under a lookup branch
+        cfg["prompt_lookup_tokens"] = 4
+    spec = LLM(str(tiny_llama_dir), speculative_config=cfg, speculative_policy="static")
+    engine = spec.engine
+    drafter = engine.drafter.head if branch else engine.drafter
+    seq = engine.add_request([5, 6, 7, 8], SamplingParams(temperature=1.0, seed=3, max_tokens=40))
+    while engine.spec_stats.num_draft_tokens < 6:
+        engine.step()
+    gen = drafter._state[seq.seq_id].generator
+    before = gen.get_state()
+    engine.preempt(seq)
+    assert seq.seq_id not in drafter._state and seq in engine.scheduler.waiting
+    drafts = engine.spec_stats.num_draft_tokens
+    while engine.spec_stats.num_draft_tokens == drafts:  # recomputed, then drafting again
+        engine.step()
+    assert drafter._state[seq.seq_id].generator is gen  # the same stream, not a new one
+    assert not torch.equal(gen.get_state(), before)  # which went on drawing
+    list(engine.run_to_completion())
+    assert engine.num_tracked() == 0
+
+
 def test_draft_model_with_a_lookup_branch_greedy_equals_plain(
     plain, tiny_llama_dir, other_draft_dir
 ):
