@@ -77,7 +77,8 @@ class StructuredOutput:
     @property
     def key(self) -> tuple[str, str]:
         if self.json is not None:
-            return "json", json.dumps(self.json, sort_keys=True)
+            # not sorted: the schema's property order is the order the keys are written in
+            return "json", json.dumps(self.json)
         if self.json_object:
             return "json_object", ""
         if self.regex is not None:

@@ -56,6 +56,15 @@ def test_json_schema_output_parses_and_keys_are_forced(plain):
     assert plain.engine.num_forced_tokens - before >= 8 * 2 * len(PROMPTS)
 
 
+def test_keys_follow_each_schemas_property_order(plain):
+    """Two schemas that differ only in their properties' order are two grammars: the keys come
+    out in each one's order (not in that of whichever was compiled first)."""
+    swapped = {**SCHEMA, "properties": dict(reversed(SCHEMA["properties"].items()))}
+    for schema in (SCHEMA, swapped, SCHEMA):
+        text = plain.generate(PROMPTS[0], params({"json": schema}))[0].outputs[0].text
+        assert list(json.loads(text)) == list(schema["properties"]), text
+
+
 SPEC = [
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
     {"method": "draft_model", "num_speculative_tokens": 3},  # the target drafts for itself
