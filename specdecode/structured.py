@@ -28,18 +28,20 @@ import torch
 
 from specdecode.errors import InvalidRequestError
 
-KINDS = ("json", "json_object", "regex", "grammar")
+KINDS = ("json", "json_object", "regex", "grammar", "choice")
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """Exactly one constraint (vLLM's structured-output fields): `json` (a JSON schema, as a dict
-    or a string), `json_object` (any JSON object), `regex`, or `grammar` (EBNF, GBNF style)."""
+    or a string), `json_object` (any JSON object), `regex`, `grammar` (EBNF, GBNF style), or
+    `choice` (one of the given strings)."""
 
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     grammar: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -60,6 +62,13 @@ class StructuredOutput:
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v):
                 raise InvalidRequestError(f"{k} must be a non-empty string")
+        if self.choice is not None:
+            c = self.choice
+            if not isinstance(c, (list, tuple)) or not c:
+                raise InvalidRequestError("choice must be a non-empty list of strings")
+            if not all(isinstance(x, str) and x for x in c):
+                raise InvalidRequestError("choice must hold non-empty strings")
+            object.__setattr__(self, "choice", tuple(c))
 
     @classmethod
     def coerce(cls, value: Any) -> StructuredOutput | None:
@@ -83,6 +92,8 @@ class StructuredOutput:
             return "json_object", ""
         if self.regex is not None:
             return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
         return "grammar", self.grammar or ""
 
 
@@ -123,6 +134,9 @@ class GrammarCompiler:
                 )
             elif so.regex is not None:
                 compiled = self.compiler.compile_regex(so.regex)
+            elif so.choice is not None:  # EBNF string literals take JSON's escapes
+                alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice)
+                compiled = self.compiler.compile_grammar(f"root ::= {alternatives}")
             else:
                 compiled = self.compiler.compile_grammar(so.grammar)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / its own errors

@@ -24,10 +24,13 @@ class OutputProcessor:
             if logprobs:
                 seq.output_logprobs.append(logprobs[i])
             searched = len(seq.text)  # a stop string may straddle the old and the new text
-            self._detokenize(seq)
-            if not params.ignore_eos and tok in self.eos_token_ids:
-                seq.finish_reason = "stop"
-            elif tok in params.stop_token_ids:
+            stop_token = tok in params.stop_token_ids or (
+                not params.ignore_eos and tok in self.eos_token_ids
+            )
+            # a stop token's text is left out unless asked for (as vLLM does): its id is kept
+            if not stop_token or params.include_stop_str_in_output:
+                self._detokenize(seq)
+            if stop_token:
                 seq.finish_reason = "stop"
             elif params.stop and self._cut_stop_string(seq, searched):
                 seq.finish_reason = "stop"

@@ -34,6 +34,12 @@ class _Request(BaseModel):
     min_tokens: int | None = None
     use_beam_search: bool = False
     best_of: int | None = None
+    prompt_logprobs: int | None = None
+    # tool calling is not implemented: tools are refused unless the request says not to call
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
     # vLLM's extra sampling fields
     top_k: int | None = Field(default=None, ge=-1)
     ignore_eos: bool = False
@@ -67,12 +73,21 @@ class _Request(BaseModel):
                 raise InvalidRequestError(f"{name} is not supported (only {value})", param=name)
         if self.use_beam_search:
             raise InvalidRequestError("use_beam_search is not supported", param="use_beam_search")
+        if self.prompt_logprobs:
+            raise InvalidRequestError("prompt_logprobs is not supported", param="prompt_logprobs")
+        for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+            if getattr(self, tools) and getattr(self, choice) != "none":
+                raise InvalidRequestError(
+                    f'tool calling is not supported: {tools} needs {choice}: "none"',
+                    param=tools,
+                )
 
     # structured output: OpenAI's response_format, vLLM's guided_* fields and structured_outputs
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
 
     def structured_output(self) -> StructuredOutput | None:
@@ -95,7 +110,7 @@ class _Request(BaseModel):
                     f"unsupported response_format type {kind!r}", param="response_format"
                 )
         for field, key in (("guided_json", "json"), ("guided_regex", "regex"),
-                           ("guided_grammar", "grammar")):  # fmt: skip
+                           ("guided_grammar", "grammar"), ("guided_choice", "choice")):  # fmt: skip
             if getattr(self, field) is not None:
                 given[key] = getattr(self, field)
         if self.structured_outputs:

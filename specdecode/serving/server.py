@@ -140,13 +140,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             raise bad_request(f"n must be at most {config.max_n}", "n")
         return req
 
-    def check_length(prompt_len: int, max_tokens: int | None) -> int:
+    def check_length(prompt_len: int, max_tokens: int | None, field: str) -> int:
         limit = core.max_model_len
         if prompt_len >= limit:
             raise bad_request(
                 f"this model's maximum context length is {limit} tokens; the prompt has "
                 f"{prompt_len}",
-                "messages",
+                field,
             )
         room = limit - prompt_len
         if max_tokens is None:
@@ -197,7 +197,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         except Exception as e:  # noqa: BLE001 - templates raise on roles they do not accept
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
         ids = list(tokenizer(text, add_special_tokens=False).input_ids)
-        max_tokens = check_length(len(ids), req.requested_max_tokens())
+        max_tokens = check_length(len(ids), req.requested_max_tokens(), "messages")
         params = req.sampling_params(max_tokens, req.requested_logprobs())
         jobs = [(ids, choice_params(params, j)) for j in range(req.n)]
         return await respond(request, req, jobs, len(ids), chat=True)
@@ -214,7 +214,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             ids = list(tokenizer(p).input_ids) if isinstance(p, str) else list(p)
             if not ids:
                 raise bad_request("the prompt is empty", "prompt")
-            max_tokens = check_length(len(ids), req.requested_max_tokens())
+            max_tokens = check_length(len(ids), req.requested_max_tokens(), "prompt")
             params = req.sampling_params(max_tokens, logprobs)
             jobs += [(ids, choice_params(params, j)) for j in range(req.n)]
             prompt_tokens += len(ids)

@@ -90,6 +90,14 @@ def test_stop_token_and_eos(llm):
     tok = full[7]
     out = llm.generate(PROMPTS[0], greedy(40, stop_token_ids=[tok]))[0].outputs[0]
     assert out.token_ids == full[: full.index(tok) + 1] and out.finish_reason == "stop"
+    # its text is left out, unless asked for (vLLM's include_stop_str_in_output)
+    text = llm.tokenizer.decode(out.token_ids)
+    stop_text = llm.tokenizer.decode([tok])
+    assert stop_text and out.text == text[: -len(stop_text)]
+    kept = llm.generate(
+        PROMPTS[0], greedy(40, stop_token_ids=[tok], include_stop_str_in_output=True)
+    )
+    assert kept[0].outputs[0].text == text
     eos = llm.tokenizer.eos_token_id
     if eos in full:
         out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40))[0]

@@ -233,9 +233,18 @@ def test_unsupported_sampling_fields_are_refused_unless_neutral():
         prompt="x", repetition_penalty=1.0, min_p=0.0, min_tokens=0, best_of=1
     )
     assert neutral.sampling_params(4, None).max_tokens == 4
-    for field, value in (("min_tokens", 3), ("best_of", 2), ("use_beam_search", True)):
+    for field, value in (("min_tokens", 3), ("best_of", 2), ("use_beam_search", True),
+                         ("prompt_logprobs", 1)):  # fmt: skip
         with pytest.raises(InvalidRequestError, match=field):
             CompletionRequest(prompt="x", **{field: value}).sampling_params(4, None)
+    # tool calling is not implemented: tools pass only where the request says not to call one
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for choice in (None, "auto", "required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(InvalidRequestError, match="tool calling is not supported"):
+            CompletionRequest(prompt="x", tools=[tool], tool_choice=choice).sampling_params(4, None)
+    CompletionRequest(prompt="x", tools=[tool], tool_choice="none").sampling_params(4, None)
+    with pytest.raises(InvalidRequestError, match="functions"):
+        CompletionRequest(prompt="x", functions=[tool["function"]]).sampling_params(4, None)
 
 
 @pytest.mark.parametrize("payload,status", BAD)
@@ -519,6 +528,17 @@ def test_response_format_json_schema_and_guided_regex(served, client):
     status, _ = raw(served.port, "POST", "/v1/completions",
                     json.dumps({"prompt": "abc", "guided_regex": "é+"}).encode())  # fmt: skip
     assert status == 400  # the vocabulary cannot write it
+    status, data = raw(served.port, "POST", "/v1/completions",
+                       json.dumps({"prompt": "x" * 400}).encode())  # fmt: skip
+    assert status == 400 and json.loads(data)["error"]["param"] == "prompt"  # not "messages"
+    choices = ["yes", 'say "no"', "maybe\\"]  # quotes and backslashes are literal
+    for n, extra in enumerate(
+        ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}})
+    ):
+        r = client.completions.create(
+            model=MODEL, prompt="abc", max_tokens=20, temperature=1.0, seed=n, n=4, extra_body=extra
+        )
+        assert all(c.text in choices and c.finish_reason == "stop" for c in r.choices), r.choices
 
 
 def test_streamed_completion_logprobs_offsets_run_on(client):
