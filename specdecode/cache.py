@@ -84,6 +84,10 @@ class BlockManager:
             if b not in self._free:
                 self._free.add(b)
                 heapq.heappush(self._heap, b)
+        # a block taken as the one after its sequence's last leaves its entry behind: rebuilt
+        # from the truth before stale entries pile up (a server runs many requests)
+        if len(self._heap) > 2 * len(self._free) + 64:
+            self._heap = sorted(self._free)
 
     def truncate(self, seq: SeqBlocks, length: int) -> None:
         """Drop tokens past `length` and return blocks no longer needed."""

@@ -54,6 +54,12 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         if config.kernels not in ("auto", "off"):
             raise InvalidRequestError(f"kernels must be 'auto' or 'off', got {config.kernels!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(config, name)
+            if not isinstance(value, int) or value < 1:  # 0 would schedule nothing, ever
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
+        if config.max_model_len is not None and config.max_model_len < 2:
+            raise InvalidRequestError(f"max_model_len must be >= 2, got {config.max_model_len}")
         dtype, device = resolve_dtype(config.dtype), resolve_device(config.device)
         if share_model_with is not None:
             other = share_model_with

@@ -138,3 +138,19 @@ def test_context_limit(llm, tiny_llama_dir):
         llm.generate({"prompt_token_ids": []}, greedy(5))
     out = llm.generate("x" * 250, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 6 and out[0].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"max_num_seqs": 0},
+        {"max_num_batched_tokens": 0},
+        {"block_size": 0},
+        {"max_model_len": 1},
+    ],  # fmt: skip
+)
+def test_settings_that_could_never_schedule_are_refused(tiny_llama_dir, setting):
+    """A zero budget would leave every request queued forever: refused when the engine is
+    built, with the setting's name."""
+    with pytest.raises(InvalidRequestError, match=next(iter(setting))):
+        LLM(str(tiny_llama_dir), **setting)

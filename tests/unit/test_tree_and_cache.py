@@ -127,3 +127,23 @@ def test_kv_cache_memory_follows_tokens():
     cfg = ModelConfig("llama", 128, 64, 128, 2, 4, 2, 16, 1e-6, 256, False, False, False)
     per_token = KVCache.bytes_per_token(cfg, torch.float32)
     assert per_token == 2 * 2 * 2 * 16 * 4
+
+
+def test_the_free_heap_stays_bounded_over_many_steps():
+    """Each decoding step reserves room for its drafts and gives back what was not kept; the
+    next-block preference leaves stale heap entries, which must not pile up without end."""
+    m = BlockManager(num_blocks=300, block_size=4)  # 10 x 27 blocks at most
+    seqs = [SeqBlocks() for _ in range(10)]
+    for step in range(20_000):
+        seq = seqs[step % len(seqs)]
+        if seq.length >= 100:
+            m.free(seq)
+        seq.length += 1
+        assert m.allocate(seq, seq.length + 6)  # the step's drafts
+        m.truncate(seq, seq.length)  # rejected: their blocks back
+        assert len(m._heap) <= 2 * m.num_free_blocks + 64 + 6
+    for seq in seqs:
+        m.free(seq)
+    assert m.num_free_blocks == 299
+    got = [m._pop_lowest() for _ in range(3)]
+    assert got == [1, 2, 3]
