@@ -123,8 +123,16 @@ class DraftModelDrafter(Drafter):
             st = self._state[seq.seq_id] = _DraftState(SeqBlocks(), gen)
         return st
 
+    def _within_context(self, seqs: list[Sequence], budgets: list[int]) -> list[int]:
+        """Budgets cut to the draft model's own context, which may be shorter than the
+        target's: the drafts of a request at position t are fed at t .. t + k - 2, and a
+        request past that context is verified without drafts (lossless, just slower)."""
+        limit = self.model.config.max_position_embeddings
+        return [max(0, min(k, limit - s.num_tokens)) for s, k in zip(seqs, budgets, strict=True)]
+
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
+        budgets = self._within_context(seqs, budgets)
         if self.tree is not None:
             return self._propose_tree(seqs, budgets)
         states = [self._get_state(s) for s in seqs]

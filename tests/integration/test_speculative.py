@@ -230,6 +230,27 @@ def test_draft_model_sampled_distribution_unchanged(sharp_llama_dir, tmp_path):
     assert stats.num_accepted_tokens > 1000 and stats.acceptance_rate < 0.95
 
 
+@pytest.mark.parametrize("tree", [None, "TREE"], ids=["chain", "tree"])
+def test_a_draft_model_with_a_shorter_context_stops_drafting_there(
+    plain, tiny_llama_dir, other_draft_dir, tmp_path, tree
+):
+    """A draft model whose context (64) is shorter than the target's (256) drafts while the
+    request fits it and verifies without drafts past it: plain decoding's tokens, no crash."""
+    import json
+    import shutil
+
+    short = tmp_path / "short"
+    shutil.copytree(other_draft_dir, short)
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 64}))
+    spec = draft_llm(tiny_llama_dir, short, 3, TREE if tree else None)
+    prompt = "abcabcabcabc" * 4  # 48 tokens: drafts at first, none from position 64 on
+    want = plain.generate(prompt, greedy(40))[0].outputs[0].token_ids
+    assert spec.generate(prompt, greedy(40))[0].outputs[0].token_ids == want
+    assert spec.engine.spec_stats.num_draft_tokens > 0
+    assert spec.engine.num_tracked() == 0
+
+
 @pytest.mark.parametrize("branch", [False, True], ids=["chain", "lookup-branch"])
 def test_a_preempted_seeded_draft_stream_goes_on(tiny_llama_dir, other_draft_dir, branch):
     """A seeded request's sampled drafts draw from the draft model's own generator. Preempted,
