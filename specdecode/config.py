@@ -6,10 +6,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.errors import UnsupportedModelError
+
+log = logging.getLogger(__name__)
 
 # Hugging Face `architectures[0]` -> our family name. The family decides the small differences:
 # qkv bias (Qwen2), q/k RMSNorm (Qwen3); everything else is the Llama block.
@@ -57,6 +60,12 @@ class ModelConfig:
                 f"unsupported architecture {arch!r}; supported: {supported}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        if family in ("llama", "mistral"):
+            for flag, where in (("attention_bias", "q/k/v/o"), ("mlp_bias", "MLP")):
+                if cfg.get(flag):
+                    raise UnsupportedModelError(
+                        f"{flag}: biases on the {where} projections of a {arch} are not supported"
+                    )
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -71,8 +80,8 @@ class ModelConfig:
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(_given(cfg, "rms_norm_eps", 1e-6)),
+                max_position_embeddings=_context_length(cfg, family),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
                 qk_norm=family == "qwen3",
@@ -119,6 +128,25 @@ class ModelConfig:
                 "original_max_position_embeddings": sc[4],
             }
         return out
+
+
+def _given(cfg: dict[str, Any], key: str, default):
+    """`cfg[key]`, or `default` where it is absent or null."""
+    value = cfg.get(key)
+    return default if value is None else value
+
+
+def _context_length(cfg: dict[str, Any], family: str) -> int:
+    """The positions the model attends over in full. A sliding window (Mistral v0.1; Qwen's
+    `use_sliding_window`) narrower than that caps the context at the window, where full
+    attention and the window's agree; past it they would not, and no window is implemented."""
+    n = int(_given(cfg, "max_position_embeddings", 2048))
+    window = cfg.get("sliding_window")
+    if family == "mistral" or cfg.get("use_sliding_window"):
+        if window is not None and 0 < int(window) < n:
+            log.info("context capped at the sliding window: %d of %d positions", window, n)
+            return int(window)
+    return n
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:

@@ -130,8 +130,8 @@ def load_model(
 def iter_checkpoint(
     model_dir: Path, allow_pickle: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) over every weight file in `model_dir` (sharded or not)."""
-    files = sorted(model_dir.glob("*.safetensors"))
+    """(name, tensor) over the model's weight files in `model_dir` (sharded or not)."""
+    files = _safetensors_files(model_dir)
     if files:
         yield from _iter_safetensors(files)
         return
@@ -149,6 +149,23 @@ def iter_checkpoint(
         except Exception as e:  # noqa: BLE001 - any unpickling failure is a corrupt file here
             raise CorruptModelError(f"{f}: cannot read ({e})") from e
         yield from state.items()
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    """The shards `model.safetensors.index.json` names where there is one, else `model*`
+    files, else every `*.safetensors`: a repository may hold other weights beside the model's
+    (Mistral's own `consolidated.safetensors`)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CorruptModelError(f"{index}: not a safetensors index ({e})") from e
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise CorruptModelError(f"{index} names shards that are missing: {missing[:3]}")
+        return [model_dir / n for n in names]
+    return sorted(model_dir.glob("model*.safetensors")) or sorted(model_dir.glob("*.safetensors"))
 
 
 def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -186,3 +186,41 @@ def test_exported_configs_carry_rope_scaling():
         rope = RopeConfig(theta=5e5, scaling=scaling)
         c = ModelConfig("llama", 128, 64, 128, 2, 4, 2, 16, 1e-6, 256, False, False, False, rope)
         assert _rope_from_hf(c.hf_dict(1)) == rope
+
+
+def test_only_the_models_own_shards_are_read(tmp_path):
+    """A repository may hold other weights beside the model's (Mistral ships its own
+    `consolidated.safetensors`): the index's shards are read, or `model*` files."""
+    from safetensors.torch import save_file
+
+    hf = make_tiny_hf("llama", tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    ids = list(range(1, 12))
+    want = logits_of(load_model(tmp_path / "one").model, ids)
+    other = {"layers.0.attention.wq.weight": torch.zeros(2, 2)}
+    for d in ("one", "sharded"):
+        save_file(other, str(tmp_path / d / "consolidated.safetensors"))
+        assert torch.equal(logits_of(load_model(tmp_path / d).model, ids), want)
+    shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    shards[-1].unlink()
+    with pytest.raises(CorruptModelError, match="missing"):
+        load_model(tmp_path / "sharded")
+
+
+def test_configs_the_model_cannot_honour_are_refused_or_capped(tmp_path):
+    from specdecode.config import ModelConfig
+
+    make_tiny_hf("llama", tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    for flag in ("attention_bias", "mlp_bias"):  # Llama's flags put biases on o_proj / the MLP
+        with pytest.raises(UnsupportedModelError, match=flag):
+            ModelConfig.from_hf({**cfg, flag: True})
+    # a sliding window narrower than the context caps it (full attention agrees up to there)
+    mistral = {**cfg, "architectures": ["MistralForCausalLM"], "max_position_embeddings": 256}
+    assert ModelConfig.from_hf({**mistral, "sliding_window": 64}).max_position_embeddings == 64
+    assert ModelConfig.from_hf({**mistral, "sliding_window": None}).max_position_embeddings == 256
+    qwen = {**mistral, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 64}
+    assert ModelConfig.from_hf(qwen).max_position_embeddings == 256  # not in use
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).max_position_embeddings == 64
+    nulls = ModelConfig.from_hf({**cfg, "rms_norm_eps": None, "max_position_embeddings": None})
+    assert nulls.rms_norm_eps == 1e-6 and nulls.max_position_embeddings == 2048
