@@ -161,8 +161,9 @@ def _eagle(head: EagleHead, fmt: str):
     arch = "EagleLlamaForCausalLM" if fmt == "vllm" else "LlamaForCausalLMEagle"
     if fmt == "sglang" and not has_bias:  # SGLang's fc always has a bias: a zero one here
         tensors["fc.bias"] = torch.zeros(head.config.hidden_size)
-        has_bias = True
-    config = {"architectures": [arch], **_llama_keys(head.config), "bias": has_bias}
+    # no "bias" key: SGLang's and vLLM's Llama layers read it as `attention_bias` (q/k/v/o
+    # biases this head does not have); SGLang's fc takes its bias from the tensor
+    config = {"architectures": [arch], **_llama_keys(head.config)}
     return tensors, config
 
 

@@ -131,5 +131,9 @@ def accelerate(model, weight_dtype: torch.dtype | None = None) -> bool:
     if not can_accelerate(model):
         log.info("CPU kernels unavailable: using the eager PyTorch path")
         return False
+    if weight_dtype == torch.int4 and not kernels.int4_ready():
+        # unpacked int4 weights would reach the layer loop, which reads packed ones only
+        log.info("int4 weights need AVX512_VNNI here: using the eager PyTorch path")
+        return False
     model.fast = FastPath(model, weight_dtype or model.norm.weight.dtype)
     return True

@@ -174,6 +174,9 @@ def test_medusa_layouts(target, tmp_path, layout):
 def test_export_eagle3_reads_back(target, tmp_path, fmt):
     vocab = torch.tensor([0, 5, 9, 40, 41])
     head = _eagle3(target, vocab)
+    layers = (1, 1)  # not the default ones (0, 1) of this 2-layer target: the export carries them
+    assert head.aux_layers != layers
+    head.aux_layers = layers
     save_head(head, tmp_path / "ours", CFG, {})
     config = export_head(tmp_path / "ours", target, fmt, tmp_path / fmt, "org/target")
     names = set(json.loads((tmp_path / fmt / "config.json").read_text()))
@@ -195,7 +198,7 @@ def test_export_eagle3_reads_back(target, tmp_path, fmt):
     if fmt == "vllm":
         assert config["eagle_aux_hidden_state_layer_ids"] == list(head.aux_layers)
     loaded = load_head(tmp_path / fmt, target)
-    assert torch.equal(loaded.vocab_ids, vocab)
+    assert torch.equal(loaded.vocab_ids, vocab) and loaded.aux_layers == layers
     _same_eagle(head, loaded)
 
 
@@ -324,6 +327,9 @@ def test_sglang_eagle1_gets_a_zero_fc_bias_and_eagle3_layers_must_exist(target, 
     export_head(tmp_path / "e1", target, "sglang", tmp_path / "e1-sglang")
     tensors = load_file(str(tmp_path / "e1-sglang" / "model.safetensors"))
     assert not tensors["fc.bias"].any()  # SGLang's fc always has one
+    config = json.loads((tmp_path / "e1-sglang" / "config.json").read_text())
+    # a "bias" key would give SGLang's / vLLM's Llama layer q/k/v/o biases the head lacks
+    assert not config.get("bias") and not config.get("attention_bias")
     _same_eagle(head, load_head(tmp_path / "e1-sglang", target))
     head3 = _eagle3(target, torch.arange(V))
     tensors = {k.replace("layers.0.", "midlayer."): v for k, v in _unfused(head3, CFG).items()}

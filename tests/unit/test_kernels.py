@@ -275,3 +275,17 @@ def test_quantized_activations_keep_nan_rows_apart(dtype):
     y = kernels.linear(x, p)
     assert not y[0].isfinite().any() and not y[2].isfinite().any()
     assert torch.equal(y[1:2], clean)
+
+
+def test_int4_is_not_accelerated_where_it_cannot_be_packed(monkeypatch, tiny_llama_dir):
+    """Unpacked int4 weights must not reach the layer loop (it reads packed ones only): on a
+    CPU without the int4 kernel the model stays on the eager path, with its weights."""
+    from specdecode.models.fast import accelerate, can_accelerate
+    from specdecode.models.loader import load_model
+
+    model = load_model(tiny_llama_dir).model
+    if not can_accelerate(model):
+        pytest.skip("no CPU kernels here")
+    monkeypatch.setattr(kernels, "int4_ready", lambda: False)
+    assert accelerate(model, torch.int4) is False and model.fast is None
+    assert model.layers[0].self_attn.qkv_proj.weight.numel() > 0  # not freed
