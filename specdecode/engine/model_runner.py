@@ -214,7 +214,7 @@ class ModelRunner:
         if masks:  # a constrained request: q under the same grammar masks
             for j, m in enumerate(masks):
                 if m is not None:
-                    qm = q[j] * m[: q[j].shape[0]]
+                    qm = q[j] * m[: q[j].shape[0]].to(q[j].device)  # masks are built on CPU
                     q[j] = qm / qm.sum(-1, keepdim=True).clamp_min(1e-30)
         drafts = DraftBatch.from_trees(
             [p.shape for p in proposals], [p.tokens for p in proposals], q
@@ -257,6 +257,7 @@ class ModelRunner:
 
     @staticmethod
     def _mask_row(seq: Sequence, row: torch.Tensor, allowed: torch.Tensor, root: bool = True):
+        allowed = allowed.to(row.device)  # the grammar's masks are built on CPU
         if allowed.any():
             row[: allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
             row[allowed.shape[0] :] = float("-inf")  # padded vocabulary rows

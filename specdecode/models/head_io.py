@@ -258,6 +258,8 @@ def _load_eagle3(raw: dict, tensors: dict[str, torch.Tensor], tc: ModelConfig):
     tensors.pop("embed_tokens.weight", None)  # some checkpoints carry the target's copy
     d2t = tensors.pop("d2t", None)
     t2d = tensors.pop("t2d", None)
+    if "lm_head.weight" not in tensors:
+        raise InvalidRequestError("the EAGLE-3 checkpoint has no lm_head.weight")
     vocab_n = raw.get("draft_vocab_size") or tensors["lm_head.weight"].shape[0]
     layers = raw.get("eagle_aux_hidden_state_layer_ids")
     sglang = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")

@@ -235,7 +235,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         so = jobs[0][1].structured_output
         if so is not None:  # compile (or fetch) off the event loop; `add` then hits the cache
             try:
-                await asyncio.to_thread(core.grammar_compiler().compile, so)
+                # the compiler itself too: its first build reads the whole vocabulary
+                await asyncio.to_thread(lambda: core.grammar_compiler().compile(so))
             except InvalidRequestError as e:
                 raise bad_request(str(e), "response_format") from e
         try:

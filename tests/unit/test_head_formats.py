@@ -339,3 +339,7 @@ def test_sglang_eagle1_gets_a_zero_fc_bias_and_eagle3_layers_must_exist(target, 
     _write(tmp_path / "deep", config, tensors)
     with pytest.raises(InvalidRequestError, match="another target"):
         load_head(tmp_path / "deep", target)
+    headless = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    _write(tmp_path / "headless", {**config, "eagle_aux_hidden_state_layer_ids": None}, headless)
+    with pytest.raises(InvalidRequestError, match="no lm_head"):
+        load_head(tmp_path / "headless", target)
