@@ -40,7 +40,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     text: str = ""  # detokenized output, stop strings already cut
-    # incremental detokenizer offsets into output_token_ids
+    # incremental detokenizer: the prompt's last tokens as context (a SentencePiece token's
+    # leading space shows only after another token), offsets into context + output ids
+    detok_context: list[int] | None = None
     prefix_offset: int = 0
     read_offset: int = 0
     streamed: int = 0  # characters of `text` already handed to a stream consumer

@@ -8,6 +8,16 @@ from __future__ import annotations
 
 from specdecode.core import Sequence
 
+DETOKENIZE_CONTEXT = 5  # prompt tokens decoded before the output (vLLM uses 5 as well)
+
+
+def _window(seq: Sequence, start: int, end: int | None = None) -> list[int]:
+    """Tokens [start, end) of the prompt context followed by the output."""
+    ctx, out = seq.detok_context or [], seq.output_token_ids
+    n = len(ctx)
+    end = n + len(out) if end is None else end
+    return ctx[start:end] + out[max(0, start - n) : max(0, end - n)]
+
 
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
@@ -42,15 +52,20 @@ class OutputProcessor:
                 return
 
     def _detokenize(self, seq: Sequence) -> None:
-        """Decode only a short window: text of tokens [prefix, read) vs [prefix, end)."""
-        ids = seq.output_token_ids
+        """Decode only a short window: text of tokens [prefix, read) vs [prefix, end), over the
+        prompt's last tokens then the output (so the first token decodes as it follows the
+        prompt, as vLLM's detokenizer does)."""
+        if seq.detok_context is None:
+            seq.detok_context = seq.prompt_token_ids[-DETOKENIZE_CONTEXT:]
+            seq.prefix_offset = 0
+            seq.read_offset = len(seq.detok_context)
         decode = self.tokenizer.decode
-        prefix = decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
-        full = decode(ids[seq.prefix_offset :], skip_special_tokens=True)
+        prefix = decode(_window(seq, seq.prefix_offset, seq.read_offset), skip_special_tokens=True)
+        full = decode(_window(seq, seq.prefix_offset), skip_special_tokens=True)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             seq.text += full[len(prefix) :]
             seq.prefix_offset = seq.read_offset
-            seq.read_offset = len(ids)
+            seq.read_offset = len(seq.detok_context) + len(seq.output_token_ids)
 
     def _cut_stop_string(self, seq: Sequence, searched: int) -> bool:
         """Cut at the first stop string ending in the text added since `searched` chars."""

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specdecode.engine.output import DETOKENIZE_CONTEXT
 from specdecode.errors import InvalidRequestError, SpecDecodeError
 from specdecode.sampling import SamplingParams
 from specdecode.serving.async_engine import (
@@ -296,7 +297,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             else:
                 choice["text"] = r["text"]
             wants = h.seq.params.logprobs is not None
-            choice["logprobs"] = format_logprobs(r["logprobs"], chat) if wants else None
+            context = h.seq.prompt_token_ids[-DETOKENIZE_CONTEXT:]
+            choice["logprobs"] = format_logprobs(r["logprobs"], chat, context) if wants else None
             choice["finish_reason"] = r["finish"]
             choices.append(choice)
         completion = sum(r["tokens"] for r in results)
@@ -316,14 +318,26 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             "total_tokens": prompt_tokens + completion,
         }
 
-    def format_logprobs(entries: list, chat: bool, text_offset: int = 0):
-        """Our (logprob, top) per token -> OpenAI's chat or completions logprobs object
-        (`text_offset`: characters of the choice's text before these tokens, when streaming)."""
+    def token_text(context: list[int], tok: int) -> str:
+        """`tok`'s text where it follows `context` (a SentencePiece token's leading space
+        shows only after another token; decoded alone it is dropped)."""
+        base = tokenizer.decode(context)
+        full = tokenizer.decode(context + [tok])
+        if base.endswith("\ufffd") or not full.startswith(base):
+            return tokenizer.decode([tok])
+        return full[len(base) :]
+
+    def format_logprobs(entries: list, chat: bool, context: list[int], text_offset: int = 0):
+        """Our (logprob, top) per token -> OpenAI's chat or completions logprobs object.
+        `context`: the token ids before these (the prompt's last ones, then the output's),
+        extended with them; `text_offset`: characters of the choice's text before them."""
         pieces = []
         for tok, (lp, top) in entries:
+            window = context[-DETOKENIZE_CONTEXT:]
             pieces.append(
-                (tokenizer.decode([tok]), lp, [(tokenizer.decode([t]), v) for t, v in top])
+                (token_text(window, tok), lp, [(token_text(window, t), v) for t, v in top])
             )
+            context.append(tok)
         if chat:
             return {
                 "content": [
@@ -379,6 +393,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     ]  # fmt: skip
                 )
             remaining, completion, offsets = len(handles), {}, [0] * len(handles)
+            contexts = [h.seq.prompt_token_ids[-DETOKENIZE_CONTEXT:] for h in handles]
             while remaining:
                 i, u = await queue.get()
                 if u.error:
@@ -389,8 +404,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     continue
                 completion[i] = u.num_output_tokens
                 if u.text or u.finished or u.logprobs:
-                    lp = format_logprobs(u.logprobs, chat, offsets[i]) if u.logprobs else None
-                    offsets[i] += sum(len(tokenizer.decode([t])) for t, _ in u.logprobs)
+                    lp = None
+                    if u.logprobs:
+                        lp = format_logprobs(u.logprobs, chat, contexts[i], offsets[i])
+                        pieces = [c["token"] for c in lp["content"]] if chat else lp["tokens"]
+                        offsets[i] += sum(len(t) for t in pieces)
                     c: dict = {"index": i}
                     if chat:
                         c["delta"] = {"content": u.text} if u.text else {}

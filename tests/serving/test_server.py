@@ -553,3 +553,73 @@ def test_streamed_completion_logprobs_offsets_run_on(client):
                 offsets += ch.logprobs.text_offset
     assert len(tokens) == 10
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+@pytest.fixture(scope="module")
+def word_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny model with a SentencePiece-style tokenizer (Metaspace): a token's leading
+    space shows only after another token, as with Llama 2's and Mistral's tokenizers."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    out = tmp_path_factory.mktemp("words")
+    for f in tiny_llama_dir.iterdir():
+        if f.suffix in (".json", ".safetensors") and "token" not in f.name:
+            shutil.copy(f, out / f.name)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"\u2581w{i}": i for i in range(3, 128)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(prepend_scheme="always")
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "</s>",
+                "bos_token": "<s>",
+                "unk_token": "<unk>",
+                "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+            }
+        )
+    )
+    return out
+
+
+def test_logprob_tokens_add_up_to_the_text_with_a_sentencepiece_tokenizer(word_dir):
+    """Each token's text is decoded where it follows the tokens before it, so the logprob
+    tokens join into the choice's text (alone, every `▁wN` would lose its space), and the text
+    starts as it follows the prompt, as vLLM's detokenizer gives it."""
+    core = LLMEngine(EngineConfig(model=str(word_dir)))
+    eng = AsyncLLMEngine(core)
+    eng.start()
+    s = Served(eng, api_key=None)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none")
+        prompt = "w5 w6 w7"
+        extra = {"ignore_eos": True}
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                 logprobs=2, extra_body=extra)  # fmt: skip
+        text, lp = r.choices[0].text, r.choices[0].logprobs
+        assert text.startswith(" w") and text.count(" w") == 8, text
+        assert "".join(lp.tokens) == text
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+        assert all(t.startswith(" w") for top in lp.top_logprobs for t in top)
+        streamed = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                        logprobs=1, stream=True, extra_body=extra)  # fmt: skip
+        tokens, offsets, pieces = [], [], []
+        for chunk in streamed:
+            for ch in chunk.choices:
+                pieces.append(ch.text)
+                if ch.logprobs:
+                    tokens += ch.logprobs.tokens
+                    offsets += ch.logprobs.text_offset
+        assert "".join(pieces) == text and tokens == lp.tokens and offsets == lp.text_offset
+        ask = [{"role": "user", "content": prompt}]
+        chat = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=6, temperature=0,
+                                         logprobs=True, extra_body=extra)  # fmt: skip
+        content = chat.choices[0].logprobs.content
+        assert "".join(t.token for t in content) == chat.choices[0].message.content
+    finally:
+        s.stop()
+        eng.shutdown()
