@@ -87,6 +87,12 @@ def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature)
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    try:  # "\ud83d" parses (a log cut inside an emoji) but no tokenizer can take it
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("holds text that is not valid Unicode (a lone surrogate)") from None
     if isinstance(obj, list):
         obj = {"messages": obj}
     if not isinstance(obj, dict):
@@ -106,16 +112,17 @@ def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature)
         req.prompt = obj["prompt"]
     else:
         raise ValueError("needs a non-empty 'prompt' string or a 'messages' list")
-    temp = obj.get("temperature", default_temperature)
+    temp = obj.get("temperature")
+    temp = default_temperature if temp is None else temp  # null: absent, as the server reads it
     if temp is not None:
         if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not 0 <= temp <= 2:
             raise ValueError(f"'temperature' must be a number in [0, 2], got {temp!r}")
         req.temperature = float(temp)
-    top_p = obj.get("top_p", 1.0)
+    top_p = 1.0 if obj.get("top_p") is None else obj["top_p"]
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ValueError(f"'top_p' must be a number in (0, 1], got {top_p!r}")
     req.top_p = float(top_p)
-    mt = obj.get("max_completion_tokens", obj.get("max_tokens"))
+    mt = obj.get("max_completion_tokens") or obj.get("max_tokens")  # the server's reading
     if mt is not None:
         if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
             raise ValueError(f"'max_tokens' must be a positive integer, got {mt!r}")
@@ -249,9 +256,12 @@ def predict(
     e = m.expected_tokens(k) if m and k else 1.0
     n = c * (1 + (m.drafts_per_step(k) if m and k else 0.0))
     t_step = cost.step_time(n)
-    t_draft = cost.draft.predict(c * m.depth_per_step(k)) if m and k and cost.draft else 0.0
+    drafting = bool(m and k and cost.draft)
+    t_draft = cost.draft.predict(c * m.depth_per_step(k)) if drafting else 0.0
+    # the drafter's own pass over each prompt (a draft model's prefill, a head's catch-up)
+    t_catch_up = c * cost.draft.catch_up_seconds(prompt_tokens) if drafting else 0.0
     steps = max(output_tokens - 1, 0.0) / e  # the first token comes with the prefill
-    cycle = steps * (t_step + t_draft) + c * cost.prefill(n, prompt_tokens)
+    cycle = steps * (t_step + t_draft) + c * cost.prefill(n, prompt_tokens) + t_catch_up
     return {
         "concurrency": c,
         "depth": k,
@@ -259,6 +269,7 @@ def predict(
         "tokens_fed": n,
         "step_ms": 1000 * t_step,
         "draft_ms": 1000 * t_draft,
+        "catch_up_ms": 1000 * t_catch_up,
         "throughput_tok_s": c * output_tokens / cycle,
         "tpot_ms": 1000 * cycle / output_tokens,
     }
@@ -511,6 +522,8 @@ def advice(
         "plain": plain,
         "options": options,
         "recommendation": rec,
+        # the option recommended, by its label: "eagle3+lookup" is not its config's method
+        "recommended_label": top["method"] if go else "off",
         "text": "\n".join(lines),
     }
 
@@ -546,7 +559,7 @@ def validate(llms, result, measured, costs, ids, params, levels, prompt_tokens, 
     and request whether and how deep to draft, which the static prediction does not model."""
     from specdecode.bench.serve import closed_loop
 
-    label = result["recommendation"]["method"]
+    label = result["recommended_label"]
     if label == "off" and result["options"]:
         label = result["options"][0]["method"]
     rows = []

@@ -261,9 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
         "`specdecode advise` when you have no traffic of your own yet",
     )
     dtraffic.add_argument("--workloads", default="code,chat", help="comma list")
-    dtraffic.add_argument("--num-prompts", type=int, default=8, help="per workload")
+    dtraffic.add_argument("--num-prompts", type=_at_least_one, default=8, help="per workload")
     dtraffic.add_argument("--temperature", type=float, default=0.0)
-    dtraffic.add_argument("--max-tokens", type=int, default=128)
+    dtraffic.add_argument("--max-tokens", type=_at_least_one, default=128)
     dtraffic.add_argument("--out", required=True)
 
     train = sub.add_parser("train", help="train drafters on a frozen target")
@@ -460,11 +460,18 @@ def cmd_data(args: argparse.Namespace) -> None:
     if args.data == "traffic":
         from specdecode.bench import workloads
 
+        names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        if not names:
+            raise InvalidRequestError("--workloads names none")
+        if not 0 <= args.temperature <= 2:  # what `advise` and the server accept
+            raise InvalidRequestError(f"--temperature must be in [0, 2], got {args.temperature}")
+        if not Path(args.out).resolve().parent.is_dir():
+            raise InvalidRequestError(f"--out {args.out!r}: its folder does not exist")
         lines = [
             json.dumps(
                 {"messages": m, "temperature": args.temperature, "max_tokens": args.max_tokens}
             )
-            for wl in args.workloads.split(",")
+            for wl in names
             for m in workloads.load(wl, args.num_prompts)
         ]
         Path(args.out).write_text("\n".join(lines) + "\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specdecode import data
+from specdecode.errors import InvalidRequestError
 
 Messages = list[dict[str, str]]
 
@@ -38,7 +39,7 @@ def load(name: str, n: int) -> list[Messages]:
             if len(out) == n:
                 break
         return out
-    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    raise InvalidRequestError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 
 def _system_as_user(messages: Messages) -> Messages:

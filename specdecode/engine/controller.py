@@ -418,6 +418,8 @@ class GoodputController:
         catch_up = catch_up or [0] * len(seqs)
         limit = self.disable_by_batch_size
         capped = limit is not None and num_running > limit
+        if self.policy != "adaptive" or capped:
+            self.last_predicted_gain = 1.0  # no plan of the controller's: none predicted
         if self.policy == "off" or not seqs or capped:
             budgets = [0] * len(seqs)
         elif self.policy == "static":

@@ -100,7 +100,8 @@ class _EngineCollector:
         )  # fmt: skip
         yield gauge(
             "specdecode:predicted_speedup", "The controller's predicted goodput of its plan over "
-            "plain decoding, last step.", ctrl["predicted_gain"],
+            "plain decoding, last step (1 when it does not plan: policy off or static, or over "
+            "--speculative-disable-by-batch-size).", ctrl["predicted_gain"],
         )  # fmt: skip
 
 

@@ -290,3 +290,27 @@ def test_bench_structured_reports_each_mode(tiny_llama_dir, tmp_path):
     assert [row["constrained"] for row in rows] == [True, False]
     assert all(row["plain"]["tokens"] > 0 and row["spec"]["tokens"] > 0 for row in rows)
     assert rows[0]["plain"]["forced_share"] > 0  # '[{"op":"' is forced
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--workloads", "bogus"], "unknown workload 'bogus'"),
+        (["--workloads", " , "], "names none"),
+        (["--temperature", "5"], "--temperature"),
+        (["--max-tokens", "0"], "max-tokens"),
+    ],
+)
+def test_data_traffic_refuses_bad_input_in_one_line(tmp_path, args, message):
+    r = run("data", "traffic", "--out", str(tmp_path / "t.jsonl"), "--num-prompts", "1", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert message in r.stderr.strip().splitlines()[-1]
+    r = run("data", "traffic", "--out", str(tmp_path / "no" / "t.jsonl"), "--num-prompts", "1")
+    assert r.returncode == 2 and "folder does not exist" in r.stderr
+
+
+def test_data_traffic_strips_workload_names(tmp_path):
+    out = tmp_path / "t.jsonl"
+    r = run("data", "traffic", "--out", str(out), "--num-prompts", "1", "--workloads", "code, sql")
+    assert r.returncode == 0, r.stderr
+    assert len(out.read_text().splitlines()) == 2

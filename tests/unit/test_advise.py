@@ -36,6 +36,21 @@ def test_read_traffic_formats_and_bad_lines(tmp_path):
     assert "top_p" in t.bad_lines[2] and "JSON" in t.bad_lines[3]
     with pytest.raises(InvalidRequestError, match="not found"):
         read_traffic(tmp_path / "nothing.jsonl")
+    # OpenAI bodies with explicit nulls read as the server reads them; a lone surrogate (a log
+    # cut inside an emoji) and a too deeply nested line are bad lines, not a failed run
+    p.write_text(
+        "\n".join(
+            [
+                json.dumps({"prompt": "a", "top_p": None, "temperature": None}),
+                json.dumps({"prompt": "b", "max_completion_tokens": None, "max_tokens": 7}),
+                '{"prompt": "\\ud83d"}',
+                "[" * 100_000,
+            ]
+        )
+    )
+    t = read_traffic(p, default_max_tokens=9)
+    assert [(r.top_p, r.max_tokens) for r in t.requests] == [(1.0, 9), (1.0, 7)]
+    assert "surrogate" in t.bad_lines[0] and "line 4" in t.bad_lines[1]
 
 
 def _measured(accepted, drafted, decisions, tree=False) -> Measured:
@@ -93,6 +108,14 @@ def test_prediction_follows_the_cost_model():
     t = 0.010 + 0.001 * n + 0.002 * 4 * 1.3
     assert spec["tokens_fed"] == pytest.approx(n)
     assert spec["throughput_tok_s"] == pytest.approx(4 * 50 / (49 / 1.85 * t + 4 * 0.020), 1e-3)
+    # a drafter with a catch-up cost (a draft model's prefill of each prompt) pays it too
+    catching = DraftCostModel()
+    for d, c in ((1, 0), (2, 0), (4, 100), (8, 0), (1, 50)):
+        catching.observe(d, 0.002 * d + 0.0005 * c, c)
+    late = predict(CostModel(step, catching), 4, 20, 50, m, 2)
+    assert late["catch_up_ms"] == pytest.approx(4 * 20 * 0.5, 1e-2)
+    slower = 4 * 50 / (4 * 50 / spec["throughput_tok_s"] + 4 * 20 * 0.0005)
+    assert late["throughput_tok_s"] == pytest.approx(slower, 1e-2)
     # more requests in flight: the same drafts cost more in absolute terms, plain gains more
     big = predict(cost, 64, 20, 50)
     big_spec = predict(cost, 64, 20, 50, m, 2)
@@ -163,3 +186,46 @@ def test_seed_comparison_states_agreement_from_the_rows():
     rows[1] = _row("ngram", "json", 0.0, 1.4, 0.6, 2.0)
     text = "\n".join(seed_comparison(result))
     assert "T=0): disagrees. Best acceptance 60%" in text
+
+
+def test_validation_runs_the_option_recommended_by_its_label(monkeypatch):
+    """A `+lookup` candidate's config names the bare method: the validation must run that
+    candidate's own engine and depth, not the bare drafter's."""
+    from types import SimpleNamespace
+
+    from specdecode import advise
+    from specdecode.bench import serve
+
+    step = StepCostModel()
+    for n in (1, 2, 4, 8, 16):
+        step.calibrate(n, 0.010 + 0.001 * n)
+    draft = DraftCostModel()
+    for d in (1, 2, 4):
+        draft.observe(d, 0.002 * d)
+    cost = CostModel(step, draft)
+    ran = []
+
+    def closed_loop(engine, ids, levels, policies, *a, **k):
+        ran.append((engine.name, policies[0], engine.controller.max_depth))
+        return [{"concurrency": c, "throughput_tok_s": 10.0, "tpot_ms": 1.0} for c in levels]
+
+    monkeypatch.setattr(serve, "closed_loop", closed_loop)
+    llms = {
+        name: SimpleNamespace(
+            engine=SimpleNamespace(name=name, controller=SimpleNamespace(max_depth=5))
+        )
+        for name in ("off", "eagle3", "eagle3+lookup")
+    }
+    m = _measured([60, 25, 10, 5], [80, 50, 30, 20], 100)
+    measured = {"eagle3": m, "eagle3+lookup": m}
+    costs = {"off": cost, "eagle3": cost, "eagle3+lookup": cost}
+    traffic = advise.Traffic([], [])
+    result = advise.advice(1, traffic, [], measured, costs, 20, 50, 10.0, 0.0)
+    assert result["recommended_label"] in measured
+    result["options"] = [  # the lookup candidate best, at its own depth
+        {**o, "depth": 4 if o["method"] == "eagle3+lookup" else 2} for o in result["options"]
+    ]
+    result["recommended_label"] = "eagle3+lookup"
+    advise.validate(llms, result, measured, costs, [[1]], [None], [1], 20, 50)
+    assert ("eagle3+lookup", "static", 4) in ran and ("eagle3+lookup", "adaptive", 4) in ran
+    assert not any(name == "eagle3" for name, _, _ in ran)

@@ -252,8 +252,9 @@ def test_static_policy_and_its_batch_size_switch():
     # a hard cap under the adaptive policy too (no drafts, probes or lite drafts past it)
     a = controller(memory_bound, acceptance=0.9, draft_s=0.0001)
     a.disable_by_batch_size = 4
-    assert any(a.plan(seqs(4), 4, 4))
+    assert any(a.plan(seqs(4), 4, 4)) and a.last_predicted_gain > 1
     assert a.plan(seqs(5), 5, 5) == [0] * 5 and not a.shadow_requests
+    assert a.last_predicted_gain == 1.0  # the gauge: nothing drafts, no gain predicted
     off = GoodputController("off", 3, lambda k: k)
     assert off.plan(seqs(2), 2, 2) == [0, 0]
     with pytest.raises(InvalidRequestError, match="policy"):
