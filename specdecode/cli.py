@@ -10,7 +10,7 @@ import logging
 import sys
 
 from specdecode.data import SOURCES
-from specdecode.errors import InvalidRequestError, SpecDecodeError
+from specdecode.errors import DataError, InvalidRequestError, SpecDecodeError
 
 
 def _at_least_one(text: str) -> int:
@@ -481,7 +481,7 @@ def cmd_data(args: argparse.Namespace) -> None:
 
     try:  # before the model loads: a wrong path fails at once
         skip = set().union(*(answered_ids(Path(d)) for d in args.exclude_data))
-    except FileNotFoundError as e:
+    except DataError as e:
         raise InvalidRequestError(f"--exclude-data: {e}") from e
     kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs}
     llm = LLM(args.model, **kwargs)

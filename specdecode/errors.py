@@ -25,5 +25,9 @@ class InvalidRequestError(SpecDecodeError):
         self.param = param  # the request field at fault, when known (OpenAI error bodies)
 
 
+class DataError(SpecDecodeError, ValueError):
+    """Training data or a checkpoint to continue from that does not fit the run."""
+
+
 class OutOfMemoryError(SpecDecodeError):
     """The KV cache cannot hold a sequence even when it runs alone."""

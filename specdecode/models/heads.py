@@ -283,7 +283,7 @@ def eagle3_aux_layers(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's low, mid and high layers: the residual streams entering layers 2, N//2, N-3
     (distinct layers of a smaller model's own span when it has fewer than 6)."""
     n = num_layers
-    return (2, n // 2, n - 3) if n >= 6 else tuple(sorted({0, n // 2, n - 1}))
+    return (2, n // 2, n - 3) if n >= 7 else tuple(sorted({0, n // 2, n - 1}))
 
 
 class Eagle3Head(EagleHead):

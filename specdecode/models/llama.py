@@ -210,8 +210,8 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(input_ids)
         captured = []
         for i, layer in enumerate(self.layers):
-            if i in capture_layers:
-                captured.append(h)
+            # in layer order, once per request of the layer (as the fast path captures)
+            captured += [h] * capture_layers.count(i)
             h = layer(h, cos, sin, meta)
         return ModelOutput(self.norm(h), captured)
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from specdecode.errors import DataError, InvalidRequestError
+
 log = logging.getLogger(__name__)
 
 
@@ -91,7 +93,7 @@ def shard_paths(data_dir: Path) -> list[Path]:
     """The shards of a data directory, in order; an error when there are none."""
     paths = sorted(data_dir.glob("shard-*.safetensors"))
     if not paths:
-        raise FileNotFoundError(f"no shards in {data_dir} (run `specdecode data generate`)")
+        raise DataError(f"no shards in {data_dir} (run `specdecode data generate`)")
     return paths
 
 
@@ -124,8 +126,6 @@ def _shard_done(path: Path, want: list[str], feature_layers: str | None = None) 
     """Whether the shard at `path` holds the range `want`; False (to regenerate) for a range it
     holds only the start of (a run extended past a partly filled last shard); an error for a
     range that does not match (another shard size or conversation list in the same place)."""
-    from specdecode.errors import InvalidRequestError
-
     if not path.exists():
         return False
     meta = _metadata(path)
@@ -233,7 +233,14 @@ def generate(
         "source": f"{source} (train split), first user turn",
     }
     recorder = None
+    drafter_layers = engine.runner.feature_layers  # a feature-reading drafter's, or None
     if feature_layers is not None:
+        if drafter_layers is not None and tuple(feature_layers) != tuple(drafter_layers):
+            raise InvalidRequestError(
+                f"this engine's drafter reads features of layers {list(drafter_layers)}; "
+                f"the data would store {list(feature_layers)}: generate data on an engine "
+                "without speculation (or with the same layers)"
+            )
         meta["feature_layers"] = json.dumps(list(feature_layers))
         engine.runner.feature_layers = tuple(feature_layers)
         recorder = _FeatureRecorder()
@@ -274,5 +281,5 @@ def generate(
         bar.close()
         if recorder is not None:
             engine.feature_observers.remove(recorder)
-            engine.runner.feature_layers = None
+            engine.runner.feature_layers = drafter_layers
     return written

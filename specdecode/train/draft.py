@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.errors import DataError
 from specdecode.models.llama import LlamaModel
 from specdecode.train.datagen import Example, iter_examples
 
@@ -130,8 +131,11 @@ def _losses(
     t_hidden: torch.Tensor,
 ):
     """Soft cross-entropy to the target (its features `t_hidden` [n, H] at the masked
-    positions) restricted to the draft vocabulary, and top-1 agreement with the target's
-    full-vocabulary argmax."""
+    positions) restricted to the draft vocabulary, top-1 agreement with the target's
+    full-vocabulary argmax, and n (0: no answer token within max_len, nothing to learn)."""
+    n = int(mask.sum())
+    if n == 0:
+        return None, None, 0
     with torch.no_grad():
         t_logits = target.compute_logits(t_hidden)
         t_top1 = t_logits.argmax(-1)
@@ -140,7 +144,7 @@ def _losses(
     d_logits = draft.lm_head(d_hidden).float()
     loss = -(p * d_logits.log_softmax(-1)).sum(-1).mean()
     agree = (draft.vocab_ids[d_logits.argmax(-1)] == t_top1).float().mean()
-    return loss, agree
+    return loss, agree, n
 
 
 def _batch(examples, features, idx, max_len):
@@ -161,7 +165,7 @@ def train_draft(
     torch.manual_seed(cfg.seed)
     examples = list(iter_examples(data_dir, features=False))  # (a head's features: unused)
     if len(examples) <= cfg.eval_examples:
-        raise ValueError(
+        raise DataError(
             f"{data_dir} holds {len(examples)} examples; need more than "
             f"{cfg.eval_examples} (the last ones are held out for evaluation)"
         )
@@ -186,7 +190,9 @@ def train_draft(
         if len(order) < cfg.batch_size:
             order = torch.randperm(len(train), generator=gen).tolist()
         idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
-        loss, agree = _losses(target, draft, *_batch(train, train_feats, idx, cfg.max_len))
+        loss, agree, n = _losses(target, draft, *_batch(train, train_feats, idx, cfg.max_len))
+        if not n:  # no answer token within max_len in this batch
+            continue
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -214,13 +220,19 @@ def _coverage(examples: list[Example], vocab_ids: torch.Tensor) -> float:
 
 @torch.no_grad()
 def _evaluate(target, draft, held: list[Example], feats, cfg: DraftTrainConfig) -> dict:
-    losses, agrees = [], []
+    loss_sum = agree_sum = total = 0.0  # weighted by answer tokens
     for i in range(0, len(held), cfg.batch_size):
         idx = list(range(i, min(i + cfg.batch_size, len(held))))
-        loss, agree = _losses(target, draft, *_batch(held, feats, idx, cfg.max_len))
-        losses.append(loss.item())
-        agrees.append(agree.item())
-    return {"loss": sum(losses) / len(losses), "top1_agreement": sum(agrees) / len(agrees)}
+        loss, agree, n = _losses(target, draft, *_batch(held, feats, idx, cfg.max_len))
+        if n:
+            loss_sum, agree_sum, total = (
+                loss_sum + loss.item() * n,
+                agree_sum + agree.item() * n,
+                total + n,
+            )
+    if not total:
+        raise DataError(f"no held-out answer token lies within --max-len {cfg.max_len}")
+    return {"loss": loss_sum / total, "top1_agreement": agree_sum / total}
 
 
 def save_draft(

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdecode.errors import DataError
 from specdecode.models.head_io import save_head
 from specdecode.models.heads import Eagle3Head, EagleHead, MedusaHeads
 from specdecode.models.llama import LlamaModel
@@ -124,13 +125,13 @@ def load_examples(
     for d in dirs:
         meta = shard_metadata(d)
         if "feature_layers" not in meta:
-            raise ValueError(
+            raise DataError(
                 f"{d} has no target features; regenerate it with "
                 "`specdecode data generate --features eagle3` (the default)"
             )
         these = tuple(json.loads(meta["feature_layers"]))
         if layers is not None and these != layers:
-            raise ValueError(
+            raise DataError(
                 f"{d} stores features of layers {list(these)}, {dirs[0]} of {list(layers)}: "
                 "data sets trained on together need the same layers"
             )
@@ -138,7 +139,7 @@ def load_examples(
         examples = [e for e in iter_examples(d) if e.features is not None]
         examples = [e for e in examples if len(e.input_ids) >= 4]
         if len(examples) <= eval_examples:
-            raise ValueError(
+            raise DataError(
                 f"{d} holds {len(examples)} usable examples; need more than "
                 f"{eval_examples} (the last ones are held out)"
             )
@@ -450,7 +451,9 @@ def train_eagle(
 ) -> dict:
     torch.manual_seed(cfg.seed)
     tr = _Trainer(target, data, cfg, eos_ids)
-    head = EagleHead(target.config)
+    # continuing a head whose fc has a bias (SafeAILab's EAGLE-1 layout) keeps it
+    prev_fc = getattr(tr.init_head, "fc", None)
+    head = EagleHead(target.config, fc_bias=getattr(prev_fc, "bias", None) is not None)
     _identity_start(head, target)
     head = head.float()
     head.attach(target.embed_tokens, tr.lm_rows, None)
@@ -561,7 +564,7 @@ def train_eagle3(
     tr = _Trainer(target, data, cfg, eos_ids)
     layers = tr.feature_layers
     if len(layers) < 2:
-        raise ValueError(
+        raise DataError(
             f"the data stores features of layers {list(layers)}; EAGLE-3 needs the low/mid/high "
             "layer inputs (`specdecode data generate --features eagle3`)"
         )
@@ -612,6 +615,8 @@ def _identity_start3(head: Eagle3Head, target: LlamaModel, lm_rows: torch.Tensor
     _silenced_copy(dst, src)
     head.fc.weight.zero_()
     head.fc.weight[:, -h:].copy_(torch.eye(h))
+    if head.fc.bias is not None:
+        head.fc.bias.zero_()
     head.norm.load_state_dict(target.norm.state_dict())
     head.lm_head.weight.copy_(lm_rows)
 
@@ -625,10 +630,16 @@ def _continue_from(head, tr: _Trainer, vocab: torch.Tensor | None) -> None:
         prev_vocab is not None and vocab is not None and torch.equal(prev_vocab, vocab.cpu())
     )
     if type(prev) is not type(head) or not same_vocab:
-        raise ValueError(f"{tr.cfg.init} is not a head of this kind with this draft vocabulary")
+        raise DataError(f"{tr.cfg.init} is not a head of this kind with this draft vocabulary")
+    if getattr(prev, "own_projections", None) is not None:
+        raise DataError(
+            f"{tr.cfg.init} has its own vocabulary projections per head (a FasterDecoding or "
+            "vLLM Medusa checkpoint); heads trained here project with the target's LM head, "
+            "so continuing it would drop them: train a new head instead"
+        )
     for attr in ("aux_layers", "norm_before_residual"):  # EAGLE-3: what the features mean
         if getattr(prev, attr, None) != getattr(head, attr, None):
-            raise ValueError(
+            raise DataError(
                 f"{tr.cfg.init} has {attr} {getattr(prev, attr)}, this run "
                 f"{getattr(head, attr)}: continue it on data with the same feature layers"
             )

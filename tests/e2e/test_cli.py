@@ -314,3 +314,12 @@ def test_data_traffic_strips_workload_names(tmp_path):
     r = run("data", "traffic", "--out", str(out), "--num-prompts", "1", "--workloads", "code, sql")
     assert r.returncode == 0, r.stderr
     assert len(out.read_text().splitlines()) == 2
+
+
+def test_training_data_that_does_not_fit_is_a_one_line_error(tiny_llama_dir, tmp_path):
+    (tmp_path / "data").mkdir()
+    for kind in ("draft", "eagle"):
+        r = run("train", kind, "--model", str(tiny_llama_dir), "--data", str(tmp_path / "data"),
+                "--out", str(tmp_path / kind))  # fmt: skip
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "specdecode: error:" in r.stderr.strip().splitlines()[-1]

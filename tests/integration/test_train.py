@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdecode import LLM, SamplingParams
+from specdecode.errors import DataError
 from specdecode.train.datagen import (
     answered_ids,
     generate,
@@ -79,7 +80,7 @@ def test_a_second_data_set_skips_the_conversations_of_the_first(llm, tmp_path):
     first = tmp_path / "first"
     generate(llm, CONVS[:3], first, shard_size=2, max_tokens=4)
     assert answered_ids(first) == {"c0", "c1", "c2"}
-    with pytest.raises(FileNotFoundError, match="no shards"):
+    with pytest.raises(DataError, match="no shards"):
         answered_ids(tmp_path / "missing")
     missing = ["data", "generate", "--out", str(tmp_path / "x"), "--exclude-data", "nowhere"]
     assert main(missing) == 2  # a clear error, before any model loads
@@ -161,3 +162,23 @@ def test_shards_store_the_targets_features(llm, tiny_llama_dir, tmp_path):
         want = torch.cat([out.captured[0], out.hidden], -1)[0, :-1]
         assert ex.features.shape == (len(ex.input_ids) - 1, 2 * 64)
         torch.testing.assert_close(ex.features.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_draft_training_skips_batches_with_no_answer_within_max_len(llm, tiny_llama_dir, tmp_path):
+    """Prompts longer than --max-len leave a batch nothing to learn: skipped, and the held-out
+    figures are weighted by answer tokens (one empty batch made them NaN)."""
+    import math
+
+    from specdecode.models.loader import load_model
+
+    convs = [
+        (f"c{i}", [{"role": "user", "content": ("x" * 60 if i % 2 else "") + f"say {i}"}])
+        for i in range(24)
+    ]
+    generate(llm, convs, tmp_path / "data", shard_size=16, max_tokens=12)
+    target = load_model(tiny_llama_dir).model
+    cfg = DraftTrainConfig(num_layers=1, draft_vocab=64, steps=6, batch_size=1, max_len=40,
+                           eval_examples=6)  # fmt: skip
+    history = train_draft(target, tmp_path / "data", tmp_path / "draft", cfg, [2])
+    for when in ("before", "after"):
+        assert all(math.isfinite(v) for v in history[when].values()), history[when]

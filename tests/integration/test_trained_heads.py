@@ -193,6 +193,13 @@ def test_training_continues_from_a_head(heads, tiny_llama_dir, tmp_path):
     assert after["top1_per_step"][0] > before["top1_per_step"][0] + 0.3  # it did learn
     # (checkpoints are bf16, so the restart is close to, not exactly, where it ended)
     assert again["before"]["top1_per_step"][0] == pytest.approx(after["top1_per_step"][0], abs=0.1)
+    # a head whose fc has a bias (SafeAILab's layout; SGLang's export adds a zero one) too
+    from specdecode.export import export_head
+
+    export_head(root / "eagle", target, "sglang", tmp_path / "sg")
+    cfg = HeadTrainConfig(draft_vocab=64, steps=1, batch_tokens=512, warmup=1, eval_examples=8,
+                          init=str(tmp_path / "sg"))  # fmt: skip
+    assert train_eagle(target, root / "data", tmp_path / "e3", cfg, [2])["steps_done"] == 1
 
 
 def test_training_stops_at_its_time_budget(heads, tiny_llama_dir, tmp_path):
@@ -424,3 +431,22 @@ def test_a_dynamic_trees_drafting_depth_is_the_levels_the_head_ran(tiny_llama_di
                 engine.step()
                 finishing += seq.finished and len(held) > before
     assert finishing > 0 and all(held)
+
+
+def test_data_generation_on_a_drafting_engine_leaves_its_drafter_fed(
+    heads, tiny_llama_dir, tmp_path
+):
+    """`generate` on an engine whose drafter reads target features: data of the drafter's own
+    layout is written and the drafter still drafts after; another layout is refused."""
+    root, _ = heads
+    cfg = {"method": "medusa", "model": str(root / "medusa")}
+    spec = LLM(str(tiny_llama_dir), speculative_config=cfg, speculative_policy="static")
+    layers = spec.engine.runner.feature_layers
+    convs = [(f"c{i}", [{"role": "user", "content": f"say {i}"}]) for i in range(3)]
+    with pytest.raises(InvalidRequestError, match="drafter reads features"):
+        generate(spec, convs, tmp_path / "other", shard_size=4, max_tokens=8, feature_layers=(0, 1))
+    generate(spec, convs, tmp_path / "same", shard_size=4, max_tokens=8, feature_layers=layers)
+    assert spec.engine.runner.feature_layers == layers
+    before = spec.engine.spec_stats.num_draft_tokens
+    spec.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert spec.engine.spec_stats.num_draft_tokens > before

@@ -313,3 +313,36 @@ def test_several_data_sets_train_together_each_holding_out_its_last(tmp_path):
         load_examples([chat, data_set("other", ["x", "y"], layers=(0, 1))], 1)
     with pytest.raises(ValueError, match="need more than 4"):
         load_examples([chat], 4)
+
+
+def test_eagle3_feature_layers_are_distinct_at_every_depth():
+    from specdecode.models.heads import eagle3_aux_layers
+
+    for n in range(1, 81):
+        layers = eagle3_aux_layers(n)
+        assert len(set(layers)) == len(layers) and all(0 <= i < n for i in layers), (n, layers)
+    assert eagle3_aux_layers(30) == (2, 15, 27)  # the shipped SmolLM2 head's
+
+
+def test_continuing_a_head_keeps_what_it_has_or_refuses():
+    """`--init` from an imported Medusa head with its own vocabulary projections would drop
+    them: refused. An EAGLE-1 head whose fc has a bias is continued with its bias."""
+    from types import SimpleNamespace
+
+    from specdecode.errors import DataError
+    from specdecode.train.heads import _continue_from
+
+    h, v = CFG.hidden_size, CFG.vocab_size
+    prev = MedusaHeads(h, 2)
+    prev.vocab_ids = None
+    prev.own_projections = [torch.randn(v, h), torch.randn(v, h)]
+    tr = SimpleNamespace(init_head=prev, cfg=SimpleNamespace(init="imported"))
+    with pytest.raises(DataError, match="own vocabulary projections"):
+        _continue_from(MedusaHeads(h, 2), tr, None)
+    biased = EagleHead(CFG, fc_bias=True)
+    biased.vocab_ids = None
+    with torch.no_grad():
+        biased.fc.bias.uniform_(-1, 1)
+    head = EagleHead(CFG, fc_bias=True)
+    _continue_from(head, SimpleNamespace(init_head=biased, cfg=tr.cfg), None)
+    assert torch.equal(head.fc.bias, biased.fc.bias)

@@ -63,11 +63,14 @@ def test_captured_layer_inputs_match_hf_hidden_states(ours_and_hf):
     ours, hf = ours_and_hf
     ids = list(range(7, 30))
     r = Runner(ours)
-    _, out = r.feed([r.new_seq()], [ids], capture=(0, 1))
+    # a layer asked for twice is captured twice, on both paths (a feature layout is positional)
+    capture = (0, 1, 1)
+    _, out = r.feed([r.new_seq()], [ids], capture=capture)
     with torch.no_grad():
         hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
     # hidden_states[i] is the input of layer i; the last entry has the final norm applied.
-    for k, layer in enumerate((0, 1)):
+    assert len(out.captured) == len(capture)
+    for k, layer in enumerate(capture):
         torch.testing.assert_close(out.captured[k], hs[layer][0], atol=ATOL, rtol=0)
     torch.testing.assert_close(out.hidden, hs[-1][0], atol=ATOL, rtol=0)
 
