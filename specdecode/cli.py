@@ -362,26 +362,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
+    from specdecode import bench as b
+
     lat = bsub.add_parser("latency", help="plain decoding tok/s vs transformers, and the floor")
     add_engine_args(lat)
     add_speculative_args(lat)
     lat.add_argument(
         "--workloads",
+        type=b.workload_list,
         default="code,sql,json,chat",
         help="speculative mode: comma-separated subset of code,sql,json,chat",
     )
-    lat.add_argument("--temperatures", default="0,0.7,1.0", help="speculative mode")
+    lat.add_argument(
+        "--temperatures", type=b.temperatures, default="0,0.7,1.0", help="speculative mode"
+    )
     lat.add_argument(
         "--compare",
+        type=b.config_list,
         default=None,
         help="speculative mode: a JSON list of further speculative configs measured in the "
         "same run against the same plain baseline",
     )
-    lat.add_argument("--num-prompts", type=int, default=3, help="speculative mode, per workload")
-    lat.add_argument("--max-tokens", type=int, default=64)
-    lat.add_argument("--repeats", type=int, default=3)
+    lat.add_argument(
+        "--num-prompts", type=b.at_least(1), default=3, help="speculative mode, per workload"
+    )
+    # decode speed is timed from the second token on: two at least
+    lat.add_argument("--max-tokens", type=b.at_least(2), default=64)
+    lat.add_argument("--repeats", type=b.at_least(1), default=3)
     lat.add_argument("--skip-transformers", action="store_true")
-    lat.add_argument("--json", default=None, help="also write the results to this JSON file")
+    lat.add_argument(
+        "--json", type=b.output_file, default=None, help="also write the results to this JSON file"
+    )
     srv_bench = bsub.add_parser(
         "serve", help="concurrency sweep of the serving engine: policies off / static / adaptive"
     )
@@ -410,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep = bsub.add_parser("report", help="docs/BENCHMARKS.md from bench suite output directories")
     rep.add_argument("runs", nargs="+", help="directories written by `bench suite`")
     rep.add_argument("--advise", default=None, help="an `advise --validate --json` result")
-    rep.add_argument("--out", default="docs/BENCHMARKS.md")
+    rep.add_argument("--out", type=b.output_file, default="docs/BENCHMARKS.md")
     adv = sub.add_parser(
         "advise",
         help="measure your traffic here and say whether speculative decoding pays at your "
@@ -605,6 +616,16 @@ def cmd_models(args: argparse.Namespace) -> None:
     print(pull(args.name))
 
 
+def _words_after(argv: list[str] | None, *command: str) -> list[str]:
+    """The command line's words after `command` (what a report records to rerun it; a global
+    flag such as -v before it is not part of it)."""
+    words = list(argv if argv is not None else sys.argv[1:])
+    i = 0
+    for name in command:
+        i = words.index(name, i) + 1
+    return words[i:]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -629,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "advise":
             from specdecode.advise import run_advise
 
-            args.argv = list(argv if argv is not None else sys.argv[1:])[1:]
+            args.argv = _words_after(argv, "advise")
             run_advise(args)
         elif args.command == "bench" and args.bench == "report":
             from specdecode.bench.report import run_report
@@ -638,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench" and args.bench == "suite":
             from specdecode.bench.suite import run_suite
 
-            args.argv = list(argv if argv is not None else sys.argv[1:])[2:]
+            args.argv = _words_after(argv, "bench", "suite")
             run_suite(args)
         elif args.command == "bench" and args.bench == "structured":
             from specdecode.bench.structured import run_structured_bench

@@ -272,6 +272,10 @@ class SpeculativeConfig:
             )
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise InvalidRequestError("num_speculative_tokens must be a positive integer")
+        if self.method == "ngram" and self.model is not None:  # which one was meant?
+            raise InvalidRequestError(
+                f"method ngram drafts from the prompt and takes no model (got {self.model!r})"
+            )
         if self.topk is not None and (not isinstance(self.topk, int) or self.topk < 1):
             raise InvalidRequestError("topk must be a positive integer")
         if self.num_draft_tokens is not None and (

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import platform
+from pathlib import Path
 
 import torch
 
@@ -31,3 +34,75 @@ def machine() -> str:
     ]
     extensions = f" ({', '.join(features)})" if features else ""
     return f"{cpu}{extensions}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+# ---- argument types: bad values are usage errors when the command starts, not tracebacks
+# after minutes of measurement
+
+
+def at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def level_list(text: str) -> str:
+    """A comma list of concurrency levels >= 1 (kept as text; an empty one skips a sweep)."""
+    try:
+        values = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma list of integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"levels must be >= 1, got {text!r}")
+    return text
+
+
+def temperatures(text: str) -> str:
+    """A comma list of temperatures in [0, 2] (kept as text)."""
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma list of numbers, got {text!r}") from None
+    if not values or any(not 0 <= v <= 2 for v in values):
+        raise argparse.ArgumentTypeError(f"temperatures in [0, 2], got {text!r}")
+    return text
+
+
+def config_list(text: str) -> str:
+    """A JSON list of speculative configs (objects); kept as text, parsed where used."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg})") from None
+    if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
+        raise argparse.ArgumentTypeError("a JSON list of speculative configs (objects)")
+    return text
+
+
+def output_file(text: str) -> str:
+    """A file to write results to, in a folder that exists (checked before measuring)."""
+    if not Path(text).expanduser().resolve().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: its folder does not exist")
+    return text
+
+
+def workload_list(text: str) -> str:
+    """A comma list of workload names (spaces dropped: "code, sql" reads as "code,sql")."""
+    from specdecode.bench.workloads import WORKLOADS
+
+    names = [w.strip() for w in text.split(",") if w.strip()]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload {unknown[0]!r}; choose from {', '.join(WORKLOADS)}"
+            if unknown
+            else "names no workload"
+        )
+    return ",".join(names)

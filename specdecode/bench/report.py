@@ -247,6 +247,17 @@ def write_report(
     path.write_text("\n".join(lines) + "\n")
 
 
+def _read_json(path: Path):
+    from specdecode.errors import InvalidRequestError
+
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise InvalidRequestError(f"{path}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"{path} is not valid JSON ({e.msg})") from None
+
+
 def run_report(args) -> None:
     runs = []
     for d in args.runs:
@@ -255,7 +266,7 @@ def run_report(args) -> None:
             from specdecode.errors import InvalidRequestError
 
             raise InvalidRequestError(f"{f} not found: give directories written by bench suite")
-        runs.append((json.loads(f.read_text()), Path(d)))
-    advise = json.loads(Path(args.advise).read_text()) if args.advise else None
+        runs.append((_read_json(f), Path(d)))
+    advise = _read_json(Path(args.advise)) if args.advise else None
     write_report(runs, Path(args.out), advise, args.advise)
     print(f"wrote {args.out}")

@@ -2,8 +2,11 @@
 policies off / static / adaptive, on the same prompts, in one run, on one loaded engine.
 
 At each concurrency c, c closed-loop clients keep one request each in flight (a client sends
-its next request when the previous one finishes) until `max(c, --min-requests)` requests are
-done. Each policy runs the same requests. Reported per (c, policy): output throughput (tok/s),
+its next request when the previous one finishes) until `max(2c, --min-requests)` requests are
+done. Each policy runs the same requests. Throughput is taken over the steady state: from the
+start until the last request is sent, while all c clients are busy (the drain after it, with
+fewer and fewer requests in flight, would measure a lower concurrency than the level's).
+Reported per (c, policy): output throughput (tok/s),
 mean time per output token after the first (TPOT, the inter-token latency a streaming user
 sees), median time to first token, acceptance, and for adaptive the share of decoding steps it
 chose to draft. The engine runs in-process behind the same `AsyncLLMEngine` the HTTP server
@@ -21,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from specdecode.bench import machine, workloads
+from specdecode.bench import at_least, level_list, machine, workloads
 from specdecode.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -30,34 +33,60 @@ POLICIES = ("off", "static", "adaptive")
 
 
 async def _level(engine, request, concurrency: int, n_requests: int) -> dict:
+    if concurrency < 1:
+        raise ValueError("a concurrency level must be >= 1")
     sem = asyncio.Semaphore(concurrency)
     rows = []
 
     async def one(ids: list[int], request_params: SamplingParams) -> None:
         async with sem:
             t0 = time.perf_counter()
-            first, n = None, 0
+            first, n, timeline = None, 0, []  # (time, output tokens so far) per update
             async for u in engine.generate(ids, request_params):
                 if u.error:
                     raise RuntimeError(u.error)
+                now = time.perf_counter()
                 if u.token_ids and first is None:
-                    first = time.perf_counter()
+                    first = now
                 n = u.num_output_tokens
-            rows.append((t0, first or time.perf_counter(), time.perf_counter(), n))
+                timeline.append((now, n))
+            rows.append((t0, first or time.perf_counter(), time.perf_counter(), n, timeline))
 
     start = time.perf_counter()
     await asyncio.gather(*(one(*request(i)) for i in range(n_requests)))
     wall = time.perf_counter() - start
     tokens = sum(r[3] for r in rows)
-    tpot = [(end - first) / (n - 1) for _, first, end, n in rows if n > 1]
+    # steady state: every client busy, from the start until the last request was sent
+    last_sent = max(r[0] for r in rows)
+    steady = sum(max((k for t, k in r[4] if t <= last_sent), default=0) for r in rows)
+    window = last_sent - start
+    if steady == 0 or window <= 0:  # no steady state (n <= c): the whole run
+        steady, window = tokens, wall
+    tpot = [(end - first) / (n - 1) for _, first, end, n, _ in rows if n > 1]
     return {
         "requests": n_requests,
         "output_tokens": tokens,
         "seconds": wall,
-        "throughput_tok_s": tokens / wall,
+        "steady_seconds": window,
+        "throughput_tok_s": steady / window,
+        # requests in flight on average over the whole run, drain included
+        "mean_in_flight": sum(end - t0 for t0, _, end, _, _ in rows) / wall,
         "tpot_ms": 1000 * statistics.mean(tpot) if tpot else None,
-        "ttft_p50_ms": 1000 * statistics.median(first - t0 for t0, first, _, _ in rows),
+        "ttft_p50_ms": 1000 * statistics.median(first - t0 for t0, first, _, _, _ in rows),
     }
+
+
+def concurrency_levels(text: str) -> list[int]:
+    """`--concurrency 1,4,16` -> [1, 4, 16]; a bad or non-positive level is a user error."""
+    from specdecode.errors import InvalidRequestError
+
+    try:
+        levels = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise InvalidRequestError(f"--concurrency {text!r}: a comma list of integers") from None
+    if not levels or min(levels) < 1:
+        raise InvalidRequestError(f"--concurrency {text!r}: levels must be >= 1")
+    return levels
 
 
 def _length(params: SamplingParams, i: int) -> SamplingParams:
@@ -94,7 +123,8 @@ def closed_loop(
     repeat_off: bool = False,
 ) -> list[dict]:
     """For each concurrency c and each policy, c closed-loop clients over the engine `core`
-    until max(c, min_requests) requests are done; one row per (c, policy), and with
+    until max(2c, min_requests) requests are done (throughput over the steady state); one
+    row per (c, policy), and with
     `repeat_off` a second "off" row after the other policies (drift and noise show as the
     difference between the two; ratios are taken against their mean). `params` is one
     SamplingParams (lengths then vary 0.5x-1.5x around its max_tokens) or one per prompt (used
@@ -116,7 +146,7 @@ def closed_loop(
                 await _level(engine, request, 2, 4)
         rows: list[dict] = []
         for c in levels:
-            n = max(c, min_requests)
+            n = max(2 * c, min_requests)  # c more than the clients: a steady state to time
             again = ["off"] if repeat_off and "off" in policies and len(policies) > 1 else []
             for run, policy in enumerate(policies + again):
                 core.set_policy(policy)
@@ -161,7 +191,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     from specdecode.config import EngineConfig
     from specdecode.engine.engine import LLMEngine
 
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = concurrency_levels(args.concurrency)
     spec = speculative_config(args) or {"method": "ngram"}
     kwargs = {**engine_kwargs(args), "speculative_config": spec, "max_num_seqs": max(levels)}
     core = LLMEngine(EngineConfig(model=args.model, **kwargs))
@@ -356,13 +386,17 @@ def plot(result: dict, path: Path) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--concurrency", type=level_list, default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--policies", default="off,static,adaptive")
     p.add_argument("--workload", default="json", choices=list(workloads.WORKLOADS))
-    p.add_argument("--num-prompts", type=int, default=64, help="distinct prompts, reused")
-    p.add_argument("--max-prompt-tokens", type=int, default=512)
-    p.add_argument("--min-requests", type=int, default=8, help="requests per level at least")
-    p.add_argument("--max-tokens", type=int, default=48, help="mean output tokens (0.5x-1.5x)")
+    p.add_argument("--num-prompts", type=at_least(1), default=64, help="distinct prompts, reused")
+    p.add_argument("--max-prompt-tokens", type=at_least(1), default=512)
+    p.add_argument(
+        "--min-requests", type=at_least(1), default=8, help="requests per level at least"
+    )
+    p.add_argument(
+        "--max-tokens", type=at_least(1), default=48, help="mean output tokens (0.5x-1.5x)"
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--out", default="bench-serve", help="directory for JSON, Markdown, PNG")
     p.add_argument(

@@ -18,6 +18,7 @@ from copy import deepcopy
 from pathlib import Path
 
 from specdecode import data
+from specdecode.errors import InvalidRequestError
 from specdecode.sampling import SamplingParams
 
 JSON_PATCH_SCHEMA = {
@@ -94,11 +95,16 @@ def run_structured_bench(args: argparse.Namespace) -> dict:
     from specdecode.cli import engine_kwargs, speculative_config
 
     kwargs = engine_kwargs(args, default_policy="static")
+    policy = kwargs["speculative_policy"]  # the speculative runs' (--speculative-policy)
     kwargs["speculative_config"] = speculative_config(args) or {"method": "ngram"}
     configs = [kwargs["speculative_config"]]
     configs += json.loads(args.compare) if args.compare else []
     first = LLM(args.model, **kwargs)
     prompts = _prompts(first.tokenizer, args.num_prompts, args.max_prompt_tokens)
+    if not prompts:
+        raise InvalidRequestError(
+            f"no prompt fits --max-prompt-tokens {args.max_prompt_tokens}; raise it"
+        )
     rows = []
     for cfg in configs:
         llm = (
@@ -116,15 +122,19 @@ def run_structured_bench(args: argparse.Namespace) -> dict:
             )  # fmt: skip
             engine.set_policy("off")
             plain = _run(engine, prompts, params)
-            engine.set_policy("static")
+            engine.set_policy(policy)
             spec = _run(engine, prompts, params)
             row = {
                 "method": label,
+                "policy": policy,
                 "constrained": constrained,
                 "prompts": len(prompts),
                 "plain": plain,
                 "spec": spec,
-                "speedup": spec["decode_tok_s"] / plain["decode_tok_s"],
+                # none where plain decoding timed no decode step (every answer one step long)
+                "speedup": spec["decode_tok_s"] / plain["decode_tok_s"]
+                if plain["decode_tok_s"]
+                else None,
             }
             rows.append(row)
             _print(row)
@@ -149,15 +159,26 @@ def _print(row: dict) -> None:
         f"{row['method']:<16} {mode} plain {p['decode_tok_s']:6.1f} tok/s "
         f"({p['tokens_per_forward']:.2f} tok/fwd, forced {p['forced_share']:.0%})  "
         f"spec {s['decode_tok_s']:6.1f} tok/s ({s['tokens_per_forward']:.2f} tok/fwd, {acc})  "
-        f"{row['speedup']:.2f}x",
+        f"{row['speedup']:.2f}x"
+        if row["speedup"] is not None
+        else "(no decode step timed)",
         flush=True,
     )
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=5)
-    p.add_argument("--max-prompt-tokens", type=int, default=1024)
-    p.add_argument("--max-tokens", type=int, default=96)
+    from specdecode.bench import at_least, config_list, output_file
+
+    p.add_argument("--num-prompts", type=at_least(1), default=5)
+    p.add_argument("--max-prompt-tokens", type=at_least(1), default=1024)
+    p.add_argument("--max-tokens", type=at_least(2), default=96)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--compare", default=None, help="a JSON list of further speculative configs")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument(
+        "--compare",
+        type=config_list,
+        default=None,
+        help="a JSON list of further speculative configs",
+    )
+    p.add_argument(
+        "--json", type=output_file, default=None, help="also write the results to this JSON file"
+    )

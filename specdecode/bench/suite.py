@@ -30,7 +30,14 @@ from statistics import mean
 
 import torch
 
-from specdecode.bench import machine, workloads
+from specdecode.bench import (
+    at_least,
+    level_list,
+    machine,
+    temperatures,
+    workload_list,
+    workloads,
+)
 from specdecode.bench.speculative import _measure_interleaved
 from specdecode.errors import InvalidRequestError
 
@@ -185,6 +192,9 @@ def run_target(target: Target, args: argparse.Namespace) -> dict:
     levels = [int(c) for c in args.concurrency.split(",") if c] if args.concurrency else []
     common = dict(
         dtype=target.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        allow_pickle=args.allow_pickle,
         kernels=args.kernels,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=max([*levels, 1]),
@@ -654,17 +664,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="override a method's config, e.g. eagle3='{\"num_speculative_tokens\": 3}'",
     )
     p.add_argument("--draft-model", default=None, help="draft model for the SmolLM2 target")
-    p.add_argument("--workloads", default=",".join(workloads.WORKLOADS))
-    p.add_argument("--temperatures", default="0,0.7,1.0,1.2")
-    p.add_argument("--num-prompts", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--workloads", type=workload_list, default=",".join(workloads.WORKLOADS))
+    p.add_argument("--temperatures", type=temperatures, default="0,0.7,1.0,1.2")
+    p.add_argument("--num-prompts", type=at_least(1), default=3)
+    p.add_argument("--max-tokens", type=at_least(2), default=64)
     p.add_argument(
-        "--max-prompt-tokens", type=int, default=2048, help="longer prompts keep their end"
+        "--max-prompt-tokens", type=at_least(1), default=2048, help="longer prompts keep their end"
     )
-    p.add_argument("--concurrency", default="1,4,16", help="levels; empty: skip the sweep")
+    p.add_argument(
+        "--concurrency", type=level_list, default="1,4,16", help="levels; empty: skip the sweep"
+    )
     p.add_argument("--concurrency-workload", default="json", choices=list(workloads.WORKLOADS))
     p.add_argument("--concurrency-policies", default="static,adaptive")
-    p.add_argument("--min-requests", type=int, default=8, help="requests per level at least")
+    p.add_argument(
+        "--min-requests", type=at_least(1), default=8, help="requests per level at least"
+    )
     p.add_argument(
         "--references",
         default="transformers,llamacpp",

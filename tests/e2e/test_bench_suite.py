@@ -18,7 +18,7 @@ def roomy(tiny_llama_dir, tmp_path_factory):
 def test_suite_runs_every_workload_method_and_level(roomy, tmp_path):
     out, report = tmp_path / "suite", tmp_path / "BENCHMARKS.md"
     r = run(
-        "bench", "suite", "--model", str(roomy), "--methods", "off,ngram,draft_model,eagle3",
+        "-v", "bench", "suite", "--model", str(roomy), "--methods", "off,ngram,draft_model,eagle3",
         "--draft-model", str(roomy), "--temperatures", "0,1", "--num-prompts", "1",
         "--max-tokens", "6", "--max-prompt-tokens", "96", "--concurrency", "1,2",
         "--min-requests", "2", "--references", "transformers,llamacpp", "--out", str(out),
@@ -26,6 +26,8 @@ def test_suite_runs_every_workload_method_and_level(roomy, tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     result = json.loads((out / "suite.json").read_text())
+    # the command recorded to rerun it: the words after `bench suite`, a global -v not among them
+    assert result["command"].startswith("specdecode bench suite --model ")
     (t,) = result["targets"]
     cells = {(row["workload"], row["temperature"], row["method"]) for row in t["rows"]}
     for wl in WORKLOADS:
@@ -56,6 +58,11 @@ def test_suite_runs_every_workload_method_and_level(roomy, tmp_path):
     assert again.read_text().count("## Results:") == 2
     r = run("bench", "report", str(tmp_path / "nowhere"), "--out", str(again))
     assert r.returncode == 2 and "not found" in r.stderr
+    (tmp_path / "bad.json").write_text("{not json")
+    r = run(
+        "bench", "report", str(out), "--advise", str(tmp_path / "bad.json"), "--out", str(again)
+    )
+    assert r.returncode == 2 and "not valid JSON" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_suite_rejects_unknown_methods(roomy, tmp_path):

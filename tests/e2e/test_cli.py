@@ -323,3 +323,37 @@ def test_training_data_that_does_not_fit_is_a_one_line_error(tiny_llama_dir, tmp
                 "--out", str(tmp_path / kind))  # fmt: skip
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert "specdecode: error:" in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["bench", "latency", "--compare", "{not json"], "not valid JSON"),
+        (["bench", "latency", "--compare", '{"method": "ngram"}'], "a JSON list"),
+        (["bench", "latency", "--temperatures", "0,x"], "comma list of numbers"),
+        (["bench", "latency", "--max-tokens", "1"], "at least 2"),
+        (["bench", "latency", "--workloads", "code, nope"], "unknown workload 'nope'"),
+        (["bench", "latency", "--json", "/no/such/dir/out.json"], "folder does not exist"),
+        (["bench", "serve", "--concurrency", "1,0"], "levels must be >= 1"),
+        (["bench", "suite", "--concurrency", "1,x"], "comma list of integers"),
+        (["bench", "structured", "--num-prompts", "0"], "at least 1"),
+        (
+            [
+                "generate",
+                "--prompt",
+                "hi",
+                "--speculative-model",
+                "d",
+                "--speculative-algorithm",
+                "NGRAM",
+            ],
+            "takes no model",
+        ),  # fmt: skip
+    ],
+)
+def test_bench_arguments_are_checked_before_anything_runs(args, message):
+    """Bad benchmark arguments fail at once with one message (not a traceback, not after
+    minutes of measurement)."""
+    r = run(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert message in r.stderr.strip().splitlines()[-1], r.stderr

@@ -46,3 +46,31 @@ def test_the_table_reads_ratios_noise_and_lite_drafts():
     assert cells == ["11.0", "16.5", "-", "1.50x", "100.0 / 60.6", "100% (lite 79%)", "18.2% |"]
     # no lite drafts verified: nothing said
     assert four.split(" | ")[1:] == ["30.0", "30.0", "-", "1.00x", "33.3 / 33.3", "0%", "0.0% |"]
+
+
+def test_a_level_is_timed_while_every_client_is_busy():
+    """Two clients, three requests: two short ones, then one long one alone. The drain, with
+    one request in flight, is not the level's concurrency: throughput is taken until the last
+    request was sent, while both clients were busy (2 tokens per tick), not over the whole run
+    (24 tokens in 22 ticks)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from specdecode.bench.serve import _level
+
+    tick = 0.02
+    lengths = [2, 2, 20]
+
+    class Engine:
+        async def generate(self, ids, params):
+            for k in range(1, params + 1):
+                await asyncio.sleep(tick)
+                yield SimpleNamespace(error=None, token_ids=[k], num_output_tokens=k)
+
+    row = asyncio.run(_level(Engine(), lambda i: ([1], lengths[i]), 2, 3))
+    whole = row["output_tokens"] / row["seconds"]
+    assert row["output_tokens"] == 24 and whole * tick < 1.2
+    assert row["throughput_tok_s"] * tick > 1.4 and row["throughput_tok_s"] > 1.3 * whole
+    assert row["steady_seconds"] < row["seconds"] / 5
+    with pytest.raises(ValueError, match=">= 1"):
+        asyncio.run(_level(Engine(), lambda i: ([1], 1), 0, 1))
