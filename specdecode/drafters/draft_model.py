@@ -137,10 +137,7 @@ class DraftModelDrafter(Drafter):
             return self._propose_tree(seqs, budgets)
         states = [self._get_state(s) for s in seqs]
         active = [i for i, k in enumerate(budgets) if k > 0]
-        if active and not self._ensure_room(
-            [states[i] for i in active], [seqs[i].num_tokens + budgets[i] for i in active]
-        ):
-            active = []  # out of draft cache memory: no drafts this step (still lossless)
+        active = self._fitting(states, active, [seqs[i].num_tokens + budgets[i] for i in active])
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         # Catch up on everything the draft has not seen, the root included.
@@ -170,12 +167,12 @@ class DraftModelDrafter(Drafter):
         tree = self.tree
         states = [self._get_state(s) for s in seqs]
         shapes = [_prune(tree, k) for k in budgets]
-        active = [i for i, sh in enumerate(shapes) if len(sh) > 1]
-        if active and not self._ensure_room(
-            [states[i] for i in active],
-            [seqs[i].num_tokens + len(shapes[i]) - 1 for i in active],
-        ):
-            active = []
+        wanted = [i for i, sh in enumerate(shapes) if len(sh) > 1]
+        active = self._fitting(
+            states, wanted, [seqs[i].num_tokens + len(shapes[i]) - 1 for i in wanted]
+        )
+        for i in set(wanted) - set(active):
+            shapes[i] = _prune(tree, 0)
         tokens = [[s.last_token] + [0] * (len(sh) - 1) for s, sh in zip(seqs, shapes, strict=True)]
         for st in states:
             st.fed_nodes = 0
@@ -216,11 +213,15 @@ class DraftModelDrafter(Drafter):
                     q_rows[(i, j)] = logits[r * (hi - lo) + (j - lo)]
         return [DraftProposal(sh, t) for sh, t in zip(shapes, tokens, strict=True)]
 
-    def _ensure_room(self, states: list[_DraftState], lengths: list[int]) -> bool:
-        for st, n in zip(states, lengths, strict=True):
-            if not self.manager.allocate(st.blocks, n):
-                return False
-        return True
+    def _fitting(self, states: list[_DraftState], wanted: list[int], lengths: list[int]):
+        """The requests of `wanted` whose draft cache grows to `lengths`, in order; the others
+        draft nothing this step (lossless, just slower) and the rest of the batch drafts on: a
+        full draft cache does not stop drafting for everyone."""
+        return [
+            i
+            for i, n in zip(wanted, lengths, strict=True)
+            if self.manager.allocate(states[i].blocks, n)
+        ]
 
     def _forward(
         self,

@@ -186,10 +186,13 @@ class EagleDrafter(Drafter):
             self.manager.truncate(states[i].blocks, states[i].committed)
         # draft entries: k - 1 fed for a chain, `topk` per expanded level for a tree
         room = [states[i].seen + (budgets[i] - 1) * self.topk for i in active]
-        if not all(
-            self.manager.allocate(states[i].blocks, n) for i, n in zip(active, room, strict=True)
-        ):
-            return out  # out of head cache: no drafts this step (still lossless)
+        # out of head cache: the requests that do not fit draft nothing this step (lossless,
+        # just slower), the others draft on
+        active = [
+            i
+            for i, n in zip(active, room, strict=True)
+            if self.manager.allocate(states[i].blocks, n)
+        ]
         if not active:
             return out
         # 1. catch up on the real features; the last prediction drafts the root's children

@@ -546,3 +546,19 @@ def test_a_one_token_prompt_gets_room_for_a_tree_larger_than_a_block(plain, tiny
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy(20))] == want
     assert spec.generate([[65]], greedy(20))[0].outputs[0].token_ids == want[0]
     assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_a_full_draft_cache_stops_only_the_requests_it_cannot_hold(plain, tiny_llama_dir, tree):
+    """A draft cache of 6 blocks (96 tokens) holds the short request, never the long one
+    (listed first): the long one is verified without drafts, the short one drafts on."""
+    from specdecode.cache import BlockManager
+
+    spec = draft_llm(tiny_llama_dir, tiny_llama_dir, 4, tree=tree)
+    spec.engine.drafter.manager = BlockManager(7, 16)
+    prompts = ["abcdefghij" * 12, "xyz"]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(30))]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy(30))] == want
+    stats = spec.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.acceptance_rate > 0
+    assert spec.engine.drafter.manager.num_free_blocks == 6  # all released

@@ -450,3 +450,25 @@ def test_data_generation_on_a_drafting_engine_leaves_its_drafter_fed(
     before = spec.engine.spec_stats.num_draft_tokens
     spec.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert spec.engine.spec_stats.num_draft_tokens > before
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_full_head_cache_stops_only_the_requests_it_cannot_hold(
+    plain, tiny_llama_dir, heads, method
+):
+    """A head cache of 6 blocks (96 entries) holds the short request, never the long one
+    (listed first): the long one is verified without drafts, the short one drafts on."""
+    from specdecode.cache import BlockManager
+
+    root, _ = heads
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={"method": method, "model": str(root / method)},
+        speculative_policy="static",
+    )
+    spec.engine.drafter.manager = BlockManager(7, 16)
+    prompts = ["abcdefghij" * 12, "say 3 1 9"]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(30))]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy(30))] == want
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+    assert spec.engine.drafter.manager.num_free_blocks == 6  # all released
