@@ -85,7 +85,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
                 qk_norm=family == "qwen3",
-                rope=_rope_from_hf(cfg),
+                rope=rope_from_hf(cfg),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -149,7 +149,7 @@ def _context_length(cfg: dict[str, Any], family: str) -> int:
     return n
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     theta = float(cfg.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0)
     if not rs:

@@ -103,7 +103,7 @@ def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | N
         config = {
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": "eagle3",
-            "transformer_layer_config": _llama_keys(c),
+            "transformer_layer_config": _llama_keys(head.config),
             "draft_vocab_size": n_draft,
             "norm_before_residual": head.norm_before_residual,
             "target_hidden_size": None,
@@ -134,7 +134,7 @@ def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | N
     tensors = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
-        **_llama_keys(c),
+        **_llama_keys(head.config),
         "draft_vocab_size": n_draft,
     }
     if fmt == "vllm":

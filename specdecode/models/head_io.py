@@ -13,6 +13,7 @@ The target's embeddings and LM head are never stored: heads attach to the target
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,7 +62,7 @@ def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> No
             tensors["d2t"], tensors["t2d"] = vocab_maps(head.vocab_ids, c.vocab_size)
         config = {
             "architectures": ["LlamaForCausalLMEagle3" if eagle3 else "EagleLlamaForCausalLM"],
-            **c.hf_dict(num_layers=1),
+            **head.config.hf_dict(num_layers=1),  # the head's own layer shape
             "model_type": "llama",  # the head's layer is a Llama layer whatever the target
             "bias": getattr(head.fc, "bias", None) is not None,
         }
@@ -83,6 +84,41 @@ def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> No
     )
     (out_dir / "config.tmp").write_text(json.dumps(config, indent=2))
     (out_dir / "config.tmp").replace(out_dir / "config.json")
+
+
+def head_layer_config(raw: dict, tc: ModelConfig) -> ModelConfig:
+    """The head's decoder layer as its checkpoint's config.json describes it (MLP width, heads,
+    head size, norm epsilon, RoPE), the target's for what it does not name. A head need not
+    copy its target's layer shape (speculators and SafeAILab write their own). The family
+    (q/k/v biases), the vocabulary and the context length stay the target's: the head runs at
+    the target's positions over its tokens."""
+    from specdecode.config import rope_from_hf
+
+    try:
+        heads = int(raw.get("num_attention_heads") or tc.num_heads)
+        kv_default = heads if raw.get("num_attention_heads") else tc.num_kv_heads
+        dim_default = tc.hidden_size // heads if raw.get("num_attention_heads") else tc.head_dim
+        named_rope = any(raw.get(k) for k in ("rope_theta", "rope_scaling", "rope_parameters"))
+        cfg = replace(
+            tc,
+            intermediate_size=int(raw.get("intermediate_size") or tc.intermediate_size),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or kv_default),
+            head_dim=int(raw.get("head_dim") or dim_default),
+            rms_norm_eps=float(raw.get("rms_norm_eps") or tc.rms_norm_eps),
+            rope=rope_from_hf(raw) if named_rope else tc.rope,
+        )
+    except (TypeError, ValueError, KeyError) as e:
+        raise InvalidRequestError(f"the head's config.json has a bad layer field ({e})") from None
+    if min(cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) < 1 or (
+        cfg.num_heads % cfg.num_kv_heads
+    ):
+        raise InvalidRequestError(
+            f"the head's config.json describes no valid layer ({cfg.num_heads} heads, "
+            f"{cfg.num_kv_heads} key-value heads, head size {cfg.head_dim}, MLP width "
+            f"{cfg.intermediate_size})"
+        )
+    return cfg
 
 
 def _read_config(path: Path) -> dict:
@@ -155,6 +191,10 @@ def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
         raise InvalidRequestError(f"{path} was trained for a different target model")
     tensors = _load_tensors(path, allow_pickle)
     vocab_ids = tensors.pop("vocab_ids", None)
+    lc = tc if kind == "medusa" else head_layer_config(raw, tc)
+    # Qwen3-style q/k norms in the head's layer where its checkpoint has them (heads trained
+    # here before they became Llama layers); none otherwise, whatever the target
+    lc = replace(lc, qk_norm=any(k.endswith("self_attn.q_norm.weight") for k in tensors))
     device = target.norm.weight.device
     if kind == "medusa":
         head, token_map = _load_medusa(raw, tensors, tc)
@@ -162,10 +202,10 @@ def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
     elif kind == "eagle":
         tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
         tensors.pop("embed_tokens.weight", None)  # SafeAILab stores the target's copy
-        head = EagleHead(tc, fc_bias="fc.bias" in tensors)
+        head = EagleHead(lc, fc_bias="fc.bias" in tensors)
         _load_layer_weights(head, tensors)
     elif kind == "eagle3":
-        head, vocab_ids = _load_eagle3(raw, tensors, tc)
+        head, vocab_ids = _load_eagle3(raw, tensors, lc)
     else:
         raise InvalidRequestError(f"{path}: not a Medusa, EAGLE or EAGLE-3 head")
     head = head.to(device)

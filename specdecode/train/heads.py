@@ -453,7 +453,7 @@ def train_eagle(
     tr = _Trainer(target, data, cfg, eos_ids)
     # continuing a head whose fc has a bias (SafeAILab's EAGLE-1 layout) keeps it
     prev_fc = getattr(tr.init_head, "fc", None)
-    head = EagleHead(target.config, fc_bias=getattr(prev_fc, "bias", None) is not None)
+    head = EagleHead(_layer_config(target, tr), fc_bias=getattr(prev_fc, "bias", None) is not None)
     _identity_start(head, target)
     head = head.float()
     head.attach(target.embed_tokens, tr.lm_rows, None)
@@ -569,7 +569,7 @@ def train_eagle3(
             "layer inputs (`specdecode data generate --features eagle3`)"
         )
     vocab = tr.vocab_ids if tr.vocab_ids is not None else torch.arange(target.config.vocab_size)
-    head = Eagle3Head(target.config, vocab.numel(), layers)
+    head = Eagle3Head(_layer_config(target, tr), vocab.numel(), layers)
     _identity_start3(head, target, tr.lm_rows)
     head = head.float()
     if cfg.init:
@@ -619,6 +619,18 @@ def _identity_start3(head: Eagle3Head, target: LlamaModel, lm_rows: torch.Tensor
         head.fc.bias.zero_()
     head.norm.load_state_dict(target.norm.state_dict())
     head.lm_head.weight.copy_(lm_rows)
+
+
+def _layer_config(target: LlamaModel, tr: _Trainer):
+    """The decoder layer of the EAGLE head this run trains: a head continued (`--init`) keeps
+    its own layer's shape; a new one gets the target's as a Llama layer (no Qwen3 q/k norms:
+    vLLM and SGLang load EAGLE heads as Llama layers, so every head trained here exports)."""
+    from dataclasses import replace
+
+    prev = getattr(tr.init_head, "config", None)
+    if prev is not None:
+        return replace(prev, num_layers=target.config.num_layers)
+    return replace(target.config, qk_norm=False)
 
 
 def _continue_from(head, tr: _Trainer, vocab: torch.Tensor | None) -> None:

@@ -309,13 +309,28 @@ def test_heads_of_qwen_targets_export_as_llama_layers(tmp_path):
     loaded = load_head(tmp_path / "llama", target)
     assert not loaded.layers[0].self_attn.qkv_proj.bias.any()
 
+    # Qwen3: a head with the target's q/k norms cannot be exported (and still loads here);
+    # the heads trained here are Llama layers, which export everywhere and read back
+    from types import SimpleNamespace
+
+    from specdecode.train.heads import _layer_config
+
     qwen3 = replace(CFG, family="qwen3", qk_norm=True)
     target3 = LlamaModel(qwen3).eval()
-    head3 = Eagle3Head(qwen3, V)
+    head3 = _randomise(Eagle3Head(qwen3, V))
     head3.attach(target3.embed_tokens, torch.arange(V))
     save_head(head3, tmp_path / "q3", qwen3, {})
     with pytest.raises(InvalidRequestError, match="q/k norms"):
         export_head(tmp_path / "q3", target3, "vllm", tmp_path / "q3-vllm")
+    _same_eagle(head3.eval(), load_head(tmp_path / "q3", target3))
+    trained = _layer_config(target3, SimpleNamespace(init_head=None))
+    assert not trained.qk_norm and trained.num_layers == qwen3.num_layers
+    head3 = _randomise(Eagle3Head(trained, V))
+    head3.attach(target3.embed_tokens, torch.arange(V))
+    save_head(head3, tmp_path / "q3-llama", qwen3, {})
+    for fmt in ("vllm", "sglang", "speculators"):
+        export_head(tmp_path / "q3-llama", target3, fmt, tmp_path / f"q3-{fmt}")
+        _same_eagle(head3.eval(), load_head(tmp_path / f"q3-{fmt}", target3))
 
 
 def test_sglang_eagle1_gets_a_zero_fc_bias_and_eagle3_layers_must_exist(target, tmp_path):
@@ -343,3 +358,60 @@ def test_sglang_eagle1_gets_a_zero_fc_bias_and_eagle3_layers_must_exist(target, 
     _write(tmp_path / "headless", {**config, "eagle_aux_hidden_state_layer_ids": None}, headless)
     with pytest.raises(InvalidRequestError, match="no lm_head"):
         load_head(tmp_path / "headless", target)
+
+
+# a layer shaped unlike the target's: wider MLP, fewer and larger heads, own RoPE base and eps
+OWN_LAYER = dict(
+    intermediate_size=80,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=24,
+    rope_theta=5e5,
+    rms_norm_eps=1e-5,
+)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_a_head_layer_shaped_unlike_the_target_loads_and_exports(target, tmp_path, fmt):
+    from specdecode.models.head_io import head_layer_config
+
+    layer = head_layer_config(OWN_LAYER, CFG)
+    vocab = torch.tensor([0, 3, 4, 10, 50, 95])
+    head = _randomise(Eagle3Head(layer, vocab.numel()))
+    head.attach(target.embed_tokens, vocab)
+    head.eval()
+    tensors = {k.replace("layers.0.", "midlayer."): v for k, v in _unfused(head, layer).items()}
+    tensors["d2t"] = vocab - torch.arange(6)
+    config = {**LLAMA, **OWN_LAYER, "architectures": ["LlamaForCausalLMEagle3"]}
+    _write(tmp_path / "safeailab", {**config, "draft_vocab_size": 6}, tensors)
+    loaded = load_head(tmp_path / "safeailab", target)
+    assert loaded.config == head.config and loaded.config.rope.theta == 5e5
+    _same_eagle(head, loaded)
+    export_head(tmp_path / "safeailab", target, fmt, tmp_path / fmt)
+    again = load_head(tmp_path / fmt, target)
+    assert again.config == head.config
+    _same_eagle(head, again)
+
+
+def test_continuing_a_head_keeps_its_own_layer_shape(target, tmp_path):
+    """`train eagle3 --init DIR` on a head of its own layer shape trains that shape."""
+    from types import SimpleNamespace
+
+    from specdecode.models.head_io import head_layer_config
+    from specdecode.train.heads import _layer_config
+
+    head = _randomise(Eagle3Head(head_layer_config(OWN_LAYER, CFG), 6))
+    head.attach(target.embed_tokens, torch.arange(6))
+    save_head(head, tmp_path, CFG, {})
+    prev = load_head(tmp_path, target)
+    again = Eagle3Head(_layer_config(target, SimpleNamespace(init_head=prev)), 6)
+    again.load_state_dict(prev.state_dict())  # the shapes agree
+    assert again.config == prev.config
+
+
+def test_a_head_layer_that_cannot_be_built_is_refused(target, tmp_path):
+    head = _randomise(EagleHead(CFG))
+    config = {**LLAMA, "architectures": ["LlamaForCausalLM"], "num_key_value_heads": 3}
+    _write(tmp_path, config, _unfused(head, CFG))
+    with pytest.raises(InvalidRequestError, match="no valid layer"):
+        load_head(tmp_path, target)

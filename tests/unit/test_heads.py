@@ -24,9 +24,23 @@ def target():
     return LlamaModel(CFG).eval()
 
 
-def eagle(target, vocab=None, seed=1) -> EagleHead:
+# a head layer shaped unlike its target's layers (as speculators and SafeAILab heads may be):
+# a wider MLP, fewer and larger attention heads, its own RoPE base and norm epsilon
+OTHER_LAYER = dict(
+    intermediate_size=80,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=24,
+    rope_theta=5e5,
+    rms_norm_eps=1e-5,
+)
+
+
+def eagle(target, vocab=None, seed=1, layer: dict | None = None) -> EagleHead:
+    from specdecode.models.head_io import head_layer_config
+
     torch.manual_seed(seed)
-    head = EagleHead(CFG)
+    head = EagleHead(head_layer_config(layer or {}, CFG))
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.2)
     head.attach(target.embed_tokens, target.lm_head.weight, vocab)
@@ -108,8 +122,9 @@ def _paged(head: EagleHead, ids, feats, positions, blocks, manager, cache, mask=
     return out
 
 
-def test_eagle_cached_forward_equals_dense_and_unrolled(target):
-    head = eagle(target)
+@pytest.mark.parametrize("layer", [None, OTHER_LAYER], ids=["target-shaped", "own-shape"])
+def test_eagle_cached_forward_equals_dense_and_unrolled(target, layer):
+    head = eagle(target, layer=layer)
     t = 10
     ids = torch.randint(0, 96, (1, t + 3))
     feats = torch.randn(1, t, 32)
@@ -134,7 +149,7 @@ def test_eagle_cached_forward_equals_dense_and_unrolled(target):
         torch.testing.assert_close(step2[0], unrolled[2][0, 5], atol=3e-5, rtol=3e-5)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle-own-layer-shape"])
 def test_head_checkpoint_round_trip(target, tmp_path, kind):
     vocab = torch.tensor([1, 2, 3, 50, 60])
     if kind == "medusa":
@@ -144,7 +159,7 @@ def test_head_checkpoint_round_trip(target, tmp_path, kind):
         head.attach(target.lm_head.weight, vocab)
         x = (torch.randn(3, 32),)
     else:
-        head = eagle(target, vocab)
+        head = eagle(target, vocab, layer=OTHER_LAYER if "own" in kind else None)
         x = (torch.randint(0, 96, (1, 4)), torch.randn(1, 4, 32))
     with torch.no_grad():  # checkpoints are bf16
         for p in head.parameters():
@@ -152,6 +167,8 @@ def test_head_checkpoint_round_trip(target, tmp_path, kind):
     save_head(head, tmp_path, CFG, {"note": "test"})
     loaded = load_head(tmp_path, target)
     assert torch.equal(loaded.vocab_ids, vocab)
+    if kind != "medusa":
+        assert loaded.config == head.config
     with torch.no_grad():
         if kind == "medusa":
             torch.testing.assert_close(loaded(*x), head(*x))

@@ -180,12 +180,12 @@ def test_gguf_rope_scaling_is_read_or_refused(tmp_path):
 
 
 def test_exported_configs_carry_rope_scaling():
-    from specdecode.config import ModelConfig, RopeConfig, _rope_from_hf
+    from specdecode.config import ModelConfig, RopeConfig, rope_from_hf
 
     for scaling in (("linear", 2.0), ("llama3", 8.0, 1.0, 4.0, 64), None):
         rope = RopeConfig(theta=5e5, scaling=scaling)
         c = ModelConfig("llama", 128, 64, 128, 2, 4, 2, 16, 1e-6, 256, False, False, False, rope)
-        assert _rope_from_hf(c.hf_dict(1)) == rope
+        assert rope_from_hf(c.hf_dict(1)) == rope
 
 
 def test_only_the_models_own_shards_are_read(tmp_path):
