@@ -318,7 +318,7 @@ class LLMEngine:
         decoding = [
             i
             for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new, strict=True))
-            if n == 1 and s.num_uncommitted == 1
+            if n == 1 and s.num_uncommitted == 1 and s.seq_id not in batch.no_lookahead
         ]
         if not decoding:
             return proposals

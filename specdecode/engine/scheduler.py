@@ -1,15 +1,16 @@
 """Decides which sequences run in the next step and how many tokens each feeds. No tensors.
 
-Running sequences decode first (one token each); if the cache cannot hold them, the most recently
-admitted one is preempted (its blocks freed, it goes back to the front of the queue and is
-recomputed later: no request is ever lost). Then waiting sequences are admitted, prefilled in
-chunks of at most `max_num_batched_tokens` tokens per step.
+Running sequences decode first (one token each, with room for a draft tree where it fits; a tree
+that does not fit is dropped for the step before anything is preempted); if the cache cannot
+hold them, the most recently admitted one is preempted (its blocks freed, it goes back to the
+front of the queue and is recomputed later: no request is ever lost). Then waiting sequences
+are admitted, prefilled in chunks of at most `max_num_batched_tokens` tokens per step.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdecode.cache import BlockManager
 from specdecode.core import Sequence, SequenceStatus
@@ -20,6 +21,9 @@ from specdecode.errors import OutOfMemoryError
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new: list[int]  # tokens each sequence feeds this step (prefill chunk, or 1)
+    # decoding sequences given no room for a draft tree this step (the cache was short): they
+    # decode one token without drafts rather than preempt a request for slots drafts may not use
+    no_lookahead: set[int] = field(default_factory=set)  # seq ids
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -49,8 +53,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, num_lookahead: int = 0) -> ScheduledBatch:
-        """`num_lookahead`: extra slots reserved for each decoding sequence's draft tree."""
-        seqs, num_new = [], []
+        """`num_lookahead`: extra slots reserved for each decoding sequence's draft tree. A
+        sequence whose tree does not fit decodes without one (`no_lookahead`); only a token
+        that does not fit preempts."""
+        seqs, num_new, no_lookahead = [], [], set()
         budget = self.max_num_batched_tokens
         for seq in list(self.running):
             if seq not in self.running:  # preempted below to make room for an earlier one
@@ -60,6 +66,10 @@ class Scheduler:
                 continue
             extra = num_lookahead if n == seq.num_uncommitted == 1 else 0
             while not self.manager.allocate(seq.blocks, seq.blocks.length + n + extra):
+                if extra:  # drafts give way first
+                    extra = 0
+                    no_lookahead.add(seq.seq_id)
+                    continue
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
@@ -74,14 +84,16 @@ class Scheduler:
             # a one-token prompt decodes (and may draft) on its first step: room for the tree
             extra = num_lookahead if n == seq.num_uncommitted == 1 else 0
             if not self.manager.allocate(seq.blocks, seq.blocks.length + n + extra):
-                break
+                if not (extra and self.manager.allocate(seq.blocks, seq.blocks.length + n)):
+                    break
+                no_lookahead.add(seq.seq_id)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)
             num_new.append(n)
             budget -= n
-        return ScheduledBatch(seqs, num_new)
+        return ScheduledBatch(seqs, num_new, no_lookahead)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

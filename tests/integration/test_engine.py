@@ -154,3 +154,21 @@ def test_settings_that_could_never_schedule_are_refused(tiny_llama_dir, setting)
     built, with the setting's name."""
     with pytest.raises(InvalidRequestError, match=next(iter(setting))):
         LLM(str(tiny_llama_dir), **setting)
+
+
+def test_draft_slots_give_way_before_a_request_is_preempted(tiny_llama_dir, llm):
+    """Two 40-token requests fit a 6-block cache, their 16-node draft trees do not: they decode
+    without drafts at those steps rather than preempt each other, and lose nothing."""
+    small = LLM(
+        str(tiny_llama_dir),
+        kv_cache_memory_gb=7 * 16 * 512 / 2**30,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 16,
+                            "prompt_lookup_min": 1},
+        speculative_policy="static",
+    )  # fmt: skip
+    prompts = PROMPTS[:2]
+    want = llm.generate(prompts, greedy(30))
+    got = small.generate(prompts, greedy(30))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert small.engine.scheduler.num_preemptions == 0
+    assert small.engine.spec_stats.num_drafts > 0  # drafting where the trees fit
