@@ -63,8 +63,16 @@ class SamplingParams:
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
             raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise bad(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.seed is not None:
+            # OpenAI's seed is an int64: a negative one is read as its two's complement, so
+            # every 64-bit seed (signed or not) names its own stream
+            if (
+                not isinstance(self.seed, int)
+                or isinstance(self.seed, bool)
+                or not -(2**63) <= self.seed < 2**64
+            ):
+                raise bad(f"seed must be a 64-bit integer, got {self.seed!r}")
+            self.seed %= 2**64
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
         ):

@@ -227,7 +227,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         """Choice j of a seeded request uses seed + j, so n > 1 gives n different samples."""
         if params.seed is None or j == 0:
             return params
-        return replace(params, seed=(params.seed + j) % 2**63)
+        return replace(params, seed=(params.seed + j) % 2**64)
 
     async def respond(request: Request, req, jobs, prompt_tokens: int, chat: bool):
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

@@ -179,6 +179,10 @@ def test_completions_prompts_n_seed_stop_and_logprobs(client, plain):
     assert [c.index for c in a.choices] == [0, 1, 2, 3]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded
     assert a.choices[0].text != a.choices[1].text or a.choices[2].text != a.choices[3].text
+    neg = dict(kw, seed=-1)  # OpenAI's seed is an int64: a negative one is a seed too
+    c, d = client.completions.create(**neg), client.completions.create(**neg)
+    assert [x.text for x in c.choices] == [x.text for x in d.choices]
+    assert [x.text for x in c.choices] != [x.text for x in a.choices]
     want = plain.generate("abcabc", SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
     stop = want.text[5:7]
     r = client.completions.create(
@@ -223,6 +227,7 @@ BAD = [
     (body(presence_penalty=1), 400),
     (body(repetition_penalty=1.3), 400),  # vLLM's fields that would change the output
     (body(min_p=0.1), 400),
+    (body(seed=2**64), 400),  # not a 64-bit integer (a negative int64 is one: see below)
 ]
 
 

@@ -20,6 +20,9 @@ from specdecode.sampling import SamplingParams, sample, warp
         {"max_tokens": 0},
         {"stop": [""]},
         {"seed": "x"},
+        {"seed": 2**64},
+        {"seed": -(2**63) - 1},
+        {"seed": True},
     ],
 )
 def test_invalid_values_are_rejected_clearly(kwargs):
@@ -71,3 +74,17 @@ def test_samples_converge_to_the_warped_distribution():
     freq = torch.bincount(draws, minlength=5).float() / 20000
     assert freq[4] == 0
     torch.testing.assert_close(freq, p, atol=0.02, rtol=0)
+
+
+def test_every_64_bit_seed_is_accepted_and_names_its_own_stream():
+    """OpenAI's seed is an int64: a negative one is its two's complement, not an error."""
+    assert SamplingParams(seed=-1).seed == 2**64 - 1 == SamplingParams(seed=2**64 - 1).seed
+    assert SamplingParams(seed=-(2**63)).seed == 2**63
+    probs = torch.full((1, 50), 1 / 50)
+
+    def stream(seed: int) -> tuple[int, ...]:
+        g = SamplingParams(seed=seed).make_generator()
+        return tuple(int(sample(probs, g)) for _ in range(20))
+
+    assert stream(-1) == stream(-1)
+    assert len({stream(s) for s in (-1, -2, 1, 2)}) == 4
