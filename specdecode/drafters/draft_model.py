@@ -285,9 +285,11 @@ class DraftModelDrafter(Drafter):
         it was (drafts drawn again from its start would reuse the uniforms that chose the
         tokens already emitted, and the text would no longer follow the target)."""
         st = self._state.get(seq.seq_id)
+        # preempted again before it drafted (its state not rebuilt yet): the parked stream
+        gen = st.generator if st is not None else self._preempted_generators.get(seq.seq_id)
         self.release(seq)
-        if st is not None and st.generator is not None:
-            self._preempted_generators[seq.seq_id] = st.generator
+        if gen is not None:
+            self._preempted_generators[seq.seq_id] = gen
 
 
 def _frequent_ids(engine: LLMEngine, n: int) -> torch.Tensor:

@@ -54,9 +54,11 @@ class Scheduler:
 
     def schedule(self, num_lookahead: int = 0) -> ScheduledBatch:
         """`num_lookahead`: extra slots reserved for each decoding sequence's draft tree. A
-        sequence whose tree does not fit decodes without one (`no_lookahead`); only a token
-        that does not fit preempts."""
+        sequence whose tree does not fit decodes without one (`no_lookahead`); when a token
+        does not fit, the trees of the sequences placed before it give way (latest first)
+        before anything is preempted."""
         seqs, num_new, no_lookahead = [], [], set()
+        with_tree: list[Sequence] = []  # placed this step with lookahead slots
         budget = self.max_num_batched_tokens
         for seq in list(self.running):
             if seq not in self.running:  # preempted below to make room for an earlier one
@@ -66,9 +68,14 @@ class Scheduler:
                 continue
             extra = num_lookahead if n == seq.num_uncommitted == 1 else 0
             while not self.manager.allocate(seq.blocks, seq.blocks.length + n + extra):
-                if extra:  # drafts give way first
+                if extra:  # drafts give way first: this sequence's own tree
                     extra = 0
                     no_lookahead.add(seq.seq_id)
+                    continue
+                if with_tree:  # then the trees of those placed before it
+                    other = with_tree.pop()
+                    self.manager.truncate(other.blocks, other.blocks.length + 1)
+                    no_lookahead.add(other.seq_id)
                     continue
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -78,6 +85,8 @@ class Scheduler:
                 seqs.append(seq)
                 num_new.append(n)
                 budget -= n
+                if extra:
+                    with_tree.append(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncommitted, budget)

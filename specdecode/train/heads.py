@@ -454,7 +454,8 @@ def train_eagle(
     # continuing a head whose fc has a bias (SafeAILab's EAGLE-1 layout) keeps it
     prev_fc = getattr(tr.init_head, "fc", None)
     head = EagleHead(_layer_config(target, tr), fc_bias=getattr(prev_fc, "bias", None) is not None)
-    _identity_start(head, target)
+    if not cfg.init:  # a continued head takes every weight from its earlier run
+        _identity_start(head, target)
     head = head.float()
     head.attach(target.embed_tokens, tr.lm_rows, None)
     head.vocab_ids = tr.vocab_ids
@@ -493,7 +494,9 @@ def _identity_start(head: EagleHead, target: LlamaModel) -> None:
     the wrong magnitude (cross-entropy in the hundreds) that a short run never recovers from."""
     h = head.config.hidden_size
     src, dst = target.layers[-1], head.layers[0]
-    dst.self_attn.load_state_dict(src.self_attn.state_dict())
+    # q/k/v only: o_proj starts at zero, and a Qwen3 target's q/k norms have no place in the
+    # head's Llama layer
+    dst.self_attn.qkv_proj.load_state_dict(src.self_attn.qkv_proj.state_dict())
     _silenced_copy(dst, src)
     if head.fc.bias is not None:
         head.fc.bias.zero_()
@@ -570,7 +573,8 @@ def train_eagle3(
         )
     vocab = tr.vocab_ids if tr.vocab_ids is not None else torch.arange(target.config.vocab_size)
     head = Eagle3Head(_layer_config(target, tr), vocab.numel(), layers)
-    _identity_start3(head, target, tr.lm_rows)
+    if not cfg.init:  # a continued head takes every weight from its earlier run
+        _identity_start3(head, target, tr.lm_rows)
     head = head.float()
     if cfg.init:
         _continue_from(head, tr, vocab)

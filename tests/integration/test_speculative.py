@@ -263,13 +263,17 @@ def test_a_preempted_seeded_draft_stream_goes_on(tiny_llama_dir, other_draft_dir
     spec = LLM(str(tiny_llama_dir), speculative_config=cfg, speculative_policy="static")
     engine = spec.engine
     drafter = engine.drafter.head if branch else engine.drafter
-    seq = engine.add_request([5, 6, 7, 8], SamplingParams(temperature=1.0, seed=3, max_tokens=40))
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
+    seq = engine.add_request([5, 6, 7, 8], params)
     while engine.spec_stats.num_draft_tokens < 6:
         engine.step()
     gen = drafter._state[seq.seq_id].generator
     before = gen.get_state()
     engine.preempt(seq)
     assert seq.seq_id not in drafter._state and seq in engine.scheduler.waiting
+    engine.step()  # recomputing its prompt: no drafts yet, no draft state
+    assert seq.seq_id not in drafter._state
+    engine.preempt(seq)  # preempted again before it drafted: the parked stream is kept
     drafts = engine.spec_stats.num_draft_tokens
     while engine.spec_stats.num_draft_tokens == drafts:  # recomputed, then drafting again
         engine.step()

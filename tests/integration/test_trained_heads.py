@@ -472,3 +472,59 @@ def test_a_full_head_cache_stops_only_the_requests_it_cannot_hold(
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy(30))] == want
     assert spec.engine.spec_stats.num_accepted_tokens > 0
     assert spec.engine.drafter.manager.num_free_blocks == 6  # all released
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_training_continues_a_head_shaped_unlike_the_target(heads, tiny_llama_dir, tmp_path, kind):
+    """--init from a head whose layer has its own shape (an imported SpecForge or speculators
+    head may): the run trains that shape, not the target's."""
+    import torch
+
+    from specdecode.models.head_io import head_layer_config, load_head, save_head
+    from specdecode.models.heads import Eagle3Head, EagleHead
+    from specdecode.models.loader import load_model
+
+    root, _ = heads
+    target = load_model(tiny_llama_dir).model.requires_grad_(False)
+    own = dict(intermediate_size=80, num_attention_heads=2, num_key_value_heads=1, head_dim=24)
+    layer = head_layer_config(own, target.config)
+    vocab = torch.arange(64)
+    if kind == "eagle":
+        head = EagleHead(layer)
+        head.attach(target.embed_tokens, target.lm_head.weight[vocab], vocab)
+    else:
+        head = Eagle3Head(layer, 64, (0, 1))
+        head.attach(target.embed_tokens, vocab)
+    save_head(head, tmp_path / "own", target.config, {})
+    cfg = HeadTrainConfig(steps=2, batch_tokens=512, warmup=1, eval_examples=8,
+                          init=str(tmp_path / "own"))  # fmt: skip
+    train = train_eagle if kind == "eagle" else train_eagle3
+    assert train(target, root / "data", tmp_path / "next", cfg, [2])["steps_done"] == 2
+    assert load_head(tmp_path / "next", target).config == load_head(tmp_path / "own", target).config
+
+
+def test_heads_train_on_a_qwen3_target_and_export(tmp_path):
+    """A Qwen3 target's heads are Llama layers (its q/k norms left out): they train, draft
+    token-identically to plain decoding, and export to vLLM."""
+    from conftest import _write_byte_tokenizer, make_tiny_hf
+
+    from specdecode.export import export_head
+    from specdecode.models.loader import load_model
+
+    make_tiny_hf("qwen3", tmp_path / "model")
+    _write_byte_tokenizer(tmp_path / "model")
+    plain = LLM(str(tmp_path / "model"))
+    convs = [(f"c{i}", [{"role": "user", "content": f"say {i % 7} {i}"}]) for i in range(16)]
+    generate(plain, convs, tmp_path / "data", shard_size=16, max_tokens=12, feature_layers=(0, 1))
+    target = load_model(tmp_path / "model").model.requires_grad_(False)
+    cfg = HeadTrainConfig(draft_vocab=64, steps=2, batch_tokens=256, warmup=1, eval_examples=4)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(12))]
+    for kind, train in (("eagle", train_eagle), ("eagle3", train_eagle3)):
+        train(target, tmp_path / "data", tmp_path / kind, cfg, [2])
+        export_head(tmp_path / kind, target, "vllm", tmp_path / f"{kind}-vllm")
+        exported = {"method": kind, "model": str(tmp_path / f"{kind}-vllm")}
+        spec = LLM(
+            str(tmp_path / "model"), speculative_config=exported, speculative_policy="static"
+        )
+        assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(12))] == want
+        assert spec.engine.spec_stats.num_drafts > 0

@@ -147,3 +147,32 @@ def test_the_free_heap_stays_bounded_over_many_steps():
     assert m.num_free_blocks == 299
     got = [m._pop_lowest() for _ in range(3)]
     assert got == [1, 2, 3]
+
+
+def test_draft_trees_give_way_before_a_request_is_preempted():
+    """Three blocks of 4 slots: A (3 cached + 1 new token) took a tree's block, and B (4 cached +
+    1 new) needs a block for its token. A's tree gives way, nobody is preempted, and neither
+    drafts this step; with room again, both get their trees back."""
+    from specdecode.core import Sequence
+    from specdecode.engine.scheduler import Scheduler
+    from specdecode.sampling import SamplingParams
+
+    manager = BlockManager(4, 4)
+    scheduler = Scheduler(manager)
+    a, b = (
+        Sequence(seq_id=i, prompt_token_ids=list(range(n)), params=SamplingParams(max_tokens=50))
+        for i, n in ((0, 4), (1, 5))
+    )
+    for seq in (a, b):
+        scheduler.add(seq)
+    batch = scheduler.schedule(num_lookahead=4)  # prefill
+    for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+        seq.blocks.length += n - 1  # as after a step: all but the last token cached
+        manager.truncate(seq.blocks, seq.blocks.length)
+    batch = scheduler.schedule(num_lookahead=4)
+    assert [s.seq_id for s in batch.seqs] == [0, 1] and batch.num_new == [1, 1]
+    assert scheduler.num_preemptions == 0 and batch.no_lookahead == {0, 1}
+    assert manager.num_free_blocks == 0 and len(a.blocks.block_table) == 1
+    scheduler.finish(b)
+    batch = scheduler.schedule(num_lookahead=4)
+    assert batch.no_lookahead == set() and len(a.blocks.block_table) == 2
