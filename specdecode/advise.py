@@ -122,7 +122,8 @@ def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature)
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ValueError(f"'top_p' must be a number in (0, 1], got {top_p!r}")
     req.top_p = float(top_p)
-    mt = obj.get("max_completion_tokens") or obj.get("max_tokens")  # the server's reading
+    mt = obj.get("max_completion_tokens")  # the server's reading: it first, if given
+    mt = obj.get("max_tokens") if mt is None else mt
     if mt is not None:
         if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
             raise ValueError(f"'max_tokens' must be a positive integer, got {mt!r}")

@@ -151,6 +151,8 @@ def _context_length(cfg: dict[str, Any], family: str) -> int:
 
 def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if rs is not None and not isinstance(rs, dict):
+        raise UnsupportedModelError(f"rope_scaling is not an object: {rs!r}")
     theta = float(cfg.get("rope_theta") or (rs or {}).get("rope_theta") or 10000.0)
     if not rs:
         return RopeConfig(theta=theta)

@@ -61,7 +61,7 @@ def level_list(text: str) -> str:
         raise argparse.ArgumentTypeError(f"a comma list of integers, got {text!r}") from None
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"levels must be >= 1, got {text!r}")
-    return text
+    return ",".join(map(str, values))  # "1, 4," reads as "1,4"
 
 
 def temperatures(text: str) -> str:

@@ -155,13 +155,12 @@ def _print(row: dict) -> None:
     p, s = row["plain"], row["spec"]
     mode = "constrained  " if row["constrained"] else "unconstrained"
     acc = f"acc {s['acceptance_rate']:.0%} tau {s['tau']:.2f}" if s["tau"] else "no drafts"
+    speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else "(no decode step timed)"
     print(
         f"{row['method']:<16} {mode} plain {p['decode_tok_s']:6.1f} tok/s "
         f"({p['tokens_per_forward']:.2f} tok/fwd, forced {p['forced_share']:.0%})  "
         f"spec {s['decode_tok_s']:6.1f} tok/s ({s['tokens_per_forward']:.2f} tok/fwd, {acc})  "
-        f"{row['speedup']:.2f}x"
-        if row["speedup"] is not None
-        else "(no decode step timed)",
+        f"{speedup}",
         flush=True,
     )
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.config import ModelConfig
-from specdecode.errors import InvalidRequestError
+from specdecode.errors import InvalidRequestError, UnsupportedModelError
 from specdecode.models.heads import Eagle3Head, EagleHead, MedusaHeads, vocab_maps
 from specdecode.models.llama import LlamaModel, unfuse
 
@@ -98,7 +98,11 @@ def head_layer_config(raw: dict, tc: ModelConfig) -> ModelConfig:
         heads = int(raw.get("num_attention_heads") or tc.num_heads)
         kv_default = heads if raw.get("num_attention_heads") else tc.num_kv_heads
         dim_default = tc.hidden_size // heads if raw.get("num_attention_heads") else tc.head_dim
+        # RoPE as the engines read a layer's config: a config that describes the layer (names
+        # its heads) and no RoPE means Hugging Face's default (theta 10000), as vLLM and SGLang
+        # load it and the head was trained; a config naming no layer keeps the target's
         named_rope = any(raw.get(k) for k in ("rope_theta", "rope_scaling", "rope_parameters"))
+        rope = rope_from_hf(raw) if named_rope or raw.get("num_attention_heads") else tc.rope
         cfg = replace(
             tc,
             intermediate_size=int(raw.get("intermediate_size") or tc.intermediate_size),
@@ -106,10 +110,12 @@ def head_layer_config(raw: dict, tc: ModelConfig) -> ModelConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or kv_default),
             head_dim=int(raw.get("head_dim") or dim_default),
             rms_norm_eps=float(raw.get("rms_norm_eps") or tc.rms_norm_eps),
-            rope=rope_from_hf(raw) if named_rope else tc.rope,
+            rope=rope,
         )
-    except (TypeError, ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
         raise InvalidRequestError(f"the head's config.json has a bad layer field ({e})") from None
+    except UnsupportedModelError as e:
+        raise InvalidRequestError(f"the head's config.json: {e}") from None
     if min(cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) < 1 or (
         cfg.num_heads % cfg.num_kv_heads
     ):

@@ -159,6 +159,8 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if not all(isinstance(n, str) and n for n in names):
+                raise ValueError("its weight_map names a shard that is not a file name")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CorruptModelError(f"{index}: not a safetensors index ({e})") from e
         missing = [n for n in names if not (model_dir / n).is_file()]

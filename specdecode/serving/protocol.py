@@ -73,7 +73,7 @@ class _Request(BaseModel):
                 raise InvalidRequestError(f"{name} is not supported (only {value})", param=name)
         if self.use_beam_search:
             raise InvalidRequestError("use_beam_search is not supported", param="use_beam_search")
-        if self.prompt_logprobs:
+        if self.prompt_logprobs is not None:  # 0 asks for the prompt tokens' own
             raise InvalidRequestError("prompt_logprobs is not supported", param="prompt_logprobs")
         for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
             if getattr(self, tools) and getattr(self, choice) != "none":

@@ -239,7 +239,7 @@ def test_unsupported_sampling_fields_are_refused_unless_neutral():
     )
     assert neutral.sampling_params(4, None).max_tokens == 4
     for field, value in (("min_tokens", 3), ("best_of", 2), ("use_beam_search", True),
-                         ("prompt_logprobs", 1)):  # fmt: skip
+                         ("prompt_logprobs", 1), ("prompt_logprobs", 0)):  # fmt: skip
         with pytest.raises(InvalidRequestError, match=field):
             CompletionRequest(prompt="x", **{field: value}).sampling_params(4, None)
     # tool calling is not implemented: tools pass only where the request says not to call one

@@ -45,12 +45,14 @@ def test_read_traffic_formats_and_bad_lines(tmp_path):
                 json.dumps({"prompt": "b", "max_completion_tokens": None, "max_tokens": 7}),
                 '{"prompt": "\\ud83d"}',
                 "[" * 100_000,
+                json.dumps({"prompt": "c", "max_completion_tokens": 0, "max_tokens": 7}),
             ]
         )
     )
     t = read_traffic(p, default_max_tokens=9)
     assert [(r.top_p, r.max_tokens) for r in t.requests] == [(1.0, 9), (1.0, 7)]
     assert "surrogate" in t.bad_lines[0] and "line 4" in t.bad_lines[1]
+    assert "line 5" in t.bad_lines[2]  # max_completion_tokens 0: the server refuses it too
 
 
 def _measured(accepted, drafted, decisions, tree=False) -> Measured:

@@ -74,3 +74,15 @@ def test_a_level_is_timed_while_every_client_is_busy():
     assert row["steady_seconds"] < row["seconds"] / 5
     with pytest.raises(ValueError, match=">= 1"):
         asyncio.run(_level(Engine(), lambda i: ([1], 1), 0, 1))
+
+
+def test_bench_argument_types_normalise_what_they_accept(capsys):
+    from specdecode.bench import level_list
+    from specdecode.bench.structured import _print
+
+    assert level_list("1, 4,") == "1,4" and level_list("") == ""
+    side = {"decode_tok_s": 0.0, "tokens_per_forward": 1.0, "forced_share": 0.0, "tau": None,
+            "acceptance_rate": 0.0}  # fmt: skip
+    _print({"method": "ngram", "constrained": True, "plain": side, "spec": side, "speedup": None})
+    out = capsys.readouterr().out
+    assert out.startswith("ngram") and "plain" in out and "(no decode step timed)" in out

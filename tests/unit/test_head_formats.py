@@ -415,3 +415,21 @@ def test_a_head_layer_that_cannot_be_built_is_refused(target, tmp_path):
     _write(tmp_path, config, _unfused(head, CFG))
     with pytest.raises(InvalidRequestError, match="no valid layer"):
         load_head(tmp_path, target)
+
+
+def test_a_head_config_reads_rope_as_the_engines_do():
+    """A config that describes the layer but names no RoPE means Hugging Face's default theta
+    (as vLLM and SGLang load it), whatever the target's; one naming no layer keeps the
+    target's. An unsupported or malformed rope_scaling is a clear refusal."""
+    from dataclasses import replace
+
+    from specdecode.config import RopeConfig
+    from specdecode.models.head_io import head_layer_config
+
+    llama3 = replace(CFG, rope=RopeConfig(theta=5e5))
+    assert head_layer_config(LLAMA, llama3).rope == RopeConfig(theta=10000.0)
+    assert head_layer_config({"draft_vocab_size": 6}, llama3).rope == llama3.rope
+    assert head_layer_config({**LLAMA, "rope_theta": 5e5}, CFG).rope == llama3.rope
+    for scaling in ({"rope_type": "yarn", "factor": 4.0}, "linear"):
+        with pytest.raises(InvalidRequestError, match="head's config.json"):
+            head_layer_config({**LLAMA, "rope_scaling": scaling}, CFG)

@@ -205,6 +205,10 @@ def test_only_the_models_own_shards_are_read(tmp_path):
     shards[-1].unlink()
     with pytest.raises(CorruptModelError, match="missing"):
         load_model(tmp_path / "sharded")
+    index = tmp_path / "sharded" / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": 3}}))
+    with pytest.raises(CorruptModelError, match="not a safetensors index"):
+        load_model(tmp_path / "sharded")
 
 
 def test_configs_the_model_cannot_honour_are_refused_or_capped(tmp_path):
