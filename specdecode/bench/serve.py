@@ -4,8 +4,9 @@ policies off / static / adaptive, on the same prompts, in one run, on one loaded
 At each concurrency c, c closed-loop clients keep one request each in flight (a client sends
 its next request when the previous one finishes) until `max(2c, --min-requests)` requests are
 done. Each policy runs the same requests. Throughput is taken over the steady state: from the
-start until the last request is sent, while all c clients are busy (the drain after it, with
-fewer and fewer requests in flight, would measure a lower concurrency than the level's).
+first completion until the last request is sent, while all c clients are busy and prefills
+interleave with decoding (the start, every prompt prefilled at once, and the drain, with fewer
+and fewer requests in flight, are not the level's load).
 Reported per (c, policy): output throughput (tok/s),
 mean time per output token after the first (TPOT, the inter-token latency a streaming user
 sees), median time to first token, acceptance, and for adaptive the share of decoding steps it
@@ -56,12 +57,7 @@ async def _level(engine, request, concurrency: int, n_requests: int) -> dict:
     await asyncio.gather(*(one(*request(i)) for i in range(n_requests)))
     wall = time.perf_counter() - start
     tokens = sum(r[3] for r in rows)
-    # steady state: every client busy, from the start until the last request was sent
-    last_sent = max(r[0] for r in rows)
-    steady = sum(max((k for t, k in r[4] if t <= last_sent), default=0) for r in rows)
-    window = last_sent - start
-    if steady == 0 or window <= 0:  # no steady state (n <= c): the whole run
-        steady, window = tokens, wall
+    steady, window = _steady(rows, concurrency) or (tokens, wall)  # none: the whole run
     tpot = [(end - first) / (n - 1) for _, first, end, n, _ in rows if n > 1]
     return {
         "requests": n_requests,
@@ -74,6 +70,26 @@ async def _level(engine, request, concurrency: int, n_requests: int) -> dict:
         "tpot_ms": 1000 * statistics.mean(tpot) if tpot else None,
         "ttft_p50_ms": 1000 * statistics.median(first - t0 for t0, first, _, _, _ in rows),
     }
+
+
+def _steady(rows: list[tuple], concurrency: int) -> tuple[int, float] | None:
+    """(output tokens, seconds) of a level's steady state: from the first completion (its
+    client sends the next request at once: from then on the loop cycles, prefills interleaved
+    with decoding) to the last send (after it fewer and fewer requests are in flight). All
+    `concurrency` clients are busy throughout; the start, every prompt prefilled at once before
+    any token, and the drain are left out. None where there is no such window (no more
+    requests than clients, or no token in it). `rows`: (sent, first token, end, tokens,
+    [(time, tokens so far), ...]) per request."""
+    sends = sorted(r[0] for r in rows)
+    if len(sends) <= concurrency:
+        return None
+    begin, end = sends[concurrency], sends[-1]
+
+    def at(timeline, t: float) -> int:
+        return max((k for s, k in timeline if s <= t), default=0)
+
+    tokens = sum(at(r[4], end) - at(r[4], begin) for r in rows)
+    return (tokens, end - begin) if end > begin and tokens > 0 else None
 
 
 def concurrency_levels(text: str) -> list[int]:

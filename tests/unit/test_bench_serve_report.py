@@ -49,17 +49,17 @@ def test_the_table_reads_ratios_noise_and_lite_drafts():
 
 
 def test_a_level_is_timed_while_every_client_is_busy():
-    """Two clients, three requests: two short ones, then one long one alone. The drain, with
-    one request in flight, is not the level's concurrency: throughput is taken until the last
-    request was sent, while both clients were busy (2 tokens per tick), not over the whole run
-    (24 tokens in 22 ticks)."""
+    """Two clients, four requests (2, 4, 2 and 20 tokens): the window runs from the first
+    completion (tick 2, when the third request is sent) to the last send (tick 4), both
+    clients busy (2 tokens per tick), not over the whole run with its drain (28 tokens in 24
+    ticks)."""
     import asyncio
     from types import SimpleNamespace
 
     from specdecode.bench.serve import _level
 
     tick = 0.02
-    lengths = [2, 2, 20]
+    lengths = [2, 4, 2, 20]
 
     class Engine:
         async def generate(self, ids, params):
@@ -67,13 +67,30 @@ def test_a_level_is_timed_while_every_client_is_busy():
                 await asyncio.sleep(tick)
                 yield SimpleNamespace(error=None, token_ids=[k], num_output_tokens=k)
 
-    row = asyncio.run(_level(Engine(), lambda i: ([1], lengths[i]), 2, 3))
+    row = asyncio.run(_level(Engine(), lambda i: ([1], lengths[i]), 2, 4))
     whole = row["output_tokens"] / row["seconds"]
-    assert row["output_tokens"] == 24 and whole * tick < 1.2
-    assert row["throughput_tok_s"] * tick > 1.4 and row["throughput_tok_s"] > 1.3 * whole
+    assert row["output_tokens"] == 28 and whole * tick < 1.3
+    assert row["throughput_tok_s"] * tick > 1.5 and row["throughput_tok_s"] > 1.3 * whole
     assert row["steady_seconds"] < row["seconds"] / 5
     with pytest.raises(ValueError, match=">= 1"):
         asyncio.run(_level(Engine(), lambda i: ([1], 1), 0, 1))
+
+
+def test_the_steady_window_leaves_out_the_start_and_the_drain():
+    """By hand: two clients; the first two requests wait 3 s for their first token (every
+    prompt prefilled at once), the second pair is sent as the first pair ends (at 4 and 6 s).
+    The window is [4, 6]: 4 tokens in 2 s (start to last send: 8 in 6; the whole run 11 in 8)."""
+    from specdecode.bench.serve import _steady
+
+    rows = [
+        (0.0, 3.0, 4.0, 2, [(3.0, 1), (4.0, 2)]),
+        (0.0, 3.0, 6.0, 4, [(3.0, 1), (4.0, 2), (5.0, 3), (6.0, 4)]),
+        (4.0, 5.0, 7.0, 3, [(5.0, 1), (6.0, 2), (7.0, 3)]),
+        (6.0, 7.0, 8.0, 2, [(7.0, 1), (8.0, 2)]),
+    ]
+    assert _steady(rows, 2) == (4, 2.0)
+    assert _steady(rows, 4) is None  # no more requests than clients: no steady state
+    assert _steady(rows[:3], 2) is None  # one send after the start: no window
 
 
 def test_bench_argument_types_normalise_what_they_accept(capsys):
