@@ -128,6 +128,10 @@ class DraftModelDrafter(Drafter):
         target's: the drafts of a request at position t are fed at t .. t + k - 2, and a
         request past that context is verified without drafts (lossless, just slower)."""
         limit = self.model.config.max_position_embeddings
+        for s in seqs:  # past it for good (a request only grows): its draft cache is freed
+            st = self._state.get(s.seq_id)
+            if s.num_tokens >= limit and st is not None and st.blocks.block_table:
+                self.manager.free(st.blocks)
         return [max(0, min(k, limit - s.num_tokens)) for s, k in zip(seqs, budgets, strict=True)]
 
     @torch.inference_mode()

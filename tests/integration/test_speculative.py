@@ -249,6 +249,14 @@ def test_a_draft_model_with_a_shorter_context_stops_drafting_there(
     assert spec.generate(prompt, greedy(40))[0].outputs[0].token_ids == want
     assert spec.engine.spec_stats.num_draft_tokens > 0
     assert spec.engine.num_tracked() == 0
+    # past the draft's context the request's draft cache is freed while it still runs
+    engine, drafter = spec.engine, spec.engine.drafter
+    seq = engine.add_request(spec.tokenizer.encode(prompt), greedy(40))
+    while seq.num_tokens < 66:
+        engine.step()
+    assert seq.finish_reason is None
+    assert drafter.manager.num_free_blocks == drafter.manager.num_blocks - 1
+    list(engine.run_to_completion())
 
 
 @pytest.mark.parametrize("branch", [False, True], ids=["chain", "lookup-branch"])
