@@ -72,7 +72,7 @@ def temperatures(text: str) -> str:
         raise argparse.ArgumentTypeError(f"a comma list of numbers, got {text!r}") from None
     if not values or any(not 0 <= v <= 2 for v in values):
         raise argparse.ArgumentTypeError(f"temperatures in [0, 2], got {text!r}")
-    return text
+    return ",".join(map(str, values))  # "0, 0.7," reads as "0.0,0.7"
 
 
 def config_list(text: str) -> str:

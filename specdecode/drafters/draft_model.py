@@ -109,6 +109,8 @@ class DraftModelDrafter(Drafter):
         return len(self.tree) - 1 if self.tree is not None else k
 
     def catch_up_tokens(self, seq: Sequence) -> int:
+        if seq.num_tokens >= self.model.config.max_position_embeddings:
+            return 0  # past the draft's context: it never drafts again, nothing to catch up
         st = self._state.get(seq.seq_id)
         return max(0, seq.num_tokens - (st.blocks.length if st else 0) - 1)
 

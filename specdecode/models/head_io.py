@@ -362,6 +362,11 @@ def _load_layer_weights(head: EagleHead, tensors: dict[str, torch.Tensor]) -> No
         if target not in params:
             raise InvalidRequestError(f"unexpected tensor {name!r} in the head checkpoint")
         p = params[target].data
+        if offset is not None and offset + t.shape[0] > p.shape[0]:
+            raise InvalidRequestError(
+                f"tensor {name!r} has shape {tuple(t.shape)}: more rows than the layer its "
+                "config.json describes holds (heads, head size)"
+            )
         dst = p if offset is None else p.narrow(0, offset, t.shape[0])
         if dst.shape != t.shape:
             raise InvalidRequestError(

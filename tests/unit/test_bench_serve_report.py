@@ -103,3 +103,9 @@ def test_bench_argument_types_normalise_what_they_accept(capsys):
     _print({"method": "ngram", "constrained": True, "plain": side, "spec": side, "speedup": None})
     out = capsys.readouterr().out
     assert out.startswith("ngram") and "plain" in out and "(no decode step timed)" in out
+
+
+def test_temperature_lists_normalise():
+    from specdecode.bench import temperatures
+
+    assert temperatures("0, 0.7,") == "0.0,0.7"

@@ -433,3 +433,11 @@ def test_a_head_config_reads_rope_as_the_engines_do():
     for scaling in ({"rope_type": "yarn", "factor": 4.0}, "linear"):
         with pytest.raises(InvalidRequestError, match="head's config.json"):
             head_layer_config({**LLAMA, "rope_scaling": scaling}, CFG)
+
+
+def test_a_head_whose_config_disagrees_with_its_tensors_is_refused(target, tmp_path):
+    head = _randomise(EagleHead(CFG))
+    config = {**LLAMA, "architectures": ["LlamaForCausalLM"], "num_attention_heads": 8}
+    _write(tmp_path, config, _unfused(head, CFG))
+    with pytest.raises(InvalidRequestError, match="shape"):
+        load_head(tmp_path, target)
