@@ -97,6 +97,17 @@ def _head_target_config():
 # A tiny target configuration for head unit tests (random weights built by the tests).
 HEAD_TARGET_CONFIG = _head_target_config()
 
+# A head layer (config.json fields) shaped unlike that target's layers, as speculators and
+# SafeAILab heads may be: a wider MLP, fewer and larger heads, its own RoPE base and eps.
+OWN_HEAD_LAYER = dict(
+    intermediate_size=80,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=24,
+    rope_theta=5e5,
+    rms_norm_eps=1e-5,
+)
+
 
 def chi_square_pvalue(x: list[int], y: list[int]) -> float:
     """Two-sample chi-square test of homogeneity over the tokens seen at least 5 times."""

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from helpers import HEAD_TARGET_CONFIG as CFG
+from helpers import OWN_HEAD_LAYER
 from safetensors.torch import save_file
 
 from specdecode.errors import InvalidRequestError
@@ -360,29 +361,18 @@ def test_sglang_eagle1_gets_a_zero_fc_bias_and_eagle3_layers_must_exist(target, 
         load_head(tmp_path / "headless", target)
 
 
-# a layer shaped unlike the target's: wider MLP, fewer and larger heads, own RoPE base and eps
-OWN_LAYER = dict(
-    intermediate_size=80,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=24,
-    rope_theta=5e5,
-    rms_norm_eps=1e-5,
-)
-
-
 @pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
 def test_a_head_layer_shaped_unlike_the_target_loads_and_exports(target, tmp_path, fmt):
     from specdecode.models.head_io import head_layer_config
 
-    layer = head_layer_config(OWN_LAYER, CFG)
+    layer = head_layer_config(OWN_HEAD_LAYER, CFG)
     vocab = torch.tensor([0, 3, 4, 10, 50, 95])
     head = _randomise(Eagle3Head(layer, vocab.numel()))
     head.attach(target.embed_tokens, vocab)
     head.eval()
     tensors = {k.replace("layers.0.", "midlayer."): v for k, v in _unfused(head, layer).items()}
     tensors["d2t"] = vocab - torch.arange(6)
-    config = {**LLAMA, **OWN_LAYER, "architectures": ["LlamaForCausalLMEagle3"]}
+    config = {**LLAMA, **OWN_HEAD_LAYER, "architectures": ["LlamaForCausalLMEagle3"]}
     _write(tmp_path / "safeailab", {**config, "draft_vocab_size": 6}, tensors)
     loaded = load_head(tmp_path / "safeailab", target)
     assert loaded.config == head.config and loaded.config.rope.theta == 5e5
@@ -400,7 +390,7 @@ def test_continuing_a_head_keeps_its_own_layer_shape(target, tmp_path):
     from specdecode.models.head_io import head_layer_config
     from specdecode.train.heads import _layer_config
 
-    head = _randomise(Eagle3Head(head_layer_config(OWN_LAYER, CFG), 6))
+    head = _randomise(Eagle3Head(head_layer_config(OWN_HEAD_LAYER, CFG), 6))
     head.attach(target.embed_tokens, torch.arange(6))
     save_head(head, tmp_path, CFG, {})
     prev = load_head(tmp_path, target)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import HEAD_TARGET_CONFIG
+from helpers import HEAD_TARGET_CONFIG, OWN_HEAD_LAYER
 
 from specdecode.cache import BlockManager, KVCache, SeqBlocks
 from specdecode.drafters.eagle import EagleDrafter, _Node
@@ -22,18 +22,6 @@ CFG = HEAD_TARGET_CONFIG
 def target():
     torch.manual_seed(0)
     return LlamaModel(CFG).eval()
-
-
-# a head layer shaped unlike its target's layers (as speculators and SafeAILab heads may be):
-# a wider MLP, fewer and larger attention heads, its own RoPE base and norm epsilon
-OTHER_LAYER = dict(
-    intermediate_size=80,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=24,
-    rope_theta=5e5,
-    rms_norm_eps=1e-5,
-)
 
 
 def eagle(target, vocab=None, seed=1, layer: dict | None = None) -> EagleHead:
@@ -122,7 +110,7 @@ def _paged(head: EagleHead, ids, feats, positions, blocks, manager, cache, mask=
     return out
 
 
-@pytest.mark.parametrize("layer", [None, OTHER_LAYER], ids=["target-shaped", "own-shape"])
+@pytest.mark.parametrize("layer", [None, OWN_HEAD_LAYER], ids=["target-shaped", "own-shape"])
 def test_eagle_cached_forward_equals_dense_and_unrolled(target, layer):
     head = eagle(target, layer=layer)
     t = 10
@@ -159,7 +147,7 @@ def test_head_checkpoint_round_trip(target, tmp_path, kind):
         head.attach(target.lm_head.weight, vocab)
         x = (torch.randn(3, 32),)
     else:
-        head = eagle(target, vocab, layer=OTHER_LAYER if "own" in kind else None)
+        head = eagle(target, vocab, layer=OWN_HEAD_LAYER if "own" in kind else None)
         x = (torch.randint(0, 96, (1, 4)), torch.randn(1, 4, 32))
     with torch.no_grad():  # checkpoints are bf16
         for p in head.parameters():
