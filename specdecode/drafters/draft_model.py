@@ -106,7 +106,9 @@ class DraftModelDrafter(Drafter):
         )
 
     def max_nodes(self, k: int) -> int:
-        return len(self.tree) - 1 if self.tree is not None else k
+        if self.tree is None:
+            return k
+        return sum(1 for d in self.tree.depths if 0 < d <= k)  # the tree pruned to depth k
 
     def catch_up_tokens(self, seq: Sequence) -> int:
         if seq.num_tokens >= self.model.config.max_position_embeddings:

@@ -318,7 +318,7 @@ class LLMEngine:
         decoding = [
             i
             for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new, strict=True))
-            if n == 1 and s.num_uncommitted == 1 and s.seq_id not in batch.no_lookahead
+            if n == 1 and s.num_uncommitted == 1 and batch.draft_slots.get(s.seq_id, 0) > 0
         ]
         if not decoding:
             return proposals
@@ -329,8 +329,14 @@ class LLMEngine:
         decode_tokens = sum(1 for n in batch.num_new if n == 1)
         catch_up = [self.drafter.catch_up_tokens(s) for s in seqs]
         plan = self.controller.plan(seqs, decode_tokens, len(batch), catch_up)
-        budgets = [self.draft_room(s, b) for s, b in zip(seqs, plan, strict=True)]
-        lite = [(j, self.draft_room(seqs[j], -b)) for j, b in enumerate(plan) if b < 0]
+        slots = [batch.draft_slots[s.seq_id] for s in seqs]
+        budgets = [
+            self._fit(self.draft_room(s, b), n) for s, b, n in zip(seqs, plan, slots, strict=True)
+        ]
+        # a lite draft is a chain: a node a level
+        lite = [
+            (j, min(self.draft_room(seqs[j], -b), slots[j])) for j, b in enumerate(plan) if b < 0
+        ]
         lite = [(j, b) for j, b in lite if b > 0]
         self._last_budgets = budgets
         self._catch_up = {
@@ -433,6 +439,13 @@ class LLMEngine:
         self.scheduler.finish(seq)
         seq.finish_reason = seq.finish_reason or "abort"
         self._release(seq)
+
+    def _fit(self, k: int, slots: int) -> int:
+        """The deepest draft, at most `k` levels, whose tree fits `slots` cache slots (a cache
+        short of blocks gives a request fewer than the full tree's)."""
+        while k > 0 and self.drafter.max_nodes(k) > slots:
+            k -= 1
+        return k
 
     def draft_room(self, seq: Sequence, k: int) -> int:
         """Draft depth worth proposing: none past the context, none past max_tokens."""

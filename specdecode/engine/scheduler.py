@@ -1,7 +1,8 @@
 """Decides which sequences run in the next step and how many tokens each feeds. No tensors.
 
 Running sequences decode first (one token each, with room for a draft tree where it fits; a tree
-that does not fit is dropped for the step before anything is preempted); if the cache cannot
+that does not fit is dropped before anything is preempted, and takes what the free blocks hold
+once the waiting sequences are admitted); if the cache cannot
 hold them, the most recently admitted one is preempted (its blocks freed, it goes back to the
 front of the queue and is recomputed later: no request is ever lost). Then waiting sequences
 are admitted, prefilled in chunks of at most `max_num_batched_tokens` tokens per step.
@@ -21,9 +22,11 @@ from specdecode.errors import OutOfMemoryError
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new: list[int]  # tokens each sequence feeds this step (prefill chunk, or 1)
-    # decoding sequences given no room for a draft tree this step (the cache was short): they
-    # decode one token without drafts rather than preempt a request for slots drafts may not use
-    no_lookahead: set[int] = field(default_factory=set)  # seq ids
+    # seq_id -> cache slots each decoding sequence holds for its draft tree this step (at most
+    # the lookahead asked for). A short cache gives fewer, or none: the sequence drafts a
+    # smaller tree, or decodes one token without drafts, rather than preempt a request for
+    # slots drafts may not use.
+    draft_slots: dict[int, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -53,12 +56,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, num_lookahead: int = 0) -> ScheduledBatch:
-        """`num_lookahead`: extra slots reserved for each decoding sequence's draft tree. A
-        sequence whose tree does not fit decodes without one (`no_lookahead`); when a token
-        does not fit, the trees of the sequences placed before it give way (latest first)
-        before anything is preempted."""
-        seqs, num_new, no_lookahead = [], [], set()
-        with_tree: list[Sequence] = []  # placed this step with lookahead slots
+        """`num_lookahead`: slots wanted after each decoding sequence's token for its draft
+        tree. A sequence whose tree does not fit takes none at first; when a token does not
+        fit, the trees of the sequences placed before it give way (latest first) before
+        anything is preempted. Once the waiting sequences are admitted, those short of their
+        tree take what the free blocks still hold (`draft_slots`: a smaller tree)."""
+        seqs, num_new = [], []
+        with_tree: list[Sequence] = []  # placed this step with blocks for their trees
+        short: list[Sequence] = []  # decoding without their whole tree so far
         budget = self.max_num_batched_tokens
         for seq in list(self.running):
             if seq not in self.running:  # preempted below to make room for an earlier one
@@ -70,12 +75,12 @@ class Scheduler:
             while not self.manager.allocate(seq.blocks, seq.blocks.length + n + extra):
                 if extra:  # drafts give way first: this sequence's own tree
                     extra = 0
-                    no_lookahead.add(seq.seq_id)
+                    short.append(seq)
                     continue
                 if with_tree:  # then the trees of those placed before it
                     other = with_tree.pop()
                     self.manager.truncate(other.blocks, other.blocks.length + 1)
-                    no_lookahead.add(other.seq_id)
+                    short.append(other)
                     continue
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -95,14 +100,28 @@ class Scheduler:
             if not self.manager.allocate(seq.blocks, seq.blocks.length + n + extra):
                 if not (extra and self.manager.allocate(seq.blocks, seq.blocks.length + n)):
                     break
-                no_lookahead.add(seq.seq_id)
+                short.append(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)
             num_new.append(n)
             budget -= n
-        return ScheduledBatch(seqs, num_new, no_lookahead)
+        # admissions came first; what the free blocks still hold goes to the trees left short
+        free = self.manager.num_free_blocks * self.manager.block_size
+        for seq in short:
+            if seq in self.running and seq.num_uncommitted == 1 and free > 0:
+                blocks = seq.blocks
+                room = len(blocks.block_table) * self.manager.block_size
+                self.manager.allocate(blocks, min(blocks.length + 1 + num_lookahead, room + free))
+                free = self.manager.num_free_blocks * self.manager.block_size
+        size = self.manager.block_size
+        slots = {
+            s.seq_id: min(num_lookahead, len(s.blocks.block_table) * size - s.blocks.length - 1)
+            for s, n in zip(seqs, num_new, strict=True)
+            if n == s.num_uncommitted == 1
+        }
+        return ScheduledBatch(seqs, num_new, slots)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

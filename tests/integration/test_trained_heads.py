@@ -86,6 +86,36 @@ CONFIGS = [
 ]
 
 
+def test_a_short_cache_gives_smaller_draft_trees(plain, tiny_llama_dir, heads):
+    """Where a request's 9-node Medusa tree does not fit the cache, it drafts the deepest
+    pruned tree its slots hold instead of none; nothing is lost."""
+    root, _ = heads
+    tree = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+    small = LLM(
+        str(tiny_llama_dir),
+        kv_cache_memory_gb=7 * 16 * 512 / 2**30,  # 6 blocks of 16
+        speculative_config={"method": "medusa", "model": str(root / "medusa"),
+                            "speculative_token_tree": tree},
+        speculative_policy="static",
+    )  # fmt: skip
+    engine = small.engine
+    assert [engine.drafter.max_nodes(k) for k in range(5)] == [0, 3, 6, 8, 9]
+    fitted, fit = [], engine._fit  # (depth asked, slots held, depth drafted)
+    engine._fit = lambda k, slots: fitted.append((k, slots, fit(k, slots))) or fitted[-1][2]
+    sizes, propose = [], engine.drafter.propose
+    engine.drafter.propose = lambda seqs, budgets: [
+        sizes.append(p.num_drafts) or p for p in propose(seqs, budgets)
+    ]
+    prompts = ["say 1 2 3 and more", "A"]
+    want = plain.generate(prompts, greedy(36))
+    got = small.generate(prompts, greedy(36))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert engine.scheduler.num_preemptions == 0
+    assert [f for f in fitted if 0 < f[2] < f[0]], fitted
+    assert all(engine.drafter.max_nodes(depth) <= slots for _, slots, depth in fitted)
+    assert any(0 < n < 9 for n in sizes) and 9 in sizes, sizes
+
+
 @pytest.mark.parametrize("method,extra", CONFIGS)
 def test_greedy_equals_plain(plain, tiny_llama_dir, heads, method, extra):
     root, _ = heads

@@ -152,7 +152,8 @@ def test_the_free_heap_stays_bounded_over_many_steps():
 def test_draft_trees_give_way_before_a_request_is_preempted():
     """Three blocks of 4 slots: A (3 cached + 1 new token) took a tree's block, and B (4 cached +
     1 new) needs a block for its token. A's tree gives way, nobody is preempted, and neither
-    drafts this step; with room again, both get their trees back."""
+    drafts this step but for the 3 slots left in B's new block; with room again, A gets its
+    whole tree back."""
     from specdecode.core import Sequence
     from specdecode.engine.scheduler import Scheduler
     from specdecode.sampling import SamplingParams
@@ -171,8 +172,50 @@ def test_draft_trees_give_way_before_a_request_is_preempted():
         manager.truncate(seq.blocks, seq.blocks.length)
     batch = scheduler.schedule(num_lookahead=4)
     assert [s.seq_id for s in batch.seqs] == [0, 1] and batch.num_new == [1, 1]
-    assert scheduler.num_preemptions == 0 and batch.no_lookahead == {0, 1}
+    assert scheduler.num_preemptions == 0 and batch.draft_slots == {0: 0, 1: 3}
     assert manager.num_free_blocks == 0 and len(a.blocks.block_table) == 1
     scheduler.finish(b)
     batch = scheduler.schedule(num_lookahead=4)
-    assert batch.no_lookahead == set() and len(a.blocks.block_table) == 2
+    assert batch.draft_slots == {0: 4} and len(a.blocks.block_table) == 2
+
+
+def test_a_draft_tree_takes_the_slots_the_cache_has():
+    """Three blocks of 4 slots, one sequence of 5 cached tokens decoding: a 8-slot tree does not
+    fit, the 6 slots the free block and its own hold do; a tree that fits is held whole."""
+    from specdecode.core import Sequence
+    from specdecode.engine.scheduler import Scheduler
+    from specdecode.sampling import SamplingParams
+
+    manager = BlockManager(4, 4)
+    scheduler = Scheduler(manager)
+    a = Sequence(seq_id=0, prompt_token_ids=list(range(6)), params=SamplingParams(max_tokens=9))
+    scheduler.add(a)
+    scheduler.schedule(num_lookahead=8)  # prefill
+    a.blocks.length = 5
+    batch = scheduler.schedule(num_lookahead=8)
+    assert batch.draft_slots == {0: 6} and manager.num_free_blocks == 0
+    manager.truncate(a.blocks, a.blocks.length)
+    batch = scheduler.schedule(num_lookahead=2)
+    assert batch.draft_slots == {0: 2} and len(a.blocks.block_table) == 2
+
+
+def test_a_waiting_request_is_admitted_before_a_tree_takes_the_rest():
+    """Four blocks of 4 slots: A (5 cached + 1 new) wants 12 draft slots, which do not fit. B's
+    prompt is admitted first; A's tree takes the block left (6 slots), not B's."""
+    from specdecode.core import Sequence
+    from specdecode.engine.scheduler import Scheduler
+    from specdecode.sampling import SamplingParams
+
+    manager = BlockManager(5, 4)
+    scheduler = Scheduler(manager)
+    a, b = (
+        Sequence(seq_id=i, prompt_token_ids=list(range(n)), params=SamplingParams(max_tokens=9))
+        for i, n in ((0, 6), (1, 4))
+    )
+    scheduler.add(a)
+    scheduler.schedule(num_lookahead=12)  # prefill
+    a.blocks.length = 5
+    scheduler.add(b)
+    batch = scheduler.schedule(num_lookahead=12)
+    assert [s.seq_id for s in batch.seqs] == [0, 1] and batch.num_new == [1, 4]
+    assert batch.draft_slots == {0: 6} and manager.num_free_blocks == 0
