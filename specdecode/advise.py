@@ -51,6 +51,9 @@ class TrafficRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     max_tokens: int = 128
+    # the other sampling fields the server honours (top_k, min_p, penalties, logit_bias,
+    # min_tokens): they change what the target emits, and so what drafts it accepts
+    sampling: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -61,7 +64,8 @@ class Traffic:
 
 def read_traffic(path: str | Path, default_max_tokens: int = 128, default_temperature=None):
     """One request per line: `{"prompt": "..."}`, `{"messages": [...]}` (an OpenAI chat body;
-    `temperature`, `top_p`, `max_tokens` / `max_completion_tokens` are honoured) or a bare list
+    `temperature`, `top_p`, `max_tokens` / `max_completion_tokens` and the server's other
+    sampling fields (`SAMPLING_FIELDS`) are honoured) or a bare list
     of chat messages. Blank lines are ignored. A bad line is reported by number and skipped;
     the rest is kept."""
     path = Path(path)
@@ -128,7 +132,32 @@ def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature)
         if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
             raise ValueError(f"'max_tokens' must be a positive integer, got {mt!r}")
         req.max_tokens = mt
+    for name in SAMPLING_FIELDS:
+        if obj.get(name) is not None:
+            req.sampling[name] = obj[name]
+    bias = req.sampling.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or not all(
+            isinstance(k, str) and k.strip().isdigit() for k in bias
+        ):
+            raise ValueError("'logit_bias' must map token ids to biases")
+        req.sampling["logit_bias"] = {int(k): v for k, v in bias.items()}
+    try:  # checked as the server checks them
+        SamplingParams(max_tokens=req.max_tokens, **req.sampling)
+    except InvalidRequestError as e:
+        raise ValueError(str(e)) from None
     return req
+
+
+SAMPLING_FIELDS = (
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+)
 
 
 # ---- measurement --------------------------------------------------------------------------
@@ -207,7 +236,9 @@ def candidate_configs(model: str | None, given: dict | None, draft_model: str | 
 
 def _params(reqs: list[TrafficRequest]) -> list[SamplingParams]:
     return [
-        SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, seed=i)
+        SamplingParams(
+            temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, seed=i, **r.sampling
+        )
         for i, r in enumerate(reqs)
     ]
 

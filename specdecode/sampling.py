@@ -35,6 +35,13 @@ class SamplingParams:
     # a StructuredOutput (or its dict: {"json": schema} | {"json_object": True} | {"regex": r}
     # | {"grammar": ebnf}); see specdecode/structured.py
     structured_output: Any = None
+    # read what the request generated (see specdecode/processors.py), as in vLLM
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # stop tokens and stop strings are ignored until this many
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +86,25 @@ class SamplingParams:
             raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise bad("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not -2 <= value <= 2:
+                raise bad(f"{name} must be in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not _number(rp) or not 0 < rp <= 100:
+            raise bad(f"repetition_penalty must be in (0, 100], got {rp!r}")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+        if self.logit_bias:
+            for tok, value in self.logit_bias.items():
+                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                    raise bad(f"logit_bias keys must be token ids, got {tok!r}")
+                if not _number(value) or not -100 <= value <= 100:
+                    raise bad(f"logit_bias values must be in [-100, 100], got {value!r}")
 
     @property
     def greedy(self) -> bool:
@@ -94,8 +120,13 @@ class SamplingParams:
         return gen
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[N, V] logits -> [N, V] fp32 probabilities after temperature, top-k and top-p.
+    """[N, V] logits -> [N, V] fp32 probabilities after temperature, min-p, top-k and top-p
+    (vLLM's order).
 
     Greedy requests get a one-hot distribution on the argmax, so "sample from warp(...)" is the
     same operation for every request and verification can treat greedy as a special case of it.
@@ -105,6 +136,9 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature
     vocab = logits.shape[-1]
+    if params.min_p > 0:  # p < min_p * p_max  <=>  logit < max logit + log(min_p)
+        floor = logits.max(-1, keepdim=True).values + math.log(params.min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if 0 < params.top_k < vocab:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -92,6 +92,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.manager)
         self.output = OutputProcessor(self.tokenizer, self._eos_ids(), self.max_model_len)
+        self.runner.eos_token_ids = self.output.eos_token_ids
         self.spec_config = _speculative_config(config.speculative_config)
         # Called after every step with (sequences, their committed target features) when
         # `runner.feature_layers` is set: feature-reading drafters, data generation.
@@ -170,6 +171,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
         if len(prompt_token_ids) + 1 > self.manager.capacity_tokens:
             raise InvalidRequestError(
                 f"a prompt of {len(prompt_token_ids)} tokens does not fit the KV cache "

@@ -11,6 +11,8 @@ from specdecode.drafters.base import DraftProposal
 from specdecode.engine.scheduler import ScheduledBatch
 from specdecode.models.attention import build_metadata
 from specdecode.models.llama import LlamaModel
+from specdecode.processors import apply as apply_penalties
+from specdecode.processors import has_penalties, mask_stops, paths
 from specdecode.sampling import inverse_cdf, position_uniforms, warp
 from specdecode.verify import DraftBatch, VerifyResult, verify, verify_choices
 
@@ -35,6 +37,8 @@ class ModelRunner:
         self.grammar = None  # () -> GrammarCompiler, set by the engine (structured output)
         # batch index -> per new token (logprob, top-n) for requests that ask for logprobs
         self.logprobs: dict[int, list] = {}
+        self.eos_token_ids: set[int] = set()  # the stop tokens min_tokens holds back (set by
+        # the engine; a request's own stop_token_ids are added)
 
     def generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.seq_id not in self._generators:
@@ -116,12 +120,17 @@ class ModelRunner:
         rows = [offsets[i + 1] - 1 for i in plain]
         rows += [r for i in spec for r in range(offsets[i], offsets[i + 1])]
         logits = self.model.compute_logits(hidden[rows]) if rows else None
-        raw = logits  # logprobs are reported from the raw distributions, before any grammar
+        # logprobs are reported from the raw distributions, before penalties or a grammar
+        raw = logits
         if logits is not None and any(
-            s.matcher is not None and s.params.logprobs is not None for s in batch.seqs
+            (s.matcher is not None or has_penalties(s.params) or s.params.min_tokens)
+            and s.params.logprobs is not None
+            for s in batch.seqs
         ):
             raw = logits.clone()
+        self._penalise(batch, plain, spec, proposals, num_new, logits)
         node_masks = self._constrain(batch, plain, spec, proposals, num_new, logits)
+        self._min_tokens(batch, plain, spec, proposals, num_new, logits)
         self.logprobs = {}
         argmax = None
         for j, i in enumerate(plain):
@@ -222,6 +231,43 @@ class ModelRunner:
         result = verify(target, drafts, [self.generator(s) for s in seqs])
         self._keep_accepted(seqs, proposals, result)
         return result
+
+    def _rows(self, batch, plain, spec, proposals, num_new, want):
+        """(seq, its rows of the step's logits, the drafts each row follows) for each request
+        `want(seq)` picks: a plain row follows none, a draft node its path from the root."""
+        offset = len(plain)
+        for j, i in enumerate(plain):
+            if want(batch.seqs[i]):
+                yield batch.seqs[i], slice(j, j + 1), [[]]
+        for i in spec:
+            n = num_new[i]
+            if want(batch.seqs[i]):
+                prop = proposals[i]
+                yield (
+                    batch.seqs[i],
+                    slice(offset, offset + n),
+                    paths(prop.shape.parents, prop.tokens),
+                )
+            offset += n
+
+    def _penalise(self, batch, plain, spec, proposals, num_new, logits) -> None:
+        """Logit bias and penalties, in place (see processors.py)."""
+        if logits is None:
+            return
+        for seq, rows, history in self._rows(
+            batch, plain, spec, proposals, num_new, lambda s: has_penalties(s.params)
+        ):
+            apply_penalties(logits[rows], seq, history)
+
+    def _min_tokens(self, batch, plain, spec, proposals, num_new, logits) -> None:
+        """min_tokens: stop tokens masked until the request has that many (after a grammar)."""
+        if logits is None:
+            return
+        for seq, rows, history in self._rows(
+            batch, plain, spec, proposals, num_new,
+            lambda s: len(s.output_token_ids) < s.params.min_tokens,
+        ):  # fmt: skip
+            mask_stops(logits[rows], seq, [len(h) for h in history], self.eos_token_ids)
 
     def _constrain(self, batch, plain, spec, proposals, num_new, logits) -> dict:
         """Structured output: mask each constrained row to what the request's grammar allows

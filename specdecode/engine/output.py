@@ -40,9 +40,10 @@ class OutputProcessor:
             # a stop token's text is left out unless asked for (as vLLM does): its id is kept
             if not stop_token or params.include_stop_str_in_output:
                 self._detokenize(seq)
+            early = len(seq.output_token_ids) < params.min_tokens  # stop strings wait
             if stop_token:
                 seq.finish_reason = "stop"
-            elif params.stop and self._cut_stop_string(seq, searched):
+            elif params.stop and not early and self._cut_stop_string(seq, searched):
                 seq.finish_reason = "stop"
             elif params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
                 seq.finish_reason = "length"

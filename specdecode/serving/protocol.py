@@ -24,14 +24,15 @@ class _Request(BaseModel):
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # int64 (or uint64)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    # vLLM's sampling fields that change the output and are not implemented: refused, not
-    # dropped (their neutral values pass)
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
+    # vLLM's extra sampling fields
+    repetition_penalty: float | None = Field(default=None, gt=0, le=100)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    min_tokens: int | None = Field(default=None, ge=0)
+    # fields that change the output and are not implemented: refused, not dropped (their
+    # neutral values pass)
     use_beam_search: bool = False
     best_of: int | None = None
     prompt_logprobs: int | None = None
@@ -61,16 +62,8 @@ class _Request(BaseModel):
         return bool((self.stream_options or {}).get("include_usage"))
 
     def _check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequestError(f"{name} is not supported (only 0)", param=name)
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
-        neutral = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "best_of": 1}
-        for name, value in neutral.items():
-            got = getattr(self, name)
-            if got is not None and got != value:
-                raise InvalidRequestError(f"{name} is not supported (only {value})", param=name)
+        if self.best_of is not None and self.best_of != 1:
+            raise InvalidRequestError("best_of is not supported (only 1)", param="best_of")
         if self.use_beam_search:
             raise InvalidRequestError("use_beam_search is not supported", param="use_beam_search")
         if self.prompt_logprobs is not None:  # 0 asks for the prompt tokens' own
@@ -136,7 +129,31 @@ class _Request(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             structured_output=self.structured_output(),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens or 0,
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+                ) from None
+            if tok < 0 or not -100 <= value <= 100:
+                raise InvalidRequestError(
+                    "logit_bias maps token ids to biases in [-100, 100]", param="logit_bias"
+                )
+            out[tok] = value
+        return out
 
 
 class ChatMessage(BaseModel):

@@ -24,6 +24,15 @@ def test_generate_streams_text(tiny_llama_dir):
     assert len(r.stdout.strip()) > 0
 
 
+def test_generate_takes_the_penalties(tiny_llama_dir):
+    base = ["generate", "--model", str(tiny_llama_dir), "--prompt", "Hello", "--max-tokens", "24",
+            "--ignore-eos"]  # fmt: skip
+    plain = run(*base)
+    pen = run(*base, "--repetition-penalty", "1.5", "--presence-penalty", "1", "--min-tokens", "4")
+    assert plain.returncode == 0 and pen.returncode == 0, pen.stderr
+    assert pen.stdout != plain.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -31,6 +40,8 @@ def test_generate_streams_text(tiny_llama_dir):
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--top-p", "2"], "top_p"),
         (["--max-tokens", "0"], "max_tokens"),
+        (["--repetition-penalty", "0"], "repetition_penalty"),
+        (["--min-tokens", "20", "--max-tokens", "5"], "min_tokens"),
         (["--prompt-repeat"], None),  # argparse usage error: exit 2 too
     ],
 )

@@ -574,3 +574,77 @@ def test_a_full_draft_cache_stops_only_the_requests_it_cannot_hold(plain, tiny_l
     stats = spec.engine.spec_stats
     assert stats.num_drafts > 0 and stats.acceptance_rate > 0
     assert spec.engine.drafter.manager.num_free_blocks == 6  # all released
+
+
+PENALTIES = {
+    "presence_penalty": 0.6,
+    "frequency_penalty": 0.3,
+    "repetition_penalty": 1.3,
+    "logit_bias": {ord("l"): 2.0, ord(" "): -1.0},
+}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_tree"])
+def test_penalties_and_bias_keep_greedy_equal(plain, tiny_llama_dir, method):
+    """Penalties read the drafts on each node's path: greedy output with speculation (chain and
+    tree, batched and alone) is plain decoding's, which the penalties do change."""
+    if method == "ngram":
+        spec = spec_llm(tiny_llama_dir, num_speculative_tokens=4, prompt_lookup_min=1)
+    else:
+        spec = draft_llm(tiny_llama_dir, tiny_llama_dir, 3, TREE)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, **PENALTIES)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    assert want != [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == want
+    assert spec.generate(PROMPTS[3], params)[0].outputs[0].token_ids == want[3]
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_penalties_and_min_p_keep_seeded_sampling_equal(sharp_llama_dir):
+    """Seeded sampling with penalties, bias and min-p: a draft model's static tree (drafts
+    verified by the target's own draws) gives plain decoding's tokens, batched and alone."""
+    plain = LLM(str(sharp_llama_dir))
+    spec = draft_llm(sharp_llama_dir, sharp_llama_dir, 3, TREE)
+    params = [
+        SamplingParams(temperature=t, min_p=0.05, seed=11 + i, max_tokens=30, ignore_eos=True,
+                       **PENALTIES)
+        for i, t in enumerate((0.5, 1.0, 0.8, 1.3))
+    ]  # fmt: skip
+    assert_seeded_outputs_match(plain, spec, PROMPTS, params, alone=1)
+    assert spec.engine.spec_stats.num_accepted_tokens > 10
+
+
+def test_min_tokens_holds_stops_back_with_speculation(plain, tiny_llama_dir):
+    """A stop token plain decoding emits third is held back until the sixth token, and a stop
+    string until then too; speculation gives the same tokens."""
+    spec = spec_llm(tiny_llama_dir, num_speculative_tokens=4, prompt_lookup_min=1)
+    full = plain.generate(PROMPTS[0], greedy(30))[0].outputs[0].token_ids
+    stop = full[2]
+    early = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop])
+    assert len(plain.generate(PROMPTS[0], early)[0].outputs[0].token_ids) == 3
+    held = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop], min_tokens=6)
+    want = plain.generate(PROMPTS[0], held)[0].outputs[0]
+    assert stop not in want.token_ids[:5] and len(want.token_ids) >= 6
+    assert spec.generate(PROMPTS[0], held)[0].outputs[0].token_ids == want.token_ids
+    text = plain.generate(PROMPTS[0], greedy(30))[0].outputs[0].text
+    for llm in (plain, spec):
+        out = llm.generate(
+            PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, stop=[text[1]], min_tokens=8)
+        )
+        assert len(out[0].outputs[0].token_ids) >= 8  # fmt: skip
+
+
+def test_penalised_sampled_distribution_unchanged(sharp_llama_dir, tmp_path):
+    """Sampled drafts (a softer copy of the target) verified by rejection sampling against
+    penalised p: the first three tokens are distributed as without speculation. (The rows'
+    penalties themselves are checked exactly by the greedy and seeded tests above.)"""
+    from conftest import _write_byte_tokenizer, make_tiny_hf
+
+    make_tiny_hf("llama", tmp_path, seed=1, logit_scale=3.0)
+    _write_byte_tokenizer(tmp_path)
+    plain = LLM(str(sharp_llama_dir))
+    spec = draft_llm(sharp_llama_dir, tmp_path, 3)
+    sampling = {"temperature": 1.0, "top_k": 8, "repetition_penalty": 1.8,
+                "frequency_penalty": 1.0, "min_p": 0.02}  # fmt: skip
+    assert_same_distribution(plain, spec, PROMPTS[0], positions=3, **sampling)
+    assert spec.engine.spec_stats.num_accepted_tokens > 500

@@ -224,21 +224,41 @@ BAD = [
     (body(messages=[{"role": "user", "content": "x" * 400}]), 400),  # longer than the context
     (body(model="gpt-9"), 404),
     (body(messages=[{"role": "user", "content": "x" * 30_000}]), 413),
-    (body(presence_penalty=1), 400),
-    (body(repetition_penalty=1.3), 400),  # vLLM's fields that would change the output
-    (body(min_p=0.1), 400),
+    (body(presence_penalty=2.5), 400),  # sampling fields out of their ranges
+    (body(frequency_penalty=-3), 400),
+    (body(repetition_penalty=0), 400),
+    (body(min_p=1.5), 400),
+    (body(min_tokens=-1), 400),
+    (body(min_tokens=8, max_tokens=4), 400),
+    (body(logit_bias={"abc": 1}), 400),
+    (body(logit_bias={"5": 101}), 400),
+    (body(logit_bias={"10000000": 1}), 400),  # not a token of the vocabulary
     (body(seed=2**64), 400),  # not a 64-bit integer (a negative int64 is one: see below)
 ]
+
+
+def test_penalties_bias_min_p_and_min_tokens_reach_the_request():
+    from specdecode.serving.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(
+        messages=HI, presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2,
+        min_p=0.05, min_tokens=3, logit_bias={"17": -100, "4": 2.5},
+    )  # fmt: skip
+    p = req.sampling_params(8, None)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert (p.min_p, p.min_tokens, p.logit_bias) == (0.05, 3, {17: -100, 4: 2.5})
+    p = ChatCompletionRequest(messages=HI).sampling_params(8, None)
+    assert (p.presence_penalty, p.repetition_penalty, p.min_tokens, p.logit_bias) == (
+        0.0, 1.0, 0, None
+    )  # fmt: skip
 
 
 def test_unsupported_sampling_fields_are_refused_unless_neutral():
     from specdecode.serving.protocol import CompletionRequest
 
-    neutral = CompletionRequest(
-        prompt="x", repetition_penalty=1.0, min_p=0.0, min_tokens=0, best_of=1
-    )
+    neutral = CompletionRequest(prompt="x", best_of=1)
     assert neutral.sampling_params(4, None).max_tokens == 4
-    for field, value in (("min_tokens", 3), ("best_of", 2), ("use_beam_search", True),
+    for field, value in (("best_of", 2), ("use_beam_search", True),
                          ("prompt_logprobs", 1), ("prompt_logprobs", 0)):  # fmt: skip
         with pytest.raises(InvalidRequestError, match=field):
             CompletionRequest(prompt="x", **{field: value}).sampling_params(4, None)
@@ -628,3 +648,22 @@ def test_logprob_tokens_add_up_to_the_text_with_a_sentencepiece_tokenizer(word_d
     finally:
         s.stop()
         eng.shutdown()
+
+
+def test_penalties_over_http_match_the_offline_api(client, plain):
+    """The served request carries its penalties, bias and min_tokens: the text is what the
+    offline API gives with the same parameters (and not the unpenalised one)."""
+    fields = dict(presence_penalty=0.8, frequency_penalty=0.4, logit_bias={str(ord("c")): 3.0})
+    extra = dict(repetition_penalty=1.4, min_tokens=4)
+    r = client.completions.create(
+        model=MODEL, prompt="abcabc", max_tokens=12, temperature=0, extra_body=extra, **fields
+    )
+    params = SamplingParams(temperature=0, max_tokens=12, presence_penalty=0.8,
+                            frequency_penalty=0.4, logit_bias={ord("c"): 3.0},
+                            repetition_penalty=1.4, min_tokens=4)  # fmt: skip
+    want = plain.generate("abcabc", params)[0].outputs[0].text
+    assert r.choices[0].text == want
+    assert (
+        want
+        != plain.generate("abcabc", SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    )

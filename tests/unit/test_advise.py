@@ -55,6 +55,29 @@ def test_read_traffic_formats_and_bad_lines(tmp_path):
     assert "line 5" in t.bad_lines[2]  # max_completion_tokens 0: the server refuses it too
 
 
+def test_read_traffic_keeps_the_sampling_fields_the_server_honours(tmp_path):
+    from specdecode.advise import _params
+
+    p = tmp_path / "t.jsonl"
+    lines = [
+        {"prompt": "a", "temperature": 0.8, "top_k": 20, "min_p": 0.1, "presence_penalty": 0.5,
+         "frequency_penalty": None, "repetition_penalty": 1.2, "logit_bias": {"7": -100},
+         "min_tokens": 3},
+        {"prompt": "b", "presence_penalty": 3},
+        {"prompt": "c", "logit_bias": {"x": 1}},
+        {"prompt": "d", "min_tokens": 50, "max_tokens": 8},
+    ]  # fmt: skip
+    p.write_text("\n".join(json.dumps(x) for x in lines))
+    t = read_traffic(p, default_max_tokens=9)
+    assert [r.line for r in t.requests] == [1]
+    (params,) = _params(t.requests)
+    assert (params.top_k, params.min_p, params.presence_penalty) == (20, 0.1, 0.5)
+    assert (params.frequency_penalty, params.repetition_penalty) == (0.0, 1.2)
+    assert (params.logit_bias, params.min_tokens, params.temperature) == ({7: -100}, 3, 0.8)
+    assert ["presence_penalty" in t.bad_lines[0], "logit_bias" in t.bad_lines[1]] == [True] * 2
+    assert "min_tokens" in t.bad_lines[2]
+
+
 def _measured(accepted, drafted, decisions, tree=False) -> Measured:
     return Measured(
         label="x", config={"method": "ngram"}, max_depth=len(drafted), tree=tree,

@@ -1,0 +1,97 @@
+"""Logits processors that read what a request has generated: logit bias, the OpenAI presence and
+frequency penalties, vLLM's repetition penalty and min_tokens.
+
+They change the target distribution p of every row the step computes, plain or draft node, as
+if the row had been decoded on its own: a draft node's history is the request's tokens plus the
+drafts on the path from the root to the node. So speculation stays lossless under them (the
+drafters' q need not see them: verification corrects for any q). Semantics follow vLLM:
+- logit_bias: added to the named tokens' logits;
+- presence / frequency penalty: subtracted once per token present / per occurrence, counting
+  the generated tokens only;
+- repetition penalty (CTRL, as in Hugging Face and vLLM): a logit of a token in the prompt or
+  the output is divided by it when positive, multiplied when negative;
+- min_tokens: the stop tokens (EOS unless ignore_eos, and stop_token_ids) are masked until that
+  many tokens were generated; applied after any grammar mask, and never to a row they would
+  leave empty.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from specdecode.core import Sequence
+from specdecode.sampling import SamplingParams
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    """Whether `apply` changes this request's logits."""
+    return bool(
+        params.logit_bias
+        or params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+    )
+
+
+def paths(parents: tuple[int, ...], tokens: list[int]) -> list[list[int]]:
+    """Per node of a draft tree: the draft tokens from the root (excluded) to the node, in order:
+    what follows the request's tokens when the node's row is computed."""
+    out: list[list[int]] = []
+    for i, p in enumerate(parents):
+        out.append([] if p < 0 else [*out[p], tokens[i]])
+    return out
+
+
+def apply(rows: torch.Tensor, seq: Sequence, histories: list[list[int]]) -> None:
+    """Bias and penalise `rows` [n, V] in place; `histories[r]`: the tokens after the request's
+    own that row r follows (draft nodes; [] for a plain row)."""
+    params = seq.params
+    vocab = rows.shape[-1]
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=rows.device)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=rows.dtype, device=rows.device)
+        rows[:, ids] += bias
+    if params.repetition_penalty != 1.0:
+        rp = params.repetition_penalty
+        seen = set(seq.prompt_token_ids) | set(seq.output_token_ids)
+        base = torch.zeros(vocab, dtype=torch.bool, device=rows.device)
+        base[torch.tensor(sorted(seen), dtype=torch.long, device=rows.device)] = True
+        mask = base.expand_as(rows).clone()
+        for r, extra in enumerate(histories):
+            if extra:
+                mask[r, torch.tensor(extra, device=rows.device)] = True
+        rows.copy_(torch.where(mask, torch.where(rows > 0, rows / rp, rows * rp), rows))
+    pres, freq = params.presence_penalty, params.frequency_penalty
+    if pres or freq:
+        counts = torch.bincount(
+            torch.tensor(seq.output_token_ids, dtype=torch.long, device=rows.device),
+            minlength=vocab,
+        )[:vocab].to(rows.dtype)
+        rows -= freq * counts + pres * (counts > 0).to(rows.dtype)
+        for r, extra in enumerate(histories):
+            for tok, m in Counter(extra).items():  # the path's own occurrences on top
+                before = float(counts[tok])
+                rows[r, tok] -= freq * m + (pres if before == 0 else 0.0)
+
+
+def mask_stops(rows: torch.Tensor, seq: Sequence, depths: list[int], stop_ids: set[int]) -> None:
+    """min_tokens: in place, mask the stop tokens in each row whose token would be generated
+    before the request has `min_tokens` (row r follows `depths[r]` drafts), unless nothing else
+    is left in that row."""
+    params = seq.params
+    done = len(seq.output_token_ids)
+    ids = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else stop_ids))
+    ids = [t for t in ids if t < rows.shape[-1]]
+    if not ids:
+        return
+    index = torch.tensor(ids, device=rows.device)
+    for r, d in enumerate(depths):
+        if done + d >= params.min_tokens:
+            continue
+        row = rows[r]
+        keep = torch.isfinite(row)
+        keep[index] = False
+        if keep.any():
+            row[index] = float("-inf")

@@ -1,0 +1,112 @@
+"""Penalties, logit bias, min_tokens and min_p: each draft node's row is processed as if it had
+been decoded on its own after the drafts on its path (checked against a direct per-row
+computation), and the parameters are validated."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdecode.core import Sequence
+from specdecode.errors import InvalidRequestError
+from specdecode.processors import apply, mask_stops, paths
+from specdecode.sampling import SamplingParams, warp
+
+V = 12
+
+
+def reference(row: torch.Tensor, params: SamplingParams, prompt, output) -> torch.Tensor:
+    """One row processed from its full history, the plain way (vLLM's definitions)."""
+    row = row.clone()
+    for tok, b in (params.logit_bias or {}).items():
+        row[tok] += b
+    for tok in set(prompt) | set(output):
+        rp = params.repetition_penalty
+        row[tok] = row[tok] / rp if row[tok] > 0 else row[tok] * rp
+    for tok in set(output):
+        n = output.count(tok)
+        row[tok] -= params.frequency_penalty * n + params.presence_penalty
+    return row
+
+
+def test_paths_follow_each_node_back_to_the_root():
+    parents = (-1, 0, 0, 1, 3, 2)
+    tokens = [9, 1, 2, 3, 4, 5]  # the root (9) is the request's own last token
+    assert paths(parents, tokens) == [[], [1], [2], [1, 3], [1, 3, 4], [2, 5]]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"presence_penalty": 0.7},
+        {"frequency_penalty": 0.4},
+        {"frequency_penalty": -0.3, "presence_penalty": 1.1},
+        {"repetition_penalty": 1.5},
+        {"repetition_penalty": 0.8, "logit_bias": {3: -2.0, 7: 5.0}},
+        {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3,
+         "logit_bias": {1: 1.5}},
+    ],
+)  # fmt: skip
+def test_every_tree_row_is_processed_as_if_decoded_alone(kw):
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(**kw)
+    prompt, output = [0, 5, 5, 2], [3, 3, 8]
+    seq = Sequence(list(prompt), params, output_token_ids=list(output))
+    parents = (-1, 0, 0, 1, 3, 2, 1)
+    tokens = [8, 3, 4, 3, 9, 4, 11]  # repeats the output (3) and itself along a path (3, 3)
+    logits = torch.randn(len(parents), V, generator=g) * 3
+    got = logits.clone()
+    hist = paths(parents, tokens)
+    apply(got, seq, hist)
+    for r in range(len(parents)):
+        want = reference(logits[r], params, prompt, output + hist[r])
+        torch.testing.assert_close(got[r], want)
+    assert not torch.equal(got, logits)
+
+
+def test_min_tokens_masks_stop_tokens_until_enough_are_generated():
+    params = SamplingParams(min_tokens=4, stop_token_ids=[5])
+    seq = Sequence([1, 2], params, output_token_ids=[7, 7])  # 2 generated
+    rows = torch.zeros(4, V)
+    rows[3] = float("-inf")
+    rows[3, 0] = 1.0  # a grammar allows only EOS here: left alone, not emptied
+    mask_stops(rows, seq, depths=[0, 1, 2, 1], stop_ids={0})
+    # rows at depth 0 and 1 come before the 4th token: EOS (0) and stop id 5 masked
+    assert torch.isinf(rows[0, [0, 5]]).all() and torch.isinf(rows[1, [0, 5]]).all()
+    assert torch.isfinite(rows[2]).all()  # depth 2: the 5th token, allowed to stop
+    assert rows[3, 0] == 1.0
+    ignore = SamplingParams(min_tokens=4, ignore_eos=True)
+    rows = torch.zeros(1, V)
+    mask_stops(rows, Sequence([1], ignore), depths=[0], stop_ids={0})
+    assert torch.isfinite(rows).all()  # EOS does not stop this request: not held back
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top_one():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08]]))
+    p = warp(logits, SamplingParams(min_p=0.2))  # keeps p >= 0.1
+    torch.testing.assert_close(p, torch.tensor([[0.5, 0.3, 0.12, 0.0]]) / 0.92)
+    assert torch.equal(warp(logits, SamplingParams(min_p=0.0)) > 0, torch.ones(1, 4, dtype=bool))
+    p = warp(logits, SamplingParams(min_p=0.2, temperature=2.0))  # after temperature
+    assert (p > 0).sum() == 4 and math.isclose(float(p.sum()), 1.0, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -2.1},
+        {"presence_penalty": float("nan")},
+        {"repetition_penalty": 0},
+        {"min_p": 1.2},
+        {"min_tokens": -1},
+        {"min_tokens": 9, "max_tokens": 8},
+        {"logit_bias": {"3": 1.0}},
+        {"logit_bias": {-1: 1.0}},
+        {"logit_bias": {3: 200}},
+    ],
+)
+def test_bad_values_are_refused(kw):
+    with pytest.raises(InvalidRequestError, match="invalid sampling parameter"):
+        SamplingParams(**kw)
