@@ -45,6 +45,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow loading pickle checkpoints (*.bin); they can run code",
     )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens one step feeds at most (prefill chunks, decodes and draft trees)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file (or the template itself) instead of the model's",
+    )
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -166,6 +177,8 @@ def engine_kwargs(args: argparse.Namespace, default_policy: str = "adaptive") ->
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         allow_pickle=args.allow_pickle,
         kernels=args.kernels,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        chat_template=args.chat_template,
         speculative_config=speculative_config(args),
     )
 

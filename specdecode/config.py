@@ -194,6 +194,9 @@ class EngineConfig:
     # always num_speculative_tokens (vLLM); off: never draft. See engine/controller.py.
     speculative_policy: str = "adaptive"
     kernels: str = "auto"  # "auto": packed weights + C++ layer loop on capable CPUs; "off"
+    # a Jinja chat template (a file, or the template itself) instead of the tokenizer's, as
+    # vLLM's --chat-template
+    chat_template: str | None = None
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -79,6 +80,7 @@ class LLMEngine:
 
                 accelerate(self.model)
             self.tokenizer = load_tokenizer(loaded.path)
+        self.chat_template = _load_chat_template(config.chat_template)
         mc = self.model_config
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
@@ -516,3 +518,27 @@ def _speculative_config(raw) -> SpeculativeConfig | None:
     if raw is None or isinstance(raw, SpeculativeConfig):
         return raw
     return SpeculativeConfig.from_dict(raw)
+
+
+def _load_chat_template(given: str | None) -> str | None:
+    """`--chat-template`: a file holding a Jinja template, or the template itself (as vLLM
+    reads it); checked for syntax here, not at the first chat request."""
+    if given is None:
+        return None
+    path = Path(given).expanduser()
+    if path.is_file():
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidRequestError(f"cannot read the chat template {given!r}: {e}") from None
+    elif any(c in given for c in "{}\n"):
+        template = given
+    else:
+        raise InvalidRequestError(f"chat template file {given!r} not found")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise InvalidRequestError(f"the chat template is not valid Jinja: {e}") from None
+    return template

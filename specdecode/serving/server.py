@@ -188,12 +188,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await read_json(request, ChatCompletionRequest)
-        if not getattr(tokenizer, "chat_template", None):
+        template = core.chat_template  # --chat-template, else the tokenizer's
+        if not (template or getattr(tokenizer, "chat_template", None)):
             raise bad_request("this model has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages, chat_template=template, tokenize=False, add_generation_prompt=True
             )
         except Exception as e:  # noqa: BLE001 - templates raise on roles they do not accept
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e

@@ -41,6 +41,7 @@ def test_generate_takes_the_penalties(tiny_llama_dir):
         (["--top-p", "2"], "top_p"),
         (["--max-tokens", "0"], "max_tokens"),
         (["--repetition-penalty", "0"], "repetition_penalty"),
+        (["--chat-template", "no-such-template.jinja"], "not found"),
         (["--min-tokens", "20", "--max-tokens", "5"], "min_tokens"),
         (["--prompt-repeat"], None),  # argparse usage error: exit 2 too
     ],

@@ -172,3 +172,26 @@ def test_draft_slots_give_way_before_a_request_is_preempted(tiny_llama_dir, llm)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert small.engine.scheduler.num_preemptions == 0
     assert small.engine.spec_stats.num_drafts > 0  # drafting where the trees fit
+
+
+def test_a_chat_template_of_ones_own(tiny_llama_dir, llm, tmp_path):
+    """--chat-template: a file or the template itself replaces the model's; a missing file,
+    bad Jinja and a template that refuses the messages are clear errors."""
+    msgs = [{"role": "user", "content": "hi"}]
+    assert llm.apply_chat_template(msgs) == "<user>hi<assistant>"
+    inline = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}>"
+    f = tmp_path / "t.jinja"
+    f.write_text(inline)
+    for given in (inline, str(f)):
+        own = LLM(str(tiny_llama_dir), chat_template=given, share_model_with=llm)
+        assert own.apply_chat_template(msgs) == "[hi]>"
+        want = own.generate("[hi]>", greedy(8))[0].outputs[0].token_ids
+        assert own.chat(msgs, greedy(8))[0].outputs[0].token_ids == want
+    with pytest.raises(InvalidRequestError, match="not found"):
+        LLM(str(tiny_llama_dir), chat_template=str(tmp_path / "none.jinja"))
+    with pytest.raises(InvalidRequestError, match="not valid Jinja"):
+        LLM(str(tiny_llama_dir), chat_template="{% for m in messages %}")
+    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}x"
+    own = LLM(str(tiny_llama_dir), chat_template=strict, share_model_with=llm)
+    with pytest.raises(InvalidRequestError, match="rejected the messages: user first"):
+        own.chat([{"role": "system", "content": "s"}], greedy(4))

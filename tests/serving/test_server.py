@@ -667,3 +667,26 @@ def test_penalties_over_http_match_the_offline_api(client, plain):
         want
         != plain.generate("abcabc", SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
     )
+
+
+def test_a_served_chat_template_of_ones_own(tiny_llama_dir):
+    core = LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), chat_template="{{ messages[-1]['content'] }}!")
+    )
+    eng = AsyncLLMEngine(core)
+    eng.start()
+    served = Served(eng, api_key=None)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="none")
+        r = client.chat.completions.create(
+            model=MODEL, messages=chat_messages("abc"), max_tokens=6, temperature=0
+        )
+        p = SamplingParams(temperature=0, max_tokens=6)
+        assert (
+            r.choices[0].message.content
+            == LLM(str(tiny_llama_dir)).generate("abc!", p)[0].outputs[0].text
+        )
+        assert r.usage.prompt_tokens == 4
+    finally:
+        served.stop()
+        eng.shutdown()
