@@ -10,11 +10,22 @@ Glossary
 `BlockManager` is pure bookkeeping (no torch) and is what the scheduler talks to. `KVCache` owns
 the tensors and the few copies they need. Memory is bounded by real tokens: a sequence holds
 ceil(tokens / block_size) blocks, not max_len.
+
+Prefix caching (automatic, as vLLM's): a full block of committed tokens is registered under a
+hash of every token up to its end (sha256, chained block by block). A freed registered block
+keeps its keys and values and stays findable until its memory is needed (least recently freed
+first, and only once no plain free block is left); a new sequence whose first tokens hash to
+registered blocks shares them (reference counts) and computes only the rest. Shared blocks are
+full and before the sequence's committed length, which every write lies at or after, so they
+are never written again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +39,7 @@ class SeqBlocks:
 
     block_table: list[int] = field(default_factory=list)
     length: int = 0  # committed tokens whose k/v are valid
+    hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full block
 
 
 class BlockManager:
@@ -37,14 +49,22 @@ class BlockManager:
     Block 0 is never handed out: it is the zeroed block that padding in a batched attention
     gather points at (so padded keys are finite and masked, never uninitialised memory)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
         if num_blocks < 2 or block_size < 1:
             raise ValueError("need at least 2 blocks and a positive block size")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: set[int] = set(range(1, num_blocks))
+        self._free: set[int] = set(range(1, num_blocks))  # free and holding nothing findable
         self._heap: list[int] = list(range(1, num_blocks))  # lowest free id first; may hold
         # ids already taken (lazy deletion): `_free` is the truth
+        self.prefix_caching = prefix_caching  # match new sequences against registered blocks
+        self._refs: dict[int, int] = {}  # block -> sequences holding it (blocks in use)
+        self._by_hash: dict[bytes, int] = {}  # registered blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free registered blocks, oldest
+        # freed first: reused only when `_free` is empty
+        self.prefix_queries = 0  # prompt tokens looked up, and found (vLLM's hit-rate counters)
+        self.prefix_hits = 0
 
     @property
     def capacity_tokens(self) -> int:
@@ -52,24 +72,31 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._cached)
 
     def blocks_needed(self, seq: SeqBlocks, total_len: int) -> int:
         have = len(seq.block_table)
         return max(0, -(-total_len // self.block_size) - have)
 
     def can_allocate(self, seq: SeqBlocks, total_len: int) -> bool:
-        return self.blocks_needed(seq, total_len) <= len(self._free)
+        return self.blocks_needed(seq, total_len) <= self.num_free_blocks
 
     def allocate(self, seq: SeqBlocks, total_len: int) -> bool:
         """Grow `seq` to hold `total_len` logical indices; False, unchanged, if out of blocks."""
         need = self.blocks_needed(seq, total_len)
-        if need > len(self._free):
+        if need > self.num_free_blocks:
             return False
         for _ in range(need):
             want = seq.block_table[-1] + 1 if seq.block_table else None
-            block = want if want in self._free else self._pop_lowest()
-            self._free.remove(block)
+            if want in self._free:
+                block = want
+            elif self._free:
+                block = self._pop_lowest()
+            else:  # only registered blocks are left: the least recently freed is forgotten
+                block, _ = self._cached.popitem(last=False)
+                del self._by_hash[self._hash_of.pop(block)]
+            self._free.discard(block)
+            self._refs[block] = 1
             seq.block_table.append(block)
         return True
 
@@ -81,7 +108,16 @@ class BlockManager:
 
     def _release(self, blocks: list[int]) -> None:
         for b in blocks:
-            if b not in self._free:
+            refs = self._refs.get(b, 0) - 1
+            if refs > 0:  # another sequence still holds it
+                self._refs[b] = refs
+                continue
+            if refs < 0:  # not held (released twice): nothing to do
+                continue
+            del self._refs[b]
+            if b in self._hash_of:
+                self._cached[b] = None  # findable until its memory is needed
+            else:
                 self._free.add(b)
                 heapq.heappush(self._heap, b)
         # a block taken as the one after its sequence's last leaves its entry behind: rebuilt
@@ -95,11 +131,57 @@ class BlockManager:
         keep = -(-length // self.block_size)
         self._release(seq.block_table[keep:])
         del seq.block_table[keep:]
+        del seq.hashes[seq.length // self.block_size :]
 
     def free(self, seq: SeqBlocks) -> None:
         self._release(seq.block_table)
         seq.block_table.clear()
+        seq.hashes.clear()
         seq.length = 0
+
+    # ---- prefix caching ------------------------------------------------------------------------
+
+    def _chain(self, previous: bytes, tokens: list[int]) -> bytes:
+        return hashlib.sha256(previous + array("q", tokens).tobytes()).digest()
+
+    def match(self, seq: SeqBlocks, token_ids: list[int]) -> int:
+        """An empty `seq` takes the registered blocks its first tokens hash to (leaving at least
+        its last token to compute: its logits are needed). Returns the tokens found."""
+        if not self.prefix_caching or seq.block_table:
+            return 0
+        bs = self.block_size
+        previous = b""
+        for i in range((len(token_ids) - 1) // bs):
+            h = self._chain(previous, token_ids[i * bs : (i + 1) * bs])
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            if block in self._cached:
+                del self._cached[block]
+            self._refs[block] = self._refs.get(block, 0) + 1
+            seq.block_table.append(block)
+            seq.hashes.append(h)
+            previous = h
+        seq.length = len(seq.block_table) * bs
+        return seq.length
+
+    def register(self, seq: SeqBlocks, token_ids, num_tokens: int) -> None:
+        """Register `seq`'s full blocks of committed tokens that are not yet, so later sequences
+        starting with the same tokens share them. `token_ids(start, end)` gives its tokens, of
+        which it has `num_tokens` (a block past them, e.g. accepted drafts a stop cut off, holds
+        keys and values of tokens it does not have: never registered)."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        while len(seq.hashes) < min(seq.length, num_tokens) // bs:
+            i = len(seq.hashes)
+            previous = seq.hashes[-1] if seq.hashes else b""
+            h = self._chain(previous, token_ids(i * bs, (i + 1) * bs))
+            seq.hashes.append(h)
+            block = seq.block_table[i]
+            if h not in self._by_hash and block not in self._hash_of:
+                self._by_hash[h] = block
+                self._hash_of[block] = h
 
     def slots(self, seq: SeqBlocks, start: int, end: int) -> list[int]:
         """Cache slots of logical indices [start, end)."""

@@ -58,6 +58,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_prefix_caching_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of earlier requests' identical first tokens (default: on; off "
+        "under EAGLE heads, which need every position's target features)",
+    )
+
+
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     spec = p.add_argument_group("speculative decoding (vLLM flags)")
     spec.add_argument(
@@ -179,6 +189,9 @@ def engine_kwargs(args: argparse.Namespace, default_policy: str = "adaptive") ->
         kernels=args.kernels,
         max_num_batched_tokens=args.max_num_batched_tokens,
         chat_template=args.chat_template,
+        # serve and generate: on unless told; measurements (bench, advise) and data generation
+        # keep it off, so every configuration they compare pays its own prefill
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
         speculative_config=speculative_config(args),
     )
 
@@ -190,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(srv)
+    add_prefix_caching_arg(srv)
     add_speculative_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000)
@@ -207,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_args(gen)
+    add_prefix_caching_arg(gen)
     add_speculative_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")

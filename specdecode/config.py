@@ -197,6 +197,9 @@ class EngineConfig:
     # a Jinja chat template (a file, or the template itself) instead of the tokenizer's, as
     # vLLM's --chat-template
     chat_template: str | None = None
+    # reuse the keys and values of earlier requests' identical first tokens (vLLM's automatic
+    # prefix caching; off for drafters reading every position's target features)
+    enable_prefix_caching: bool = True
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")

@@ -54,6 +54,7 @@ class Sequence:
     num_forced_tokens: int = 0
     next_bitmask: Any = None  # the grammar's mask for the next token, when already computed
     error: str | None = None  # set with finish_reason "error" when the request cannot go on
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when admitted
 
     @property
     def num_tokens(self) -> int:
@@ -99,3 +100,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (as vLLM reports)

@@ -143,6 +143,7 @@ class LLM:
                     )
                 ],
                 finished=True,
+                num_cached_tokens=s.num_cached_tokens,
             )
             for s, pr in zip(seqs, prompts, strict=True)
         ]

@@ -66,6 +66,7 @@ class _Node:
 
 class EagleDrafter(Drafter):
     feature_layers = ()  # the target's final feature
+    prefix_caching_ok = False  # its cache is built from the features of every position
 
     def __init__(
         self,

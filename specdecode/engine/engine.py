@@ -109,6 +109,14 @@ class LLMEngine:
                 self.runner.feature_layers = self.drafter.feature_layers
                 self.feature_observers.append(self.drafter.observe)
         self.spec_stats = SpecDecodeStats()
+        # Prefix caching: a request computes only what no earlier one did. Off under a drafter
+        # that needs the target's features at every position (an EAGLE head builds its own
+        # cache from them): a cached prefix has none.
+        self.manager.prefix_caching = config.enable_prefix_caching and (
+            self.drafter is None or self.drafter.prefix_caching_ok
+        )
+        if config.enable_prefix_caching and not self.manager.prefix_caching:
+            log.info("prefix caching is off: the drafter reads every position's target features")
         depth = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.controller = GoodputController(
             config.speculative_policy if self.drafter else "off",
@@ -277,6 +285,7 @@ class LLMEngine:
         for i, (seq, tokens) in enumerate(zip(batch.seqs, new_tokens, strict=True)):
             self.manager.truncate(seq.blocks, seq.blocks.length)  # unused lookahead slots
             if tokens is None:
+                self.manager.register(seq.blocks, seq.token_ids, seq.num_tokens)
                 continue
             before = len(seq.output_token_ids)
             if seq.error is None:
@@ -289,6 +298,7 @@ class LLMEngine:
                 seq.finish_reason = "error"
             self.num_generated_tokens += len(seq.output_token_ids) - before
             ctrl.resolve_shadows(seq)
+            self.manager.register(seq.blocks, seq.token_ids, seq.num_tokens)
             if seq.finish_reason is not None:
                 self._finish(seq)
             updated.append(seq)

@@ -94,13 +94,21 @@ class Scheduler:
                     with_tree.append(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            first = not seq.blocks.block_table and not seq.output_token_ids
+            if not seq.blocks.block_table:  # its first tokens may be cached already
+                found = self.manager.match(seq.blocks, seq.token_ids(0, seq.num_tokens))
             n = min(seq.num_uncommitted, budget)
             # a one-token prompt decodes (and may draft) on its first step: room for the tree
             extra = num_lookahead if n == seq.num_uncommitted == 1 else 0
             if not self.manager.allocate(seq.blocks, seq.blocks.length + n + extra):
                 if not (extra and self.manager.allocate(seq.blocks, seq.blocks.length + n)):
+                    self.manager.free(seq.blocks)  # what it found stays findable
                     break
                 short.append(seq)
+            if first and self.manager.prefix_caching:  # a preempted one finds its own: not
+                seq.num_cached_tokens = found  # counted
+                self.manager.prefix_queries += seq.num_tokens
+                self.manager.prefix_hits += found
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

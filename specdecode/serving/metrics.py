@@ -38,6 +38,14 @@ class _EngineCollector:
         yield counter(
             "vllm:num_preemptions", "Preemptions (recomputed later).", sched.num_preemptions
         )
+        yield counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            manager.prefix_queries,
+        )  # fmt: skip
+        yield counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+            manager.prefix_hits,
+        )  # fmt: skip
         yield counter("vllm:prompt_tokens", "Prompt tokens received.", e.num_prompt_tokens)
         yield counter("vllm:generation_tokens", "Tokens generated.", e.num_generated_tokens)
         yield counter(

@@ -252,6 +252,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             for h in handles:
                 h.abort()
             raise APIError(503, str(e), "internal_error") from e
+        # usage: a prompt's tokens count once, however many choices it has, and so do its
+        # tokens found in the prefix cache (read when the response ends: found on admission)
+        n = req.n
+        prompt_tokens = (prompt_tokens, handles[::n])
         meta = (request_id, created, chat, prompt_tokens)
         if req.stream:
             body = sse(handles, req.include_usage, meta)
@@ -309,14 +313,17 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             "created": created,
             "model": config.served_model_name,
             "choices": choices,
-            "usage": usage(prompt_tokens, completion),
+            "usage": usage(*prompt_tokens, completion),
         }
 
-    def usage(prompt_tokens: int, completion: int) -> dict:
+    def usage(prompt_tokens: int, firsts: list[RequestHandle], completion: int) -> dict:
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {
+                "cached_tokens": sum(h.seq.num_cached_tokens for h in firsts)
+            },
         }
 
     def token_text(context: list[int], tok: int) -> str:
@@ -421,7 +428,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 if u.finished:
                     remaining -= 1
             if include_usage:
-                yield chunk([], usage(prompt_tokens, sum(completion.values())))
+                yield chunk([], usage(*prompt_tokens, sum(completion.values())))
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:

@@ -245,6 +245,9 @@ def generate(
         engine.runner.feature_layers = tuple(feature_layers)
         recorder = _FeatureRecorder()
         engine.feature_observers.append(recorder)
+    caching = engine.manager.prefix_caching
+    # every position's features are stored: none may come from a cached prefix
+    engine.manager.prefix_caching = caching and recorder is None
     waiting: dict[int, list] = {}  # shard -> [(conversation id, prompt ids, Sequence)]
     for i in todo:
         waiting[i] = []
@@ -282,4 +285,5 @@ def generate(
         if recorder is not None:
             engine.feature_observers.remove(recorder)
             engine.runner.feature_layers = drafter_layers
+        engine.manager.prefix_caching = caching
     return written

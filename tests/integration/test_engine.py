@@ -195,3 +195,34 @@ def test_a_chat_template_of_ones_own(tiny_llama_dir, llm, tmp_path):
     own = LLM(str(tiny_llama_dir), chat_template=strict, share_model_with=llm)
     with pytest.raises(InvalidRequestError, match="rejected the messages: user first"):
         own.chat([{"role": "system", "content": "s"}], greedy(4))
+
+
+def test_prefix_caching_reuses_earlier_requests_and_changes_no_token(tiny_llama_dir, llm):
+    """A prompt that starts like an earlier one computes only the rest (its first full blocks
+    are found), and every token, greedy or seeded, is the uncached engine's: alone, batched,
+    with speculation, and under a cache small enough to evict and preempt."""
+    off = LLM(str(tiny_llama_dir), enable_prefix_caching=False, share_model_with=llm)
+    assert not off.engine.manager.prefix_caching and llm.engine.manager.prefix_caching
+    base = "The quick brown fox jumps over the lazy dog. " * 2  # 90 tokens: 5 full blocks
+    prompts = [base + tail for tail in ("Then", "And so", "x", "The quick")]
+    params = [greedy(20), SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)]
+    spec = LLM(
+        str(tiny_llama_dir), share_model_with=llm, speculative_policy="static",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                            "prompt_lookup_min": 1},
+    )  # fmt: skip
+    small = LLM(str(tiny_llama_dir), kv_cache_memory_gb=9 * 16 * 512 / 2**30)
+    for p in params:
+        want = [o.outputs[0].token_ids for o in off.generate(prompts, p)]
+        for engine in (llm, spec, small):
+            first = engine.generate(prompts[0], p)[0]
+            assert first.outputs[0].token_ids == want[0]
+            got = engine.generate(prompts, p)  # the rest find the first's blocks
+            assert [o.outputs[0].token_ids for o in got] == want
+            assert all(o.num_cached_tokens >= 80 for o in got)
+            alone = engine.generate(prompts[2], p)[0]
+            assert alone.outputs[0].token_ids == want[2] and alone.num_cached_tokens == 80
+    assert small.engine.scheduler.num_preemptions > 0
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+    m = llm.engine.manager
+    assert m.prefix_hits > 0 and m.prefix_queries > m.prefix_hits

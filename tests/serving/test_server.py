@@ -690,3 +690,18 @@ def test_a_served_chat_template_of_ones_own(tiny_llama_dir):
     finally:
         served.stop()
         eng.shutdown()
+
+
+def test_a_repeated_prefix_is_reported_cached(served, client):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field) and vLLM's prefix-cache
+    counters: a prompt sharing an earlier one's first blocks reports them, n > 1 once."""
+    doc = "Some shared context that many requests start with. " * 3  # 156 tokens
+    first = client.completions.create(model=MODEL, prompt=doc + "A?", max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens in (0, 144)  # (a rerun of the test)
+    again = client.completions.create(model=MODEL, prompt=doc + "B?", max_tokens=2, n=2)
+    assert again.usage.prompt_tokens_details.cached_tokens == 144  # 9 full blocks of 16
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+    text = raw(served.port, "GET", "/metrics")[1].decode()
+    hits = next(x for x in text.splitlines() if x.startswith("vllm:prefix_cache_hits_total"))
+    queries = next(x for x in text.splitlines() if x.startswith("vllm:prefix_cache_queries_total"))
+    assert 144 <= float(hits.split()[-1]) < float(queries.split()[-1])

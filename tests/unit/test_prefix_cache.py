@@ -1,0 +1,92 @@
+"""Prefix caching in the block manager: registered full blocks are found by the hash of every
+token up to their end, shared by reference count, kept after they are freed until their memory
+is needed (plain free blocks first, then the least recently freed), and never past the tokens a
+sequence has."""
+
+from __future__ import annotations
+
+from specdecode.cache import BlockManager, SeqBlocks
+
+BS = 4
+
+
+def computed(m: BlockManager, tokens: list[int]) -> SeqBlocks:
+    """A sequence that found what it could, then computed and committed all of `tokens`."""
+    seq = SeqBlocks()
+    m.match(seq, tokens)
+    assert m.allocate(seq, len(tokens))
+    seq.length = len(tokens)
+    m.register(seq, lambda a, b: tokens[a:b], len(tokens))
+    return seq
+
+
+def test_a_freed_prefix_is_found_and_shared():
+    m = BlockManager(10, BS, prefix_caching=True)
+    a_tokens = list(range(11))  # two full blocks and 3 tokens
+    a = computed(m, a_tokens)
+    first_two = a.block_table[:2]
+    b = SeqBlocks()
+    assert m.match(b, a_tokens[:8] + [99, 98]) == 8  # both full blocks, shared with a
+    assert b.block_table == first_two and b.length == 8
+    m.free(a)  # b still holds them: not free
+    assert not set(first_two) & (m._free | set(m._cached))
+    m.free(b)
+    c = SeqBlocks()
+    assert m.match(c, a_tokens) == 8 and c.block_table == first_two
+    d = SeqBlocks()  # the same tokens after a different first block: nothing
+    assert m.match(d, [7] + a_tokens[1:]) == 0 and d.block_table == []
+
+
+def test_the_last_token_is_always_computed():
+    m = BlockManager(10, BS, prefix_caching=True)
+    tokens = list(range(8))
+    m.free(computed(m, tokens))
+    seq = SeqBlocks()
+    assert m.match(seq, tokens) == 4  # its logits are needed: the second block is recomputed
+    off = BlockManager(10, BS)
+    m2 = computed(off, tokens)
+    off.free(m2)
+    assert off.match(SeqBlocks(), tokens) == 0  # prefix caching off: nothing registered
+
+
+def test_cached_blocks_are_reused_last_and_oldest_first():
+    m = BlockManager(7, BS, prefix_caching=True)  # 6 usable blocks
+    a = computed(m, [1] * 8)  # 2 blocks, registered
+    b = computed(m, [2] * 8)
+    m.free(a)
+    m.free(b)  # a's blocks were freed first
+    assert m.num_free_blocks == 6
+    c = SeqBlocks()
+    assert m.allocate(c, 8)  # the two plain free blocks first: both prefixes stay
+    again = SeqBlocks()
+    assert m.match(again, [1] * 8 + [0]) == 8
+    m.free(again)
+    m.free(c)
+    # a's blocks were taken and freed again: b's are now the oldest freed
+    d = SeqBlocks()
+    assert m.allocate(d, 4 * BS)  # the 2 plain ones, then b's two cached blocks
+    assert m.match(SeqBlocks(), [2] * 8 + [0]) == 0
+    assert m.match(SeqBlocks(), [1] * 8 + [0]) == 8
+
+
+def test_blocks_past_the_tokens_a_sequence_has_are_not_registered():
+    """Accepted drafts a stop cut off leave committed keys and values of tokens the sequence
+    does not hold: their block must not be findable under other tokens."""
+    m = BlockManager(10, BS, prefix_caching=True)
+    seq = SeqBlocks()
+    assert m.allocate(seq, 8)
+    seq.length = 8  # keys and values of 8 positions
+    tokens = [5, 6, 7, 8, 9]  # but only 5 tokens were kept
+    m.register(seq, lambda a, b: tokens[a:b], len(tokens))
+    assert len(seq.hashes) == 1
+    m.free(seq)
+    assert m.match(SeqBlocks(), tokens + [1, 2, 3, 4]) == 4
+
+
+def test_truncation_keeps_only_the_hashes_of_kept_blocks():
+    m = BlockManager(10, BS, prefix_caching=True)
+    tokens = list(range(12))
+    seq = computed(m, tokens)
+    assert len(seq.hashes) == 3
+    m.truncate(seq, 9)
+    assert len(seq.hashes) == 2 and len(seq.block_table) == 3
