@@ -63,8 +63,7 @@ def add_prefix_caching_arg(p: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="reuse the KV cache of earlier requests' identical first tokens (default: on; off "
-        "under EAGLE heads, which need every position's target features)",
+        help="reuse the KV cache of earlier requests' identical first tokens (default: on)",
     )
 
 

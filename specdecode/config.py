@@ -198,7 +198,7 @@ class EngineConfig:
     # vLLM's --chat-template
     chat_template: str | None = None
     # reuse the keys and values of earlier requests' identical first tokens (vLLM's automatic
-    # prefix caching; off for drafters reading every position's target features)
+    # prefix caching)
     enable_prefix_caching: bool = True
 
 

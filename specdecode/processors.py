@@ -44,36 +44,65 @@ def paths(parents: tuple[int, ...], tokens: list[int]) -> list[list[int]]:
     return out
 
 
+class _History:
+    """What a request's penalties read, kept up to date incrementally (a long prompt is not
+    re-scanned every step): the tokens seen in the prompt and output, the output's counts."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seen = set(seq.prompt_token_ids)
+        self.counts: Counter[int] = Counter()
+        self.num_counted = 0
+
+    def update(self, seq: Sequence) -> None:
+        new = seq.output_token_ids[self.num_counted :]
+        self.counts.update(new)
+        self.seen.update(new)
+        self.num_counted = len(seq.output_token_ids)
+
+
 def apply(rows: torch.Tensor, seq: Sequence, histories: list[list[int]]) -> None:
     """Bias and penalise `rows` [n, V] in place; `histories[r]`: the tokens after the request's
-    own that row r follows (draft nodes; [] for a plain row)."""
+    own that row r follows (draft nodes; [] for a plain row). Only the logits of tokens the
+    request has seen are touched (no pass over the vocabulary)."""
     params = seq.params
-    vocab = rows.shape[-1]
+    device = rows.device
+    if seq.penalty_history is None:
+        seq.penalty_history = _History(seq)
+    hist = seq.penalty_history
+    hist.update(seq)
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=rows.device)
-        bias = torch.tensor(list(params.logit_bias.values()), dtype=rows.dtype, device=rows.device)
+        ids = torch.tensor(list(params.logit_bias), device=device)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=rows.dtype, device=device)
         rows[:, ids] += bias
-    if params.repetition_penalty != 1.0:
-        rp = params.repetition_penalty
-        seen = set(seq.prompt_token_ids) | set(seq.output_token_ids)
-        base = torch.zeros(vocab, dtype=torch.bool, device=rows.device)
-        base[torch.tensor(sorted(seen), dtype=torch.long, device=rows.device)] = True
-        mask = base.expand_as(rows).clone()
-        for r, extra in enumerate(histories):
-            if extra:
-                mask[r, torch.tensor(extra, device=rows.device)] = True
-        rows.copy_(torch.where(mask, torch.where(rows > 0, rows / rp, rows * rp), rows))
+    rp = params.repetition_penalty
+    if rp != 1.0:
+
+        def repeat(values: torch.Tensor) -> torch.Tensor:
+            return torch.where(values > 0, values / rp, values * rp)
+
+        if hist.seen:
+            ids = torch.tensor(sorted(hist.seen), device=device)
+            rows[:, ids] = repeat(rows[:, ids])
+        for r, extra in enumerate(histories):  # the path's tokens not seen before, once each
+            new = sorted(set(extra) - hist.seen)
+            if new:
+                ids = torch.tensor(new, device=device)
+                rows[r, ids] = repeat(rows[r, ids])
     pres, freq = params.presence_penalty, params.frequency_penalty
     if pres or freq:
-        counts = torch.bincount(
-            torch.tensor(seq.output_token_ids, dtype=torch.long, device=rows.device),
-            minlength=vocab,
-        )[:vocab].to(rows.dtype)
-        rows -= freq * counts + pres * (counts > 0).to(rows.dtype)
-        for r, extra in enumerate(histories):
-            for tok, m in Counter(extra).items():  # the path's own occurrences on top
-                before = float(counts[tok])
-                rows[r, tok] -= freq * m + (pres if before == 0 else 0.0)
+        if hist.counts:
+            ids = torch.tensor(list(hist.counts), device=device)
+            n = torch.tensor(list(hist.counts.values()), dtype=rows.dtype, device=device)
+            rows[:, ids] -= freq * n + pres
+        for r, extra in enumerate(histories):  # the path's own occurrences on top
+            if not extra:
+                continue
+            path = Counter(extra)
+            ids = torch.tensor(list(path), device=device)
+            delta = [
+                freq * m + (pres if tok not in hist.counts else 0.0) for tok, m in path.items()
+            ]
+            rows[r, ids] -= torch.tensor(delta, dtype=rows.dtype, device=device)
 
 
 def mask_stops(rows: torch.Tensor, seq: Sequence, depths: list[int], stop_ids: set[int]) -> None:

@@ -95,10 +95,14 @@ class SamplingParams:
             raise bad(f"repetition_penalty must be in (0, 100], got {rp!r}")
         if not _number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _integer(self.min_tokens) or self.min_tokens < 0:
             raise bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+        if not all(_integer(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise bad(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
         if self.logit_bias:
             for tok, value in self.logit_bias.items():
                 if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
@@ -118,6 +122,10 @@ class SamplingParams:
         gen = torch.Generator(device=device)
         gen.manual_seed(self.seed)
         return gen
+
+
+def _integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _number(x) -> bool:

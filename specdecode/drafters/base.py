@@ -48,9 +48,6 @@ class Drafter(ABC):
     lite_depth: int = 0
     #: Target features this drafter reads (see `ModelRunner.feature_layers`); None: none.
     feature_layers: tuple[int, ...] | None = None
-    #: False when the drafter needs the target's features at every position of a request
-    #: (a prefix found in the cache is not computed, so it has none): prefix caching is off.
-    prefix_caching_ok: bool = True
 
     def max_nodes(self, k: int) -> int:
         """Cache slots a proposal of depth at most k may need (beyond the root)."""

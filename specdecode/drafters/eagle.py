@@ -46,6 +46,10 @@ DEFAULT_DRAFT_TOKENS = 8
 class _HeadState:
     blocks: SeqBlocks = field(default_factory=SeqBlocks)
     committed: int = 0  # head entries built from real target features
+    # the target position of entry 0: 0, or where a request's features began (its first
+    # tokens came from the prefix cache, which computes no features): the head attends to what
+    # it saw, with positions counted from there (rotary attention reads only their distances)
+    base: int = 0
     pending: list[torch.Tensor] = field(default_factory=list)  # features not yet fed
     seen: int = 0  # target positions whose features arrived (committed + pending rows)
     broken: bool = False  # a gap in the features: this sequence gets no drafts
@@ -66,7 +70,6 @@ class _Node:
 
 class EagleDrafter(Drafter):
     feature_layers = ()  # the target's final feature
-    prefix_caching_ok = False  # its cache is built from the features of every position
 
     def __init__(
         self,
@@ -132,8 +135,7 @@ class EagleDrafter(Drafter):
             if st is None or start == 0:
                 if st is not None:
                     self.manager.free(st.blocks)
-                st = self._state[seq.seq_id] = _HeadState()
-                st.broken = start != 0  # first seen mid-sequence: its past is unknown
+                st = self._state[seq.seq_id] = _HeadState(base=start, seen=start)
             if start != st.seen:
                 st.broken = True
             st.seen = start + f.shape[0]
@@ -151,7 +153,7 @@ class EagleDrafter(Drafter):
         st = self._state.get(seq.seq_id)
         if st is None or st.broken:
             return 0
-        pending = st.seen - st.committed  # rows not yet fed (see `seen`), O(1) per step
+        pending = st.seen - st.base - st.committed  # rows not yet fed, O(1) per step
         return max(0, pending - max(1, st.routine))
 
     def drafted_depth(self, seq: Sequence, proposal: DraftProposal) -> int:
@@ -186,7 +188,7 @@ class EagleDrafter(Drafter):
         for i in active:  # drop last step's draft entries
             self.manager.truncate(states[i].blocks, states[i].committed)
         # draft entries: k - 1 fed for a chain, `topk` per expanded level for a tree
-        room = [states[i].seen + (budgets[i] - 1) * self.topk for i in active]
+        room = [states[i].seen - states[i].base + (budgets[i] - 1) * self.topk for i in active]
         # out of head cache: the requests that do not fit draft nothing this step (lossless,
         # just slower), the others draft on
         active = [
@@ -203,7 +205,8 @@ class EagleDrafter(Drafter):
             f = torch.cat(st.pending)
             st.pending = []
             feats.append(f)
-            ids += seq.token_ids(st.committed + 1, st.committed + 1 + f.shape[0])
+            first = st.base + st.committed + 1  # entry j pairs position base + j's feature
+            ids += seq.token_ids(first, first + f.shape[0])  # with the token after it
             positions += range(st.committed, st.committed + f.shape[0])
             nums.append(f.shape[0])
         pred = self._forward(

@@ -151,7 +151,6 @@ class LookupBranchDrafter(Drafter):
         # and is verified alone where the head does not pay but lookup does (lite drafts)
         self.lite_depth = num_tokens
         self.feature_layers = head.feature_layers
-        self.prefix_caching_ok = head.prefix_caching_ok
         self.branch_stats = BranchStats()
         self._own: dict[int, DraftProposal] = {}  # seq_id -> the head's own last proposal
         self._req: dict[int, _Request] = {}

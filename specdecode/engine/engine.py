@@ -109,14 +109,9 @@ class LLMEngine:
                 self.runner.feature_layers = self.drafter.feature_layers
                 self.feature_observers.append(self.drafter.observe)
         self.spec_stats = SpecDecodeStats()
-        # Prefix caching: a request computes only what no earlier one did. Off under a drafter
-        # that needs the target's features at every position (an EAGLE head builds its own
-        # cache from them): a cached prefix has none.
-        self.manager.prefix_caching = config.enable_prefix_caching and (
-            self.drafter is None or self.drafter.prefix_caching_ok
-        )
-        if config.enable_prefix_caching and not self.manager.prefix_caching:
-            log.info("prefix caching is off: the drafter reads every position's target features")
+        # Prefix caching: a request computes only what no earlier one did (a cached prefix has
+        # no target features: an EAGLE head attends from where they begin)
+        self.manager.prefix_caching = config.enable_prefix_caching
         depth = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.controller = GoodputController(
             config.speculative_policy if self.drafter else "off",
@@ -183,6 +178,8 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})")
         if len(prompt_token_ids) + 1 > self.manager.capacity_tokens:
             raise InvalidRequestError(
                 f"a prompt of {len(prompt_token_ids)} tokens does not fit the KV cache "

@@ -40,7 +40,8 @@ class OutputProcessor:
             # a stop token's text is left out unless asked for (as vLLM does): its id is kept
             if not stop_token or params.include_stop_str_in_output:
                 self._detokenize(seq)
-            early = len(seq.output_token_ids) < params.min_tokens  # stop strings wait
+            # stop strings wait as stop tokens do: the first min_tokens tokens cannot stop
+            early = len(seq.output_token_ids) <= params.min_tokens
             if stop_token:
                 seq.finish_reason = "stop"
             elif params.stop and not early and self._cut_stop_string(seq, searched):

@@ -30,7 +30,7 @@ class _Request(BaseModel):
     # vLLM's extra sampling fields
     repetition_penalty: float | None = Field(default=None, gt=0, le=100)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    min_tokens: int | None = Field(default=None, ge=0)
+    min_tokens: int | None = Field(default=None, ge=0, strict=True)
     # fields that change the output and are not implemented: refused, not dropped (their
     # neutral values pass)
     use_beam_search: bool = False

@@ -648,3 +648,37 @@ def test_penalised_sampled_distribution_unchanged(sharp_llama_dir, tmp_path):
                 "frequency_penalty": 1.0, "min_p": 0.02}  # fmt: skip
     assert_same_distribution(plain, spec, PROMPTS[0], positions=3, **sampling)
     assert spec.engine.spec_stats.num_accepted_tokens > 500
+
+
+def test_min_tokens_holds_each_stop_back_exactly_that_long(plain, tiny_llama_dir):
+    """The m-th token of plain decoding as a stop token with min_tokens m, for every m: each
+    draft node's depth decides whether it may stop, so speculation gives plain's tokens. And a
+    stop string that the first token ends cannot stop a request with min_tokens 1."""
+    spec = spec_llm(tiny_llama_dir, num_speculative_tokens=4, prompt_lookup_min=1)
+    for prompt in PROMPTS:
+        full = plain.generate(prompt, greedy(16))[0].outputs[0]
+        for m in range(1, 12):
+            stop = [full.token_ids[m]]
+            params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=stop, min_tokens=m)
+            want = plain.generate(prompt, params)[0].outputs[0].token_ids
+            assert spec.generate(prompt, params)[0].outputs[0].token_ids == want
+            assert len(want) > m
+        text = plain.generate(prompt, greedy(1))[0].outputs[0].text
+        if text:
+            params = SamplingParams(temperature=0, max_tokens=6, stop=[text], min_tokens=1)
+            out = plain.generate(prompt, params)[0].outputs[0]
+            assert len(out.token_ids) > 1 and out.text.startswith(text)
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_logprobs_are_the_raw_models_under_bias_and_penalties(plain):
+    """Penalties and bias change what is sampled, not the reported log-probabilities (vLLM's
+    raw logprobs): a bias against a likely token that is not chosen leaves them unchanged."""
+    base = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    ref = plain.generate(PROMPTS[0], base)[0].outputs[0]
+    runner_up = ref.logprobs[0][1][1][0]  # the second most likely first token
+    biased = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3,
+                            logit_bias={runner_up: -100}, min_tokens=6)  # fmt: skip
+    got = plain.generate(PROMPTS[0], biased)[0].outputs[0]
+    assert got.token_ids == ref.token_ids
+    assert got.logprobs == ref.logprobs

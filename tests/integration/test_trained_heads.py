@@ -116,6 +116,26 @@ def test_a_short_cache_gives_smaller_draft_trees(plain, tiny_llama_dir, heads):
     assert any(0 < n < 9 for n in sizes) and 9 in sizes, sizes
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_head_drafts_after_a_cached_prefix(plain, tiny_llama_dir, heads, method):
+    """A request whose first blocks come from the prefix cache has no target features there:
+    the head builds its cache from where they begin and drafts (accepted drafts), with plain
+    decoding's tokens."""
+    root, _ = heads
+    spec = LLM(
+        str(tiny_llama_dir), speculative_policy="static",
+        speculative_config={"method": method, "model": str(root / method)},
+    )  # fmt: skip
+    assert spec.engine.manager.prefix_caching
+    shared = "say 1 2 3 say 4 5 6 say 7 8 9 " * 2  # 60 tokens: 3 full blocks
+    prompts = [shared + "say 3 1 9", shared + "hello 42"]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(30))]
+    assert spec.generate(prompts[0], greedy(30))[0].outputs[0].token_ids == want[0]
+    out = spec.generate(prompts[1], greedy(30))[0]
+    assert out.num_cached_tokens == 48 and out.outputs[0].token_ids == want[1]
+    assert out.outputs[0].spec["num_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("method,extra", CONFIGS)
 def test_greedy_equals_plain(plain, tiny_llama_dir, heads, method, extra):
     root, _ = heads

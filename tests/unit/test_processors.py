@@ -105,6 +105,10 @@ def test_min_p_drops_tokens_below_its_share_of_the_top_one():
         {"logit_bias": {"3": 1.0}},
         {"logit_bias": {-1: 1.0}},
         {"logit_bias": {3: 200}},
+        {"logit_bias": [(3, 1.0)]},
+        {"min_tokens": True},
+        {"stop_token_ids": [-1]},
+        {"stop_token_ids": [2.0]},
     ],
 )
 def test_bad_values_are_refused(kw):
