@@ -450,6 +450,13 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.suite import add_args as add_suite_args
 
     add_suite_args(suite)
+    pre = bsub.add_parser(
+        "prefix", help="prefix caching off vs on over multi-turn chat (ShareGPT), batch 1"
+    )
+    add_engine_args(pre)
+    from specdecode.bench.prefix import add_args as add_prefix_bench_args
+
+    add_prefix_bench_args(pre)
     rep = bsub.add_parser("report", help="docs/BENCHMARKS.md from bench suite output directories")
     rep.add_argument("runs", nargs="+", help="directories written by `bench suite`")
     rep.add_argument("--advise", default=None, help="an `advise --validate --json` result")
@@ -702,6 +709,10 @@ def main(argv: list[str] | None = None) -> int:
             from specdecode.bench.structured import run_structured_bench
 
             run_structured_bench(args)
+        elif args.command == "bench" and args.bench == "prefix":
+            from specdecode.bench.prefix import run_prefix_bench
+
+            run_prefix_bench(args)
         elif args.command == "bench" and args.bench == "serve":
             from specdecode.bench.serve import run_serve_bench
 

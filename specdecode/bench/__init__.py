@@ -1,4 +1,4 @@
-"""Benchmarks: `specdecode bench latency | serve | suite | structured`."""
+"""Benchmarks: `specdecode bench latency | serve | suite | structured | prefix`."""
 
 from __future__ import annotations
 

@@ -304,6 +304,23 @@ def test_bench_structured_reports_each_mode(tiny_llama_dir, tmp_path):
     assert rows[0]["plain"]["forced_share"] > 0  # '[{"op":"' is forced
 
 
+def test_bench_prefix_compares_caching_off_and_on(tiny_llama_dir, tmp_path):
+    model = _roomy_tiny(tiny_llama_dir, tmp_path)
+    out = tmp_path / "prefix.json"
+    r = run(
+        "bench", "prefix", "--model", str(model), "--num-conversations", "2", "--turns", "2",
+        "--max-prompt-tokens", "3000", "--max-tokens", "4", "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    assert got["requests"] == 4 and got["token_identical"]
+    assert [x["cached_tokens"] for x in got["runs"]["off"]] == [0] * 4
+    on = got["runs"]["on"]
+    assert on[0]["cached_tokens"] == 0 and on[1]["cached_tokens"] >= on[0]["prompt_tokens"] - 16
+    assert 0 < got["cached_share"] < 1 and got["ttft_s"]["on"] > 0
+    assert "time to first token" in r.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -349,6 +366,7 @@ def test_training_data_that_does_not_fit_is_a_one_line_error(tiny_llama_dir, tmp
         (["bench", "serve", "--concurrency", "1,0"], "levels must be >= 1"),
         (["bench", "suite", "--concurrency", "1,x"], "comma list of integers"),
         (["bench", "structured", "--num-prompts", "0"], "at least 1"),
+        (["bench", "prefix", "--turns", "1"], "at least 2"),
         (
             [
                 "generate",
