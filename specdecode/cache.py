@@ -131,10 +131,19 @@ class BlockManager:
         keep = -(-length // self.block_size)
         self._release(seq.block_table[keep:])
         del seq.block_table[keep:]
-        del seq.hashes[seq.length // self.block_size :]
+        full = seq.length // self.block_size
+        if len(seq.hashes) > full and keep > full:  # a registered block cut inside: it will be
+            block = seq.block_table[full]  # written again, so no later sequence may find it
+            if self._refs.get(block, 0) > 1:
+                raise RuntimeError("a block shared through the prefix cache cannot be cut")
+            if self._hash_of.get(block) == seq.hashes[full]:
+                del self._by_hash[self._hash_of.pop(block)]
+        del seq.hashes[full:]
 
     def free(self, seq: SeqBlocks) -> None:
-        self._release(seq.block_table)
+        # last block first: a prefix is evicted from its end, and what stays findable is still
+        # reached from its first block (a lost first block would strand all the others)
+        self._release(seq.block_table[::-1])
         seq.block_table.clear()
         seq.hashes.clear()
         seq.length = 0

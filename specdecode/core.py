@@ -55,6 +55,7 @@ class Sequence:
     next_bitmask: Any = None  # the grammar's mask for the next token, when already computed
     error: str | None = None  # set with finish_reason "error" when the request cannot go on
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when admitted
+    admitted: bool = False  # admitted once (a preempted request coming back is not counted)
     penalty_history: Any = None  # what penalties read, kept incrementally (processors.py)
 
     @property

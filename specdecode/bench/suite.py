@@ -198,6 +198,7 @@ def run_target(target: Target, args: argparse.Namespace) -> dict:
         kernels=args.kernels,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=max([*levels, 1]),
+        enable_prefix_caching=False,  # every configuration pays its own prefill
     )
     print(f"== {target.name}: loading the target and {len(target.configs)} drafters", flush=True)
     plain = LLM(target.model, speculative_policy="off", **common)

@@ -94,7 +94,7 @@ class Scheduler:
                     with_tree.append(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            first = not seq.blocks.block_table and not seq.output_token_ids
+            found = 0
             if not seq.blocks.block_table:  # its first tokens may be cached already
                 found = self.manager.match(seq.blocks, seq.token_ids(0, seq.num_tokens))
             n = min(seq.num_uncommitted, budget)
@@ -105,10 +105,11 @@ class Scheduler:
                     self.manager.free(seq.blocks)  # what it found stays findable
                     break
                 short.append(seq)
-            if first and self.manager.prefix_caching:  # a preempted one finds its own: not
-                seq.num_cached_tokens = found  # counted
+            if not seq.admitted and self.manager.prefix_caching:  # (a preempted one coming
+                seq.num_cached_tokens = found  # back finds its own: not counted)
                 self.manager.prefix_queries += seq.num_tokens
                 self.manager.prefix_hits += found
+            seq.admitted = True
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

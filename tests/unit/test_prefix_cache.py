@@ -90,3 +90,42 @@ def test_truncation_keeps_only_the_hashes_of_kept_blocks():
     assert len(seq.hashes) == 3
     m.truncate(seq, 9)
     assert len(seq.hashes) == 2 and len(seq.block_table) == 3
+
+
+def test_a_freed_prefix_is_evicted_from_its_end():
+    """Blocks are freed last first: taking one cached block costs a prefix its last block, not
+    its first (which would strand the rest, unreachable)."""
+    m = BlockManager(6, BS, prefix_caching=True)  # 5 usable blocks
+    tokens = list(range(17))
+    m.free(computed(m, tokens))  # 4 full blocks registered and a partial one, all freed
+    taker = SeqBlocks()
+    assert m.allocate(taker, 2 * BS)  # the plain free block, then one cached block
+    assert m.match(SeqBlocks(), tokens) == 12
+
+
+def test_a_registered_block_cut_inside_is_no_longer_found():
+    m = BlockManager(10, BS, prefix_caching=True)
+    tokens = list(range(12))
+    seq = computed(m, tokens)
+    m.truncate(seq, 9)  # the third block will be written again from position 9
+    assert m.match(SeqBlocks(), tokens + [0]) == 8
+
+
+def test_a_request_preempted_in_its_prefill_is_counted_once():
+    from specdecode.core import Sequence
+    from specdecode.engine.scheduler import Scheduler
+    from specdecode.sampling import SamplingParams
+
+    m = BlockManager(20, BS, prefix_caching=True)
+    scheduler = Scheduler(m, max_num_batched_tokens=8)
+    seq = Sequence(list(range(40)), SamplingParams(max_tokens=4))
+    scheduler.add(seq)
+    for _ in range(3):  # three chunks of 8, registered as a step would
+        batch = scheduler.schedule()
+        seq.blocks.length += batch.num_new[0]
+        m.register(seq.blocks, seq.token_ids, seq.num_tokens)
+    scheduler.preempt(seq)
+    batch = scheduler.schedule()  # back: finds its own 24 tokens
+    assert seq.blocks.length == 24 and batch.num_new == [8]
+    assert seq.num_cached_tokens == 0
+    assert (m.prefix_queries, m.prefix_hits) == (40, 0)
