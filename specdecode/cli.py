@@ -454,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prefix", help="prefix caching off vs on over multi-turn chat (ShareGPT), batch 1"
     )
     add_engine_args(pre)
+    add_speculative_args(pre)
     from specdecode.bench.prefix import add_args as add_prefix_bench_args
 
     add_prefix_bench_args(pre)

@@ -4,8 +4,9 @@ Workload: held-out ShareGPT conversations with several user turns. Turn t's prom
 template over the conversation's first t exchanges (the dataset's own assistant answers as
 history) and its next user message, so each turn's prompt starts with the previous one's. Each
 request runs alone, turn after turn, on two engines sharing one model: prefix caching off and
-on, conversation by conversation in one run. Reported: time to first token, end-to-end time,
-the share of prompt tokens found in the cache, and whether the outputs are token-identical.
+on, conversation by conversation in one run, with speculation if configured. Reported: time to
+first token, end-to-end time, the share of prompt tokens found in the cache, whether the outputs
+are token-identical, and tau with speculation (an EAGLE head sees no cached history).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def run_prefix_bench(args: argparse.Namespace) -> dict:
     from specdecode import LLM
     from specdecode.cli import engine_kwargs
 
-    kwargs = engine_kwargs(args)
+    kwargs = engine_kwargs(args, default_policy="static")  # a drafter as configured, if any
     off = LLM(args.model, **{**kwargs, "enable_prefix_caching": False})
     on = LLM(args.model, share_model_with=off, **{**kwargs, "enable_prefix_caching": True})
     convs = conversations(off.tokenizer, args.num_conversations, args.turns, args.max_prompt_tokens)
@@ -115,6 +116,11 @@ def run_prefix_bench(args: argparse.Namespace) -> dict:
         "token_identical": identical,
         "runs": runs,
     }
+    for name, llm in (("off", off), ("on", on)):  # an EAGLE head sees no cached history
+        stats = llm.engine.spec_stats
+        result.setdefault("tau", {})[name] = (
+            1 + stats.num_accepted_tokens / stats.num_drafts if stats.num_drafts else None
+        )
     result["ttft_speedup"] = result["ttft_s"]["off"] / result["ttft_s"]["on"]
     result["total_speedup"] = result["total_s"]["off"] / result["total_s"]["on"]
     print(
@@ -132,6 +138,8 @@ def run_prefix_bench(args: argparse.Namespace) -> dict:
         f"time to first token {result['ttft_speedup']:.2f}x, end to end "
         f"{result['total_speedup']:.2f}x; outputs token-identical: {identical}"
     )
+    if result["tau"]["off"] is not None:
+        print(f"tau (speculation): off {result['tau']['off']:.2f}, on {result['tau']['on']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result
