@@ -153,14 +153,22 @@ class BlockManager:
     def _chain(self, previous: bytes, tokens: list[int]) -> bytes:
         return hashlib.sha256(previous + array("q", tokens).tobytes()).digest()
 
-    def match(self, seq: SeqBlocks, token_ids: list[int]) -> int:
+    def match(
+        self,
+        seq: SeqBlocks,
+        token_ids: list[int],
+        start: bytes = b"",
+        max_blocks: int | None = None,
+    ) -> int:
         """An empty `seq` takes the registered blocks its first tokens hash to (leaving at least
-        its last token to compute: its logits are needed). Returns the tokens found."""
+        its last token to compute: its logits are needed), at most `max_blocks` (then the last
+        token may be found too). `start`: what the chain starts from. Returns the tokens found."""
         if not self.prefix_caching or seq.block_table:
             return 0
         bs = self.block_size
-        previous = b""
-        for i in range((len(token_ids) - 1) // bs):
+        previous = start
+        most = (len(token_ids) - 1) // bs if max_blocks is None else len(token_ids) // bs
+        for i in range(most if max_blocks is None else min(most, max_blocks)):
             h = self._chain(previous, token_ids[i * bs : (i + 1) * bs])
             block = self._by_hash.get(h)
             if block is None:
@@ -174,7 +182,7 @@ class BlockManager:
         seq.length = len(seq.block_table) * bs
         return seq.length
 
-    def register(self, seq: SeqBlocks, token_ids, num_tokens: int) -> None:
+    def register(self, seq: SeqBlocks, token_ids, num_tokens: int, start: bytes = b"") -> None:
         """Register `seq`'s full blocks of committed tokens that are not yet, so later sequences
         starting with the same tokens share them. `token_ids(start, end)` gives its tokens, of
         which it has `num_tokens` (a block past them, e.g. accepted drafts a stop cut off, holds
@@ -184,7 +192,7 @@ class BlockManager:
         bs = self.block_size
         while len(seq.hashes) < min(seq.length, num_tokens) // bs:
             i = len(seq.hashes)
-            previous = seq.hashes[-1] if seq.hashes else b""
+            previous = seq.hashes[-1] if seq.hashes else start
             h = self._chain(previous, token_ids(i * bs, (i + 1) * bs))
             seq.hashes.append(h)
             block = seq.block_table[i]

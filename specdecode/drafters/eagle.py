@@ -79,6 +79,7 @@ class EagleDrafter(Drafter):
         topk: int = 1,
         num_draft_tokens: int | None = None,
         device: torch.device | str = "cpu",
+        prefix_caching: bool = False,
     ) -> None:
         if topk < 1:
             raise ValueError("topk must be at least 1")
@@ -94,7 +95,8 @@ class EagleDrafter(Drafter):
         self.device = torch.device(device)
         cfg = head.config
         num_blocks = KVCache.num_blocks_for(cfg, torch.float32, kv_memory_gb, block_size)
-        self.manager = BlockManager(num_blocks, block_size)
+        # the head's entries are cached by prefix too (see `_find_entries`)
+        self.manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
         self.cache = KVCache(cfg, num_blocks, block_size, torch.float32, self.device)
         self._state: dict[int, _HeadState] = {}
 
@@ -110,6 +112,7 @@ class EagleDrafter(Drafter):
             topk=config.topk or DEFAULT_TOPK,
             num_draft_tokens=config.num_draft_tokens or DEFAULT_DRAFT_TOKENS,
             device=engine.model.norm.weight.device,
+            prefix_caching=engine.config.enable_prefix_caching,
         )
 
     @property
@@ -136,6 +139,8 @@ class EagleDrafter(Drafter):
                 if st is not None:
                     self.manager.free(st.blocks)
                 st = self._state[seq.seq_id] = _HeadState(base=start, seen=start)
+                if start:
+                    self._find_entries(seq, st)
             if start != st.seen:
                 st.broken = True
             st.seen = start + f.shape[0]
@@ -143,6 +148,25 @@ class EagleDrafter(Drafter):
                 st.routine, st.proposed = f.shape[0], False
             if not st.broken:
                 st.pending.append(f[:, self._cols])
+
+    def _chain_start(self, seq: Sequence) -> bytes:
+        """Entry j pairs the feature at position j (which depends on tokens 0..j) with token
+        j + 1: a block of entries is keyed by the hash chain of the tokens after its positions,
+        started from the first token."""
+        return self.manager._chain(b"", seq.token_ids(0, 1))
+
+    def _find_entries(self, seq: Sequence, st: _HeadState) -> None:
+        """A request whose first `st.base` tokens came from the target's prefix cache has no
+        features there; the head's own entries for those positions may be cached too (an
+        earlier request began alike): then it drafts with that history, else from `base` on."""
+        found = self.manager.match(
+            st.blocks, seq.token_ids(1, st.base + 1), self._chain_start(seq),
+            max_blocks=st.base // self.manager.block_size,
+        )  # fmt: skip
+        if found == st.base:
+            st.base, st.committed = 0, found
+        else:
+            self.manager.free(st.blocks)
 
     def catch_up_tokens(self, seq: Sequence) -> int:
         """Features the head has not run yet beyond what a drafting step brings (its root and
@@ -215,8 +239,15 @@ class EagleDrafter(Drafter):
         last = torch.tensor(nums).cumsum(0) - 1
         root_feat = pred[last]
         for i in active:
-            states[i].committed = states[i].blocks.length
-            states[i].proposed = True
+            st = states[i]
+            st.committed = st.blocks.length
+            if st.base == 0:  # its full blocks of entries, for requests that start alike
+                seq = seqs[i]
+                self.manager.register(
+                    st.blocks, lambda a, b, s=seq: s.token_ids(a + 1, b + 1), st.committed,
+                    self._chain_start(seq),
+                )  # fmt: skip
+            st.proposed = True
             states[i].levels = budgets[i]
         sub_seqs = [seqs[i] for i in active]
         sub_states = [states[i] for i in active]

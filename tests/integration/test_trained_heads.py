@@ -118,21 +118,41 @@ def test_a_short_cache_gives_smaller_draft_trees(plain, tiny_llama_dir, heads):
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_a_head_drafts_after_a_cached_prefix(plain, tiny_llama_dir, heads, method):
-    """A request whose first blocks come from the prefix cache has no target features there:
-    the head builds its cache from where they begin and drafts (accepted drafts), with plain
-    decoding's tokens."""
+    """A request whose first blocks come from the prefix cache has no target features there.
+    The head's own entries for them are cached too: it finds them and drafts as it would have
+    with the whole history. Where they are gone, it builds its cache from where the features
+    begin and still drafts. Plain decoding's tokens either way."""
     root, _ = heads
-    spec = LLM(
-        str(tiny_llama_dir), speculative_policy="static",
-        speculative_config={"method": method, "model": str(root / method)},
+    config = {"method": method, "model": str(root / method)}
+    spec, off = (
+        LLM(str(tiny_llama_dir), speculative_policy="static", speculative_config=config,
+            enable_prefix_caching=caching)
+        for caching in (True, False)
     )  # fmt: skip
-    assert spec.engine.manager.prefix_caching
+    assert spec.engine.manager.prefix_caching and spec.engine.drafter.manager.prefix_caching
     shared = "say 1 2 3 say 4 5 6 say 7 8 9 " * 2  # 60 tokens: 3 full blocks
     prompts = [shared + "say 3 1 9", shared + "hello 42"]
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(30))]
     assert spec.generate(prompts[0], greedy(30))[0].outputs[0].token_ids == want[0]
+    drafter = spec.engine.drafter
+    bases = []
+    find = drafter._find_entries
+    drafter._find_entries = lambda seq, st: (find(seq, st), bases.append(st.base))
     out = spec.generate(prompts[1], greedy(30))[0]
     assert out.num_cached_tokens == 48 and out.outputs[0].token_ids == want[1]
+    assert bases == [0]  # its entries for the 48 cached positions were found
+    ref = off.generate(prompts[1], greedy(30))[0].outputs[0]
+    assert out.outputs[0].spec == ref.spec  # the same drafts as with the whole history
+    # the head's entries evicted (here: forgotten), the target's still cached: it drafts on
+    manager = drafter.manager
+    manager._by_hash.clear()
+    manager._hash_of.clear()
+    manager._free |= set(manager._cached)
+    manager._cached.clear()
+    manager._heap = sorted(manager._free)
+    out = spec.generate(prompts[1], greedy(30))[0]
+    assert bases[-1] == out.num_cached_tokens == 64  # (its own first run: one block more)
+    assert out.outputs[0].token_ids == want[1]
     assert out.outputs[0].spec["num_accepted_tokens"] > 0
 
 
