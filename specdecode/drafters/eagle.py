@@ -46,9 +46,10 @@ DEFAULT_DRAFT_TOKENS = 8
 class _HeadState:
     blocks: SeqBlocks = field(default_factory=SeqBlocks)
     committed: int = 0  # head entries built from real target features
-    # the target position of entry 0: 0, or where a request's features began (its first
-    # tokens came from the prefix cache, which computes no features): the head attends to what
-    # it saw, with positions counted from there (rotary attention reads only their distances)
+    # target position - entry index of the entries being added: 0, or the gap between the
+    # entries found in the head's prefix cache and where the request's features began (its
+    # first tokens came from the target's prefix cache, which computes no features); entries
+    # sit at their target positions, so attention across the gap reads the right distances
     base: int = 0
     pending: list[torch.Tensor] = field(default_factory=list)  # features not yet fed
     seen: int = 0  # target positions whose features arrived (committed + pending rows)
@@ -158,15 +159,12 @@ class EagleDrafter(Drafter):
     def _find_entries(self, seq: Sequence, st: _HeadState) -> None:
         """A request whose first `st.base` tokens came from the target's prefix cache has no
         features there; the head's own entries for those positions may be cached too (an
-        earlier request began alike): then it drafts with that history, else from `base` on."""
+        earlier request began alike): it drafts with the ones it finds, the rest a gap."""
         found = self.manager.match(
             st.blocks, seq.token_ids(1, st.base + 1), self._chain_start(seq),
             max_blocks=st.base // self.manager.block_size,
         )  # fmt: skip
-        if found == st.base:
-            st.base, st.committed = 0, found
-        else:
-            self.manager.free(st.blocks)
+        st.base, st.committed = st.base - found, found
 
     def catch_up_tokens(self, seq: Sequence) -> int:
         """Features the head has not run yet beyond what a drafting step brings (its root and
@@ -193,7 +191,29 @@ class EagleDrafter(Drafter):
     def release(self, seq: Sequence) -> None:
         st = self._state.pop(seq.seq_id, None)
         if st is not None:
+            self._keep_entries(seq, st)
             self.manager.free(st.blocks)
+
+    @torch.inference_mode()
+    def _keep_entries(self, seq: Sequence, st: _HeadState) -> None:
+        """Before a request's entries are freed: feed the features it saw but never ran (its
+        last steps, or all of them if it never drafted) and register the full blocks, so a later
+        request that starts alike (the next turn of a chat) finds the head's whole history, as
+        the target's. Not past the tokens it holds (a stop may have cut accepted drafts)."""
+        if not self.manager.prefix_caching or st.base != 0 or st.broken or not st.pending:
+            return
+        self.manager.truncate(st.blocks, st.committed)  # last step's draft entries
+        f = torch.cat(st.pending)[: max(0, seq.num_tokens - 1 - st.committed)]
+        full = (st.committed + f.shape[0]) // self.manager.block_size * self.manager.block_size
+        f = f[: max(0, full - st.committed)]  # only entries that complete a block are kept
+        if f.shape[0] == 0 or not self.manager.allocate(st.blocks, full):
+            return
+        ids = seq.token_ids(st.committed + 1, full + 1)
+        self._forward([st.blocks], [f.shape[0]], ids, f, list(range(st.committed, full)))
+        st.committed = full
+        self.manager.register(
+            st.blocks, lambda a, b: seq.token_ids(a + 1, b + 1), full, self._chain_start(seq)
+        )
 
     # ---- drafting ------------------------------------------------------------------------------
 
@@ -231,7 +251,8 @@ class EagleDrafter(Drafter):
             feats.append(f)
             first = st.base + st.committed + 1  # entry j pairs position base + j's feature
             ids += seq.token_ids(first, first + f.shape[0])  # with the token after it
-            positions += range(st.committed, st.committed + f.shape[0])
+            start = st.base + st.committed  # the target position of the next entry
+            positions += range(start, start + f.shape[0])
             nums.append(f.shape[0])
         pred = self._forward(
             [states[i].blocks for i in active], nums, ids, torch.cat(feats), positions
@@ -293,7 +314,7 @@ class EagleDrafter(Drafter):
                 break
             rows = [rows[r] for r in keep]
             feat = feat[keep]
-            positions = [states[i].committed + step - 1 for i in rows]
+            positions = [states[i].base + states[i].committed + step - 1 for i in rows]
             feat = self._forward(
                 [states[i].blocks for i in rows],
                 [1] * len(rows),
@@ -328,7 +349,7 @@ class EagleDrafter(Drafter):
             for i in rows:
                 front = frontiers[i]
                 ids += [pools[i][j].token for j in front]
-                positions += [states[i].committed + depth - 1] * len(front)
+                positions += [states[i].base + states[i].committed + depth - 1] * len(front)
                 masks.append(self._level_mask(pools[i], fed[i], front))
                 fed[i] += front
             feats = torch.cat([parent_feat[i] for i in rows])

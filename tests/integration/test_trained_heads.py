@@ -120,8 +120,8 @@ def test_a_short_cache_gives_smaller_draft_trees(plain, tiny_llama_dir, heads):
 def test_a_head_drafts_after_a_cached_prefix(plain, tiny_llama_dir, heads, method):
     """A request whose first blocks come from the prefix cache has no target features there.
     The head's own entries for them are cached too: it finds them and drafts as it would have
-    with the whole history. Where they are gone, it builds its cache from where the features
-    begin and still drafts. Plain decoding's tokens either way."""
+    with the whole history. Where some are gone, it keeps those it finds, leaves a gap, and
+    still drafts. Plain decoding's tokens either way."""
     root, _ = heads
     config = {"method": method, "model": str(root / method)}
     spec, off = (
@@ -143,17 +143,29 @@ def test_a_head_drafts_after_a_cached_prefix(plain, tiny_llama_dir, heads, metho
     assert bases == [0]  # its entries for the 48 cached positions were found
     ref = off.generate(prompts[1], greedy(30))[0].outputs[0]
     assert out.outputs[0].spec == ref.spec  # the same drafts as with the whole history
-    # the head's entries evicted (here: forgotten), the target's still cached: it drafts on
-    manager = drafter.manager
-    manager._by_hash.clear()
-    manager._hash_of.clear()
-    manager._free |= set(manager._cached)
-    manager._cached.clear()
+    # the head's third block of entries forgotten, the target's blocks still cached: it keeps
+    # the two before, leaves a gap where no features were computed, and drafts on
+    manager, ids = drafter.manager, spec.encode(prompts[1])
+    key = drafter._chain_start(spec.engine.make_sequence(ids, greedy(1)))
+    for i in range(3):
+        key = manager._chain(key, ids[16 * i + 1 : 16 * i + 17])
+    block = manager._by_hash.pop(key)  # as an eviction does: a plain free block again
+    del manager._hash_of[block], manager._cached[block]
+    manager._free.add(block)
     manager._heap = sorted(manager._free)
+    fed, forward = [], drafter._forward
+    drafter._forward = lambda *a, **k: (fed.append(list(a[4])), forward(*a, **k))[1]
     out = spec.generate(prompts[1], greedy(30))[0]
-    assert bases[-1] == out.num_cached_tokens == 64  # (its own first run: one block more)
+    assert out.num_cached_tokens == 64  # (its own first run registered one block more)
+    assert bases[-1] == 64 - 32  # two blocks of entries found
+    assert fed[0][0] == 64  # the next entry at its target position, past the gap
     assert out.outputs[0].token_ids == want[1]
     assert out.outputs[0].spec["num_accepted_tokens"] > 0
+    # a request that never drafted (one token) still leaves its entries for the next turn
+    first = "hello 42 say 5 5 5 hello 42 say 6 6 6 hello"  # 43 tokens: 2 full blocks
+    spec.generate(first, greedy(1))
+    out = spec.generate(first + " 42 say 3 1 9", greedy(8))[0]
+    assert out.num_cached_tokens == 32 and bases[-1] == 0
 
 
 @pytest.mark.parametrize("method,extra", CONFIGS)

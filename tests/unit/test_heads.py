@@ -250,7 +250,7 @@ def test_dynamic_tree_expands_global_topk_and_reranks():
     drafter.manager = BlockManager(16, 4)
     drafter.cache = KVCache(CFG, 16, 4)
     st = type("S", (), {})()
-    st.blocks, st.committed = SeqBlocks(), 0
+    st.blocks, st.committed, st.base = SeqBlocks(), 0, 0
     drafter.manager.allocate(st.blocks, 32)
     seq = type("Q", (), {"last_token": 7})()
     root_feat = torch.nn.functional.one_hot(torch.tensor([7]), 96).float()
