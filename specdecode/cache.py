@@ -74,6 +74,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free) + len(self._cached)
 
+    @property
+    def num_unused_blocks(self) -> int:
+        """Free blocks that hold nothing findable: taking one costs the prefix cache nothing."""
+        return len(self._free)
+
     def blocks_needed(self, seq: SeqBlocks, total_len: int) -> int:
         have = len(seq.block_table)
         return max(0, -(-total_len // self.block_size) - have)

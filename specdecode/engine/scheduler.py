@@ -116,14 +116,15 @@ class Scheduler:
             seqs.append(seq)
             num_new.append(n)
             budget -= n
-        # admissions came first; what the free blocks still hold goes to the trees left short
-        free = self.manager.num_free_blocks * self.manager.block_size
+        # admissions came first; what the unused blocks still hold goes to the trees left short
+        # (not the prefix cache's blocks: a smaller tree is not worth a prefix recomputed)
+        free = self.manager.num_unused_blocks * self.manager.block_size
         for seq in short:
             if seq in self.running and seq.num_uncommitted == 1 and free > 0:
                 blocks = seq.blocks
                 room = len(blocks.block_table) * self.manager.block_size
                 self.manager.allocate(blocks, min(blocks.length + 1 + num_lookahead, room + free))
-                free = self.manager.num_free_blocks * self.manager.block_size
+                free = self.manager.num_unused_blocks * self.manager.block_size
         size = self.manager.block_size
         slots = {
             s.seq_id: min(num_lookahead, len(s.blocks.block_table) * size - s.blocks.length - 1)

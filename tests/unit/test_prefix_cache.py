@@ -129,3 +129,22 @@ def test_a_request_preempted_in_its_prefill_is_counted_once():
     assert seq.blocks.length == 24 and batch.num_new == [8]
     assert seq.num_cached_tokens == 0
     assert (m.prefix_queries, m.prefix_hits) == (40, 0)
+
+
+def test_a_smaller_draft_tree_takes_no_cached_block():
+    """Slots for a tree that did not fit whole come from unused blocks only: a cached prefix is
+    worth more than a few more draft nodes."""
+    from specdecode.core import Sequence
+    from specdecode.engine.scheduler import Scheduler
+    from specdecode.sampling import SamplingParams
+
+    m = BlockManager(6, BS, prefix_caching=True)  # 5 usable blocks
+    m.free(computed(m, list(range(100, 108))))  # 2 cached blocks
+    scheduler = Scheduler(m)
+    seq = Sequence(list(range(6)), SamplingParams(max_tokens=9))
+    scheduler.add(seq)
+    scheduler.schedule(num_lookahead=16)  # prefill: 2 blocks
+    seq.blocks.length = 5
+    batch = scheduler.schedule(num_lookahead=16)  # 22 slots do not fit in 5 blocks
+    assert batch.draft_slots == {seq.seq_id: 6}  # its own 2 blocks + the 1 unused one
+    assert m.match(SeqBlocks(), list(range(100, 108)) + [0]) == 8
