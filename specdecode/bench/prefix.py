@@ -104,7 +104,7 @@ def run_prefix_bench(args: argparse.Namespace) -> dict:
     prompt_tokens = sum(r["prompt_tokens"] for r in runs["on"])
     result = {
         "machine": machine(),
-        "model": str(off.engine.model_path),
+        "model": off.engine.model_path.name,  # (not a path of this machine)
         "dtype": args.dtype,
         "requests": len(runs["on"]),
         "conversations": len(convs),

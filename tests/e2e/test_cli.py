@@ -313,7 +313,7 @@ def test_bench_prefix_compares_caching_off_and_on(tiny_llama_dir, tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     got = json.loads(out.read_text())
-    assert got["requests"] == 4 and got["token_identical"]
+    assert got["requests"] == 4 and got["token_identical"] and "/" not in got["model"]
     assert [x["cached_tokens"] for x in got["runs"]["off"]] == [0] * 4
     on = got["runs"]["on"]
     assert on[0]["cached_tokens"] == 0 and on[1]["cached_tokens"] >= on[0]["prompt_tokens"] - 16
