@@ -48,6 +48,7 @@ class DraftModelDrafter(Drafter):
         kv_memory_gb: float,
         block_size: int = 16,
         tree: TreeShape | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         self.model = model
         self.tree = tree
@@ -59,7 +60,9 @@ class DraftModelDrafter(Drafter):
         self.device = model.norm.weight.device
         dtype = model.activation_dtype
         num_blocks = KVCache.num_blocks_for(model.config, dtype, kv_memory_gb, block_size)
-        self.manager = BlockManager(num_blocks, block_size)
+        # prefix-cached as the target's: a request that starts like an earlier one (the next
+        # turn of a chat) does not run its whole history through the draft model again
+        self.manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
         self.cache = KVCache(model.config, num_blocks, block_size, dtype, self.device)
         self._state: dict[int, _DraftState] = {}
         self._preempted_generators: dict[int, torch.Generator] = {}  # until the recompute
@@ -103,6 +106,7 @@ class DraftModelDrafter(Drafter):
             engine.config.kv_cache_memory_gb / 4,
             engine.config.block_size,
             TreeShape.from_choices(tree) if tree else None,
+            prefix_caching=engine.config.enable_prefix_caching,
         )
 
     def max_nodes(self, k: int) -> int:
@@ -125,6 +129,7 @@ class DraftModelDrafter(Drafter):
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(seed ^ 0x5EED5EED)
             st = self._state[seq.seq_id] = _DraftState(SeqBlocks(), gen)
+            self.manager.match(st.blocks, seq.token_ids(0, seq.num_tokens))
         return st
 
     def _within_context(self, seqs: list[Sequence], budgets: list[int]) -> list[int]:
@@ -263,11 +268,13 @@ class DraftModelDrafter(Drafter):
                 continue
             if self.tree is not None:
                 self._keep_tree_path(st, acc)
-                continue
-            length, k = st.pending
-            # The draft fed the root and drafts 1..k-1; those accepted stay valid.
-            valid = length + min(len(acc), max(k - 1, 0))
-            self.manager.truncate(st.blocks, min(valid, st.blocks.length))
+            else:
+                length, k = st.pending
+                # The draft fed the root and drafts 1..k-1; those accepted stay valid.
+                valid = length + min(len(acc), max(k - 1, 0))
+                self.manager.truncate(st.blocks, min(valid, st.blocks.length))
+            # full blocks of the request's own tokens (the accepted drafts join it later)
+            self.manager.register(st.blocks, seq.token_ids, seq.num_tokens)
 
     def _keep_tree_path(self, st: _DraftState, accepted: list[int]) -> None:
         """Nodes 1..fed_nodes sit after the root; keep the accepted ones that were fed."""
@@ -286,6 +293,7 @@ class DraftModelDrafter(Drafter):
         self._preempted_generators.pop(seq.seq_id, None)
         st = self._state.pop(seq.seq_id, None)
         if st is not None:
+            self.manager.register(st.blocks, seq.token_ids, seq.num_tokens)
             self.manager.free(st.blocks)
 
     def preempt(self, seq: Sequence) -> None:

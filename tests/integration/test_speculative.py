@@ -682,3 +682,22 @@ def test_logprobs_are_the_raw_models_under_bias_and_penalties(plain):
     got = plain.generate(PROMPTS[0], biased)[0].outputs[0]
     assert got.token_ids == ref.token_ids
     assert got.logprobs == ref.logprobs
+
+
+@pytest.mark.parametrize("tree", [None, "TREE"], ids=["chain", "tree"])
+def test_a_draft_models_cache_is_prefix_cached_too(plain, tiny_llama_dir, tree):
+    """A request that starts like an earlier one finds the draft model's blocks as well as the
+    target's: the draft runs only the rest of the prompt, and drafts as well as with the whole
+    prompt run (the target as its own draft: every draft accepted). Greedy output is plain's."""
+    spec = draft_llm(tiny_llama_dir, tiny_llama_dir, 3, TREE if tree else None)
+    drafter = spec.engine.drafter
+    found, match = [], drafter.manager.match
+    drafter.manager.match = lambda *a, **k: found.append(match(*a, **k)) or found[-1]
+    shared = "The quick brown fox jumps over the lazy dog. " * 2  # 90 tokens
+    prompts = [shared + "Then", shared + "And so"]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(24))]
+    assert spec.generate(prompts[0], greedy(24))[0].outputs[0].token_ids == want[0]
+    out = spec.generate(prompts[1], greedy(24))[0]
+    assert out.outputs[0].token_ids == want[1] and out.num_cached_tokens == 80
+    assert found == [0, 80]
+    assert out.outputs[0].spec["acceptance_by_position"][0] == 1.0
