@@ -187,6 +187,18 @@ class BlockManager:
         seq.length = len(seq.block_table) * bs
         return seq.length
 
+    def peek(self, token_ids: list[int]) -> int:
+        """The tokens `match` would find for these, taking nothing."""
+        if not self.prefix_caching:
+            return 0
+        bs, previous, found = self.block_size, b"", 0
+        for i in range((len(token_ids) - 1) // bs):
+            previous = self._chain(previous, token_ids[i * bs : (i + 1) * bs])
+            if previous not in self._by_hash:
+                break
+            found += bs
+        return found
+
     def register(self, seq: SeqBlocks, token_ids, num_tokens: int, start: bytes = b"") -> None:
         """Register `seq`'s full blocks of committed tokens that are not yet, so later sequences
         starting with the same tokens share them. `token_ids(start, end)` gives its tokens, of

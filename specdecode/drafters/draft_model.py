@@ -66,6 +66,7 @@ class DraftModelDrafter(Drafter):
         self.cache = KVCache(model.config, num_blocks, block_size, dtype, self.device)
         self._state: dict[int, _DraftState] = {}
         self._preempted_generators: dict[int, torch.Generator] = {}  # until the recompute
+        self._found: dict[int, int] = {}  # seq_id -> cached tokens it will find (no state yet)
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, engine: LLMEngine) -> DraftModelDrafter:
@@ -118,7 +119,13 @@ class DraftModelDrafter(Drafter):
         if seq.num_tokens >= self.model.config.max_position_embeddings:
             return 0  # past the draft's context: it never drafts again, nothing to catch up
         st = self._state.get(seq.seq_id)
-        return max(0, seq.num_tokens - (st.blocks.length if st else 0) - 1)
+        if st is not None:
+            have = st.blocks.length
+        else:  # what it will find in its prefix cache (looked up once, until it drafts)
+            if seq.seq_id not in self._found:
+                self._found[seq.seq_id] = self.manager.peek(seq.token_ids(0, seq.num_tokens))
+            have = self._found[seq.seq_id]
+        return max(0, seq.num_tokens - have - 1)
 
     def _get_state(self, seq: Sequence) -> _DraftState:
         st = self._state.get(seq.seq_id)
@@ -129,7 +136,9 @@ class DraftModelDrafter(Drafter):
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(seed ^ 0x5EED5EED)
             st = self._state[seq.seq_id] = _DraftState(SeqBlocks(), gen)
-            self.manager.match(st.blocks, seq.token_ids(0, seq.num_tokens))
+            self._found.pop(seq.seq_id, None)
+            if seq.num_tokens < self.model.config.max_position_embeddings:  # (else never used)
+                self.manager.match(st.blocks, seq.token_ids(0, seq.num_tokens))
         return st
 
     def _within_context(self, seqs: list[Sequence], budgets: list[int]) -> list[int]:
@@ -287,10 +296,11 @@ class DraftModelDrafter(Drafter):
         st.fed_nodes = 0
 
     def tracked_ids(self) -> set[int]:
-        return set(self._state) | set(self._preempted_generators)
+        return set(self._state) | set(self._preempted_generators) | set(self._found)
 
     def release(self, seq: Sequence) -> None:
         self._preempted_generators.pop(seq.seq_id, None)
+        self._found.pop(seq.seq_id, None)
         st = self._state.pop(seq.seq_id, None)
         if st is not None:
             self.manager.register(st.blocks, seq.token_ids, seq.num_tokens)

@@ -697,7 +697,11 @@ def test_a_draft_models_cache_is_prefix_cached_too(plain, tiny_llama_dir, tree):
     prompts = [shared + "Then", shared + "And so"]
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(24))]
     assert spec.generate(prompts[0], greedy(24))[0].outputs[0].token_ids == want[0]
+    ids = spec.encode(prompts[1])
+    probe = spec.engine.make_sequence(ids, greedy(24))  # priced before it drafts: the rest
+    assert drafter.catch_up_tokens(probe) == len(ids) - 80 - 1
+    drafter.release(probe)
     out = spec.generate(prompts[1], greedy(24))[0]
     assert out.outputs[0].token_ids == want[1] and out.num_cached_tokens == 80
-    assert found == [0, 80]
+    assert found == [0, 80] and spec.engine.num_tracked() == 0
     assert out.outputs[0].spec["acceptance_by_position"][0] == 1.0

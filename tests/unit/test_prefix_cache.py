@@ -37,6 +37,16 @@ def test_a_freed_prefix_is_found_and_shared():
     assert m.match(d, [7] + a_tokens[1:]) == 0 and d.block_table == []
 
 
+def test_peek_finds_what_match_would_and_takes_nothing():
+    m = BlockManager(10, BS, prefix_caching=True)
+    tokens = list(range(11))
+    m.free(computed(m, tokens))
+    free = m.num_free_blocks
+    assert m.peek(tokens[:8] + [50, 51]) == 8 and m.num_free_blocks == free
+    assert m.peek([9] + tokens[1:]) == 0
+    assert m.match(SeqBlocks(), tokens[:8] + [50, 51]) == 8
+
+
 def test_the_last_token_is_always_computed():
     m = BlockManager(10, BS, prefix_caching=True)
     tokens = list(range(8))
