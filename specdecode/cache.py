@@ -155,7 +155,9 @@ class BlockManager:
 
     # ---- prefix caching ------------------------------------------------------------------------
 
-    def _chain(self, previous: bytes, tokens: list[int]) -> bytes:
+    @staticmethod
+    def chain(previous: bytes, tokens: list[int]) -> bytes:
+        """The hash of a block of `tokens` after the blocks hashed to `previous`."""
         return hashlib.sha256(previous + array("q", tokens).tobytes()).digest()
 
     def match(
@@ -168,36 +170,37 @@ class BlockManager:
         """An empty `seq` takes the registered blocks its first tokens hash to (leaving at least
         its last token to compute: its logits are needed), at most `max_blocks` (then the last
         token may be found too). `start`: what the chain starts from. Returns the tokens found."""
-        if not self.prefix_caching or seq.block_table:
+        if seq.block_table:
             return 0
-        bs = self.block_size
-        previous = start
-        most = (len(token_ids) - 1) // bs if max_blocks is None else len(token_ids) // bs
-        for i in range(most if max_blocks is None else min(most, max_blocks)):
-            h = self._chain(previous, token_ids[i * bs : (i + 1) * bs])
-            block = self._by_hash.get(h)
-            if block is None:
-                break
+        for h, block in self._registered(token_ids, start, max_blocks):
             if block in self._cached:
                 del self._cached[block]
             self._refs[block] = self._refs.get(block, 0) + 1
             seq.block_table.append(block)
             seq.hashes.append(h)
-            previous = h
-        seq.length = len(seq.block_table) * bs
+        seq.length = len(seq.block_table) * self.block_size
         return seq.length
 
     def peek(self, token_ids: list[int]) -> int:
         """The tokens `match` would find for these, taking nothing."""
+        return len(list(self._registered(token_ids))) * self.block_size
+
+    def _registered(self, token_ids: list[int], start: bytes = b"", max_blocks: int | None = None):
+        """(hash, block) of the registered blocks `token_ids` begin with, in order (see
+        `match` for what is looked up)."""
         if not self.prefix_caching:
-            return 0
-        bs, previous, found = self.block_size, b"", 0
-        for i in range((len(token_ids) - 1) // bs):
-            previous = self._chain(previous, token_ids[i * bs : (i + 1) * bs])
-            if previous not in self._by_hash:
-                break
-            found += bs
-        return found
+            return
+        bs, previous = self.block_size, start
+        if max_blocks is None:
+            count = (len(token_ids) - 1) // bs
+        else:
+            count = min(len(token_ids) // bs, max_blocks)
+        for i in range(count):
+            previous = self.chain(previous, token_ids[i * bs : (i + 1) * bs])
+            block = self._by_hash.get(previous)
+            if block is None:
+                return
+            yield previous, block
 
     def register(self, seq: SeqBlocks, token_ids, num_tokens: int, start: bytes = b"") -> None:
         """Register `seq`'s full blocks of committed tokens that are not yet, so later sequences
@@ -210,7 +213,7 @@ class BlockManager:
         while len(seq.hashes) < min(seq.length, num_tokens) // bs:
             i = len(seq.hashes)
             previous = seq.hashes[-1] if seq.hashes else start
-            h = self._chain(previous, token_ids(i * bs, (i + 1) * bs))
+            h = self.chain(previous, token_ids(i * bs, (i + 1) * bs))
             seq.hashes.append(h)
             block = seq.block_table[i]
             if h not in self._by_hash and block not in self._hash_of:

@@ -51,18 +51,10 @@ class LLM:
         raise InvalidRequestError(f"cannot understand the prompt {prompt!r:.80}")
 
     def apply_chat_template(self, messages: Messages) -> str:
-        template = self.engine.chat_template  # --chat-template, else the tokenizer's
-        if not (template or getattr(self.tokenizer, "chat_template", None)):
-            raise InvalidRequestError("this model has no chat template; use generate()")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError("each chat message needs a 'role' and a 'content'")
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as e:  # noqa: BLE001 - templates raise on roles they do not accept
-            raise InvalidRequestError(f"the chat template rejected the messages: {e}") from e
+        return self.engine.render_chat(messages, "generate()")
 
     def _chat_ids(self, messages: Messages) -> list[int]:
         text = self.apply_chat_template(messages)

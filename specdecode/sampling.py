@@ -105,7 +105,7 @@ class SamplingParams:
             raise bad(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
         if self.logit_bias:
             for tok, value in self.logit_bias.items():
-                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                if not _integer(tok) or tok < 0:
                     raise bad(f"logit_bias keys must be token ids, got {tok!r}")
                 if not _number(value) or not -100 <= value <= 100:
                     raise bad(f"logit_bias values must be in [-100, 100], got {value!r}")

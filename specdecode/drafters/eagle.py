@@ -154,7 +154,14 @@ class EagleDrafter(Drafter):
         """Entry j pairs the feature at position j (which depends on tokens 0..j) with token
         j + 1: a block of entries is keyed by the hash chain of the tokens after its positions,
         started from the first token."""
-        return self.manager._chain(b"", seq.token_ids(0, 1))
+        return self.manager.chain(b"", seq.token_ids(0, 1))
+
+    def _register(self, seq: Sequence, st: _HeadState) -> None:
+        """Register the request's full blocks of committed entries (whole history only)."""
+        self.manager.register(
+            st.blocks, lambda a, b: seq.token_ids(a + 1, b + 1), st.committed,
+            self._chain_start(seq),
+        )  # fmt: skip
 
     def _find_entries(self, seq: Sequence, st: _HeadState) -> None:
         """A request whose first `st.base` tokens came from the target's prefix cache has no
@@ -211,9 +218,7 @@ class EagleDrafter(Drafter):
         ids = seq.token_ids(st.committed + 1, full + 1)
         self._forward([st.blocks], [f.shape[0]], ids, f, list(range(st.committed, full)))
         st.committed = full
-        self.manager.register(
-            st.blocks, lambda a, b: seq.token_ids(a + 1, b + 1), full, self._chain_start(seq)
-        )
+        self._register(seq, st)
 
     # ---- drafting ------------------------------------------------------------------------------
 
@@ -249,9 +254,8 @@ class EagleDrafter(Drafter):
             f = torch.cat(st.pending)
             st.pending = []
             feats.append(f)
-            first = st.base + st.committed + 1  # entry j pairs position base + j's feature
-            ids += seq.token_ids(first, first + f.shape[0])  # with the token after it
-            start = st.base + st.committed  # the target position of the next entry
+            start = st.base + st.committed  # the target position of the next entry, which
+            ids += seq.token_ids(start + 1, start + 1 + f.shape[0])  # pairs with the next token
             positions += range(start, start + f.shape[0])
             nums.append(f.shape[0])
         pred = self._forward(
@@ -263,11 +267,7 @@ class EagleDrafter(Drafter):
             st = states[i]
             st.committed = st.blocks.length
             if st.base == 0:  # its full blocks of entries, for requests that start alike
-                seq = seqs[i]
-                self.manager.register(
-                    st.blocks, lambda a, b, s=seq: s.token_ids(a + 1, b + 1), st.committed,
-                    self._chain_start(seq),
-                )  # fmt: skip
+                self._register(seqs[i], st)
             st.proposed = True
             states[i].levels = budgets[i]
         sub_seqs = [seqs[i] for i in active]

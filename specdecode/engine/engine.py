@@ -190,6 +190,21 @@ class LLMEngine:
             seq.matcher = self.grammar_compiler().matcher(params.structured_output)
         return seq
 
+    def render_chat(self, messages: list[dict], instead: str) -> str:
+        """Chat messages -> prompt text, with --chat-template or else the tokenizer's template.
+        `instead`: what to use when the model has none (named in the error)."""
+        template = self.chat_template
+        if not (template or getattr(self.tokenizer, "chat_template", None)):
+            raise InvalidRequestError(f"this model has no chat template; use {instead}")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=template, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # noqa: BLE001 - templates raise on roles they do not accept
+            raise InvalidRequestError(
+                f"the chat template rejected the messages: {e}", param="messages"
+            ) from e
+
     def grammar_compiler(self):
         """The structured-output compiler for this tokenizer (built on first use)."""
         with self._grammar_lock:

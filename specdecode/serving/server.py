@@ -188,16 +188,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await read_json(request, ChatCompletionRequest)
-        template = core.chat_template  # --chat-template, else the tokenizer's
-        if not (template or getattr(tokenizer, "chat_template", None)):
-            raise bad_request("this model has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            text = tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as e:  # noqa: BLE001 - templates raise on roles they do not accept
-            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from e
+            text = core.render_chat(messages, "/v1/completions")
+        except InvalidRequestError as e:
+            raise bad_request(str(e), e.param) from e
         ids = list(tokenizer(text, add_special_tokens=False).input_ids)
         max_tokens = check_length(len(ids), req.requested_max_tokens(), "messages")
         params = req.sampling_params(max_tokens, req.requested_logprobs())

@@ -148,7 +148,7 @@ def test_a_head_drafts_after_a_cached_prefix(plain, tiny_llama_dir, heads, metho
     manager, ids = drafter.manager, spec.encode(prompts[1])
     key = drafter._chain_start(spec.engine.make_sequence(ids, greedy(1)))
     for i in range(3):
-        key = manager._chain(key, ids[16 * i + 1 : 16 * i + 17])
+        key = manager.chain(key, ids[16 * i + 1 : 16 * i + 17])
     block = manager._by_hash.pop(key)  # as an eviction does: a plain free block again
     del manager._hash_of[block], manager._cached[block]
     manager._free.add(block)
