@@ -358,8 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--precision",
             choices=["auto", "bf16", "fp32"],
             default="auto",
-            help="matmul precision (master weights stay fp32); auto: bf16 where this CPU "
-            "multiplies bf16 natively (AVX512-BF16 or AMX), else fp32",
+            help="matmul precision (master weights stay fp32); auto: bf16 on CUDA, and on a CPU "
+            "that multiplies bf16 natively (AVX512-BF16 or AMX), else fp32",
         )
         if kind == "medusa":
             th.add_argument("--num-heads", type=_at_least_one, default=4)
@@ -573,11 +573,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     import json
     from pathlib import Path
 
-    from specdecode.engine.engine import resolve_dtype
+    from specdecode.engine.engine import resolve_device, resolve_dtype
     from specdecode.models.loader import load_model, load_tokenizer
     from specdecode.train.draft import DraftTrainConfig, train_draft
 
-    loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
+    loaded = load_model(
+        args.model, dtype=resolve_dtype(args.dtype), device=resolve_device(args.device)
+    )
     tok = load_tokenizer(loaded.path)
     eos = sorted(
         {

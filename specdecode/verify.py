@@ -61,7 +61,7 @@ class DraftBatch:
         q = None
         if draft_probs is not None:
             v = draft_probs[0].shape[-1]
-            q = torch.zeros(b, n, v)
+            q = torch.zeros(b, n, v, device=draft_probs[0].device)
             for i, probs in enumerate(draft_probs):
                 q[i, : probs.shape[0]] = probs
         return cls(tok, kids, [len(s) for s in shapes], q)

@@ -80,23 +80,34 @@ def _one_mask(cached: int, n: int, tree: torch.Tensor | None, width: int) -> tor
 
 
 def _padded_metadata(kv_cache, manager, seqs, num_new, masks, slot_mapping) -> AttentionMetadata:
-    device = kv_cache.device
-    b = len(seqs)
-    lmax = max(s.length + n for s, n in zip(seqs, num_new, strict=True))
-    nmax = max(num_new)
-    kv_slots = torch.zeros(b, lmax, dtype=torch.long)
-    query_index = torch.zeros(b, nmax, dtype=torch.long)
-    query_valid = torch.zeros(b, nmax, dtype=torch.bool)
-    mask = torch.zeros(b, 1, nmax, lmax, dtype=torch.bool)
-    mask[:, :, :, 0] = True  # padded query rows see one key, so softmax stays finite
-    offset = 0
+    """Batched metadata built with tensor ops, not per sequence and token in Python (which
+    halved a tiny model's decoding throughput at 64-256 sequences, where the engine's own work
+    is the step)."""
+    device, bs = kv_cache.device, manager.block_size
+    cached = torch.tensor([s.length for s in seqs], dtype=torch.long)
+    new = torch.tensor(num_new, dtype=torch.long)
+    ctx = cached + new
+    lmax, nmax = int(ctx.max()), int(new.max())
+    width = -(-lmax // bs)
+    rows = []
+    for seq, c in zip(seqs, ctx.tolist(), strict=True):
+        used = seq.block_table[: -(-c // bs)]
+        rows.append(used + [0] * (width - len(used)))
+    pos = torch.arange(lmax)
+    kv_slots = torch.tensor(rows, dtype=torch.long)[:, pos // bs] * bs + pos % bs
+    kv_slots.masked_fill_(pos[None] >= ctx[:, None], 0)  # padding reads the zeroed block 0
+    q = torch.arange(nmax)
+    query_valid = q[None] < new[:, None]
+    query_index = torch.where(query_valid, (torch.cumsum(new, 0) - new)[:, None] + q[None], 0)
+    # each new token sees the prefix and the new tokens up to itself; padded query rows see
+    # one key, so softmax stays finite
+    mask = pos[None, None] <= (cached[:, None] + q[None])[..., None]
+    mask &= query_valid[..., None]
+    mask[:, :, 0] |= ~query_valid
+    mask = mask[:, None]
     for i, (seq, n, tree) in enumerate(zip(seqs, num_new, masks, strict=True)):
-        ctx = seq.length + n
-        kv_slots[i, :ctx] = torch.tensor(manager.slots(seq, 0, ctx), dtype=torch.long)
-        query_index[i, :n] = torch.arange(offset, offset + n)
-        query_valid[i, :n] = True
-        mask[i, 0, :n, :] = _one_mask(seq.length, n, tree, lmax)
-        offset += n
+        if tree is not None:
+            mask[i, 0, :n, :] = _one_mask(seq.length, n, tree, lmax)
     return AttentionMetadata(
         kv_cache,
         slot_mapping,

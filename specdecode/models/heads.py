@@ -161,7 +161,7 @@ class EagleHead(nn.Module):
         """Pack every projection for the CPU kernels (inference only)."""
         from specdecode import kernels
 
-        if not kernels.available() or self.fc.weight.device.type != "cpu":
+        if self.fc.weight.device.type != "cpu" or not kernels.available():  # (no build)
             return
         self._pack_layer(dtype)
         self.proj.pack(dtype)
@@ -332,7 +332,7 @@ class Eagle3Head(EagleHead):
     def accelerate(self, dtype: torch.dtype) -> None:
         from specdecode import kernels
 
-        if not kernels.available() or self.fc.weight.device.type != "cpu":
+        if self.fc.weight.device.type != "cpu" or not kernels.available():  # (no build)
             return
         self._pack_layer(dtype)
         self.lm_head = _PackedLinear(self.lm_head, dtype)

@@ -40,6 +40,7 @@ def write_safetensors(
     a container, cannot read)."""
     from safetensors.torch import save_file
 
+    tensors = {k: v.detach().cpu() for k, v in tensors.items()}  # (CUDA tensors too)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=metadata if metadata is not None else {"format": "pt"})
     mask = os.umask(0)

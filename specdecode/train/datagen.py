@@ -184,7 +184,8 @@ class _FeatureRecorder:
         for seq, f in zip(seqs, feats, strict=True):
             if seq.blocks.length - len(f) == 0:
                 self.rows[seq.seq_id] = []
-            self.rows[seq.seq_id].append(f.to(torch.bfloat16))
+            # kept on the CPU: a shard's features would otherwise pile up on the accelerator
+            self.rows[seq.seq_id].append(f.to(torch.bfloat16).cpu())
 
     def pop(self, seq_id: int) -> torch.Tensor:
         return torch.cat(self.rows.pop(seq_id))

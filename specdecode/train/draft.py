@@ -78,7 +78,7 @@ def make_draft(target: LlamaModel, num_layers: int, vocab_ids: torch.Tensor) -> 
     """A draft that starts as the chosen layers of the target."""
     picked = layer_indices(target.config.num_layers, num_layers)
     cfg = replace(target.config, num_layers=len(picked))
-    draft = LlamaModel(cfg).to(target.norm.weight.dtype)
+    draft = LlamaModel(cfg).to(target.norm.weight.device, target.norm.weight.dtype)
     with torch.no_grad():
         draft.embed_tokens.weight = target.embed_tokens.weight  # shared, frozen
         for i, j in enumerate(picked):
@@ -117,9 +117,11 @@ def teacher_features(
     for i in tqdm(range(0, len(order), batch_size), desc="target features", unit="batch"):
         idx = order[i : i + batch_size]
         ids, mask = _collate([examples[j] for j in idx], max_len)
-        hidden = target.forward_dense(ids).hidden
-        for row, j in enumerate(idx):
-            out[j] = hidden[row][mask[row]].clone()
+        device = target.norm.weight.device
+        hidden = target.forward_dense(ids.to(device)).hidden
+        mask = mask.to(device)
+        for row, j in enumerate(idx):  # kept on the CPU: moved per training batch
+            out[j] = hidden[row][mask[row]].cpu()
     return out
 
 
@@ -136,6 +138,8 @@ def _losses(
     n = int(mask.sum())
     if n == 0:
         return None, None, 0
+    device = target.norm.weight.device
+    ids, mask, t_hidden = ids.to(device), mask.to(device), t_hidden.to(device)
     with torch.no_grad():
         t_logits = target.compute_logits(t_hidden)
         t_top1 = t_logits.argmax(-1)

@@ -81,6 +81,9 @@ class _Batch:
     valid: torch.Tensor  # [B, L + extra] bool: position t+1 exists and is an answer token
     rows: torch.Tensor  # [B] feature rows per example
 
+    def to(self, device: torch.device) -> _Batch:
+        return _Batch(*(t.to(device) for t in (self.feats, self.nxt, self.valid, self.rows)))
+
 
 def _collate(examples: list[Example], max_len: int, extra: int) -> _Batch:
     rows = [min(max_len, ex.features.shape[0]) for ex in examples]
@@ -160,6 +163,7 @@ class _Trainer:
 
     def __init__(self, target: LlamaModel, data: DataDirs, cfg: HeadTrainConfig, eos_ids):
         self.target, self.cfg = target, cfg
+        self.device = target.norm.weight.device  # the head, its batches and labels live there
         self.hidden = target.config.hidden_size
         self.feature_layers, self.train, self.held_sets = load_examples(data, cfg.eval_examples)
         self.held = [e for _, exs in self.held_sets for e in exs]
@@ -178,9 +182,11 @@ class _Trainer:
             )
         else:
             self.vocab_ids = None
+        # (vocab_ids stays on the CPU, as saved; a copy on the device maps predictions)
+        self._vocab_dev = None if self.vocab_ids is None else self.vocab_ids.to(self.device)
         lm = target.lm_head.weight.detach().float()
         self.lm_full = lm
-        self.lm_rows = lm if self.vocab_ids is None else lm[self.vocab_ids]
+        self.lm_rows = lm if self.vocab_ids is None else lm[self._vocab_dev]
         self.train_tokens = sum(sum(e.loss_mask) for e in self.train)
         self.coverage = _coverage(self.held, self.vocab_ids)
         self.gen = torch.Generator().manual_seed(cfg.seed)
@@ -200,16 +206,17 @@ class _Trainer:
         the next token is an answer token) and shared by every head / draft step."""
         final = self.final(batch.feats)
         b, n = final.shape[:2]
-        need = batch.valid[:, :n] & (torch.arange(n)[None] < batch.rows[:, None])
-        row_of = torch.full((b, n), -1, dtype=torch.long)
-        row_of[need] = torch.arange(int(need.sum()))
+        dev = final.device
+        need = batch.valid[:, :n] & (torch.arange(n, device=dev)[None] < batch.rows[:, None])
+        row_of = torch.full((b, n), -1, dtype=torch.long, device=dev)
+        row_of[need] = torch.arange(int(need.sum()), device=dev)
         x = final[need]
         probs = F.linear(x, self.lm_rows).float().softmax(-1)
         best = F.linear(x, self.lm_full).argmax(-1) if top1 else None
         return _Targets(probs, best, row_of)
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
-        return idx if self.vocab_ids is None else self.vocab_ids[idx]
+        return idx if self._vocab_dev is None else self._vocab_dev[idx]
 
     def _rows(self, i: int) -> int:
         return min(self.cfg.max_len, self.train[i].features.shape[0])
@@ -234,11 +241,11 @@ class _Trainer:
                 break
             picked.append(self.train[self._order.pop()])
             longest = max(longest, r)
-        return _collate(picked, self.cfg.max_len, extra)
+        return _collate(picked, self.cfg.max_len, extra).to(self.device)
 
     def held_batches(self):
         for i in range(0, len(self.held), 8):
-            yield _collate(self.held[i : i + 8], self.cfg.max_len, self.extra)
+            yield _collate(self.held[i : i + 8], self.cfg.max_len, self.extra).to(self.device)
 
     def _evaluate(self, evaluate) -> dict:
         """Held-out metrics on every set together, and per set when there are several."""
@@ -265,10 +272,10 @@ class _Trainer:
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95), fused=fused)
         budget = cfg.max_minutes * 60 if cfg.max_minutes else None
 
-        use_bf16 = native_bf16_matmul() if cfg.bf16 is None else cfg.bf16
+        use_bf16 = default_bf16(self.device) if cfg.bf16 is None else cfg.bf16
 
         def autocast():
-            return torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
         with autocast():
             history = {"before": self._evaluate(evaluate)}
@@ -333,17 +340,25 @@ class _Trainer:
             train_answer_tokens=self.train_tokens,
             held_out_examples=len(self.held),
             draft_vocab_coverage=round(self.coverage, 4),
-            config={**asdict(cfg), "bf16": use_bf16},
+            config={**self._recorded_config(), "bf16": use_bf16},
             **info,
         )
         save_head(module, out_dir, self.target.config, {"training": history})
         (out_dir / "training.json").write_text(json.dumps(history, indent=2))
         return history
 
+    def _recorded_config(self) -> dict:
+        """The settings, with the draft vocabulary the head has (a continued head keeps its
+        own, whatever --draft-vocab said)."""
+        out = asdict(self.cfg)
+        if self.cfg.init:
+            out["draft_vocab"] = 0 if self.vocab_ids is None else int(self.vocab_ids.numel())
+        return out
+
     def _checkpoint(self, module, out_dir: Path, done: int, seconds: float) -> None:
         """The head as it stands, loadable (`--init` continues from it); replaced at the end."""
         info = {"checkpoint": True, "steps_done": done, "train_seconds": round(seconds, 1)}
-        info["config"] = asdict(self.cfg)
+        info["config"] = self._recorded_config()
         save_head(module, out_dir, self.target.config, {"training": info})
         (out_dir / "training.json").write_text(json.dumps(info, indent=2))
         log.info("checkpoint after %d steps written to %s", done, out_dir)
@@ -365,6 +380,14 @@ def _large_allocations_via_mmap() -> None:
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         return
+
+
+def default_bf16(device: torch.device) -> bool:
+    """`--precision auto`: bf16 autocast on CUDA (where the GPU has bf16), on a CPU only where
+    it multiplies bf16 natively."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and native_bf16_matmul()
 
 
 def native_bf16_matmul() -> bool:
@@ -394,7 +417,7 @@ def train_medusa(
 ) -> dict:
     torch.manual_seed(cfg.seed)
     tr = _Trainer(target, data, cfg, eos_ids)
-    heads = MedusaHeads(tr.hidden, cfg.num_heads)
+    heads = MedusaHeads(tr.hidden, cfg.num_heads).to(tr.device)
     heads.attach(tr.lm_rows, None)  # rows already restricted
     heads.vocab_ids = tr.vocab_ids
     if cfg.init:
@@ -407,7 +430,7 @@ def train_medusa(
         final = tr.final(batch.feats)
         n = final.shape[1]
         targets = tr.labels(batch, top1)
-        t = torch.arange(n)[None]
+        t = torch.arange(n, device=final.device)[None]
         for j in range(k):
             # head j at t predicts token t+2+j, whose distribution is the target's at t+1+j
             s = 1 + j
@@ -456,7 +479,7 @@ def train_eagle(
     head = EagleHead(_layer_config(target, tr), fc_bias=getattr(prev_fc, "bias", None) is not None)
     if not cfg.init:  # a continued head takes every weight from its earlier run
         _identity_start(head, target)
-    head = head.float()
+    head = head.float().to(tr.device)
     head.attach(target.embed_tokens, tr.lm_rows, None)
     head.vocab_ids = tr.vocab_ids
     if cfg.init:
@@ -469,7 +492,8 @@ def train_eagle(
         noisy = final + (torch.rand_like(final) * 2 - 1) * cfg.noise
         pred = head.forward_dense(batch.nxt[:, :n], noisy)  # [B, L, H]: f'_{t+1}
         # trained where f_{t+1} exists and token t+2 is an answer token
-        sel = batch.valid[:, 1 : n + 1] & (torch.arange(n)[None] + 1 < batch.rows[:, None])
+        t = torch.arange(n, device=final.device)[None]
+        sel = batch.valid[:, 1 : n + 1] & (t + 1 < batch.rows[:, None])
         if not sel.any():  # no answer token within --max-len: nothing to learn (skipped)
             return 0.0, {}
         p_pred = pred[sel]
@@ -521,7 +545,7 @@ def _unrolled_steps(tr: _Trainer, head, batch: _Batch, inputs, steps: int, top1:
     n = batch.feats.shape[1]
     targets = tr.labels(batch, top1)
     preds = head.forward_unrolled(batch.nxt, inputs(batch.feats), steps)
-    t = torch.arange(n)[None]
+    t = torch.arange(n, device=batch.feats.device)[None]
     for j, pred in enumerate(preds):
         s = j + 1
         sel = batch.valid[:, s : n + s] & (t + s < batch.rows[:, None])
@@ -575,7 +599,7 @@ def train_eagle3(
     head = Eagle3Head(_layer_config(target, tr), vocab.numel(), layers)
     if not cfg.init:  # a continued head takes every weight from its earlier run
         _identity_start3(head, target, tr.lm_rows)
-    head = head.float()
+    head = head.float().to(tr.device)
     if cfg.init:
         _continue_from(head, tr, vocab)
     head.attach(target.embed_tokens, vocab)
@@ -611,7 +635,7 @@ def _identity_start3(head: Eagle3Head, target: LlamaModel, lm_rows: torch.Tensor
     soft cross-entropy of 12 and was still at 5.3 after 154 steps on Qwen2.5-Coder-1.5B."""
     h = head.config.hidden_size
     src, dst = target.layers[-1], head.layers[0]
-    dst.self_attn.qkv_proj.weight[:, h:] = src.self_attn.qkv_proj.weight
+    dst.self_attn.qkv_proj.weight[:, h:].copy_(src.self_attn.qkv_proj.weight)  # (any device)
     dst.self_attn.qkv_proj.weight[:, :h].normal_(0, 0.02)
     if src.self_attn.qkv_proj.bias is not None:
         dst.self_attn.qkv_proj.bias.copy_(src.self_attn.qkv_proj.bias)

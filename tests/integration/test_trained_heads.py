@@ -263,7 +263,7 @@ def test_training_continues_from_a_head(heads, tiny_llama_dir, tmp_path):
     root, history = heads
     target = load_model(tiny_llama_dir).model.requires_grad_(False)
     cfg = HeadTrainConfig(
-        draft_vocab=64,
+        draft_vocab=100,  # ignored: the head keeps its own vocabulary (64), and says so
         steps=2,
         batch_tokens=512,
         warmup=1,
@@ -271,6 +271,7 @@ def test_training_continues_from_a_head(heads, tiny_llama_dir, tmp_path):
         init=str(root / "eagle"),
     )
     again = train_eagle(target, root / "data", tmp_path / "e", cfg, [2])
+    assert again["config"]["draft_vocab"] == 64
     before, after = history["eagle"]["before"], history["eagle"]["after"]
     assert after["top1_per_step"][0] > before["top1_per_step"][0] + 0.3  # it did learn
     # (checkpoints are bf16, so the restart is close to, not exactly, where it ended)

@@ -1,0 +1,213 @@
+"""The engine, every drafter, the verifier and head training on an accelerator (CUDA).
+
+They run on CUDA where a GPU is visible and on the CPU elsewhere (CI has no GPU: there they
+keep this file from going stale for the day a GPU is lent); `SPECDECODE_TEST_DEVICE` picks the
+device. Exactness is claimed in fp32 (TF32 stays off), as on the CPU: greedy and seeded outputs
+of every drafter equal plain decoding's on the same device, the device decodes as the CPU does,
+and the sampled distribution is unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from helpers import assert_seeded_outputs_match, chi_square_pvalue, seeded_params
+
+from specdecode import LLM, SamplingParams
+
+DEVICE = os.environ.get("SPECDECODE_TEST_DEVICE") or (
+    "cuda" if torch.cuda.is_available() else "cpu"
+)
+pytestmark = pytest.mark.skipif(
+    DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="no CUDA device"
+)
+
+PROMPTS = ["say 3 1 9", "abcabcabcabc", "xyz", "hello 42 hello 42"]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device=DEVICE)
+    assert llm.engine.runner.device.type == torch.device(DEVICE).type
+    return llm
+
+
+@pytest.fixture(scope="module")
+def heads(plain, tiny_llama_dir, tmp_path_factory):
+    """Data generated and heads trained on the device (the whole pipeline runs there)."""
+    from specdecode.models.loader import load_model
+    from specdecode.train.datagen import generate
+    from specdecode.train.heads import HeadTrainConfig, train_eagle, train_eagle3, train_medusa
+
+    root = tmp_path_factory.mktemp("device-heads")
+    convs = [
+        (f"c{i}", [{"role": "user", "content": f"say {i % 7} {i % 5} {i}"}]) for i in range(40)
+    ]
+    generate(plain, convs, root / "data", shard_size=16, max_tokens=24, feature_layers=(0, 1))
+    target = load_model(tiny_llama_dir, device=DEVICE).model.requires_grad_(False)
+    cfg = HeadTrainConfig(
+        draft_vocab=64, steps=60, batch_tokens=512, lr=3e-3, warmup=5, eval_examples=8
+    )
+    history = {
+        "medusa": train_medusa(target, root / "data", root / "medusa", cfg, [2]),
+        "eagle": train_eagle(target, root / "data", root / "eagle", cfg, [2]),
+        "eagle3": train_eagle3(target, root / "data", root / "eagle3", cfg, [2]),
+    }
+    return root, history
+
+
+def test_the_device_decodes_as_the_cpu_does(plain, tiny_llama_dir):
+    """fp32 greedy decoding on the device gives the CPU's tokens (paged attention, RoPE and
+    sampling all run there), batched and alone."""
+    cpu = LLM(str(tiny_llama_dir), device="cpu")
+    want = tokens(cpu.generate(PROMPTS, greedy(32)))
+    assert tokens(plain.generate(PROMPTS, greedy(32))) == want
+    assert tokens(plain.generate(PROMPTS[1], greedy(32))) == want[1:2]
+
+
+def test_training_on_the_device_learns(heads):
+    _, history = heads
+    assert history["medusa"]["after"]["loss"] < history["medusa"]["before"]["loss"]
+    assert history["eagle"]["after"]["ce"] < history["eagle"]["before"]["ce"]
+    assert history["eagle3"]["after"]["ce"] < history["eagle3"]["before"]["ce"]
+
+
+def _draft_dir(tmp_path_factory):
+    from conftest import _write_byte_tokenizer, make_tiny_hf
+
+    out = tmp_path_factory.mktemp("device-draft")
+    make_tiny_hf("llama", out, seed=7)
+    _write_byte_tokenizer(out)
+    return out
+
+
+CONFIGS = [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    {"method": "draft_model", "model": "SELF", "num_speculative_tokens": 3},
+    {"method": "draft_model", "model": "OTHER", "num_speculative_tokens": 3},
+    {"method": "medusa", "model": "HEAD"},  # its default static tree
+    {"method": "eagle", "model": "HEAD"},  # an EAGLE-2 dynamic tree
+    {"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 4, "topk": 1},
+    {"method": "eagle3", "model": "HEAD", "prompt_lookup_tokens": 6, "prompt_lookup_min": 1},
+]
+
+
+def _spec(cfg, tiny_llama_dir, heads, tmp_path_factory, policy="static"):
+    cfg = dict(cfg)
+    if cfg.get("model") == "HEAD":
+        cfg["model"] = str(heads[0] / cfg["method"])
+    elif cfg.get("model") == "SELF":
+        cfg["model"] = str(tiny_llama_dir)
+    elif cfg.get("model") == "OTHER":
+        cfg["model"] = str(_draft_dir(tmp_path_factory))
+    return LLM(
+        str(tiny_llama_dir), device=DEVICE, speculative_config=cfg, speculative_policy=policy
+    )
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c['method']}-{c.get('model', '')}")
+def test_greedy_equals_plain(plain, tiny_llama_dir, heads, tmp_path_factory, cfg):
+    spec = _spec(cfg, tiny_llama_dir, heads, tmp_path_factory)
+    want = tokens(plain.generate(PROMPTS, greedy(30)))
+    assert tokens(spec.generate(PROMPTS, greedy(30))) == want
+    for prompt, w in zip(PROMPTS, want, strict=True):
+        assert tokens(spec.generate(prompt, greedy(30))) == [w]
+    stats = spec.engine.spec_stats
+    assert stats.num_accepted_tokens > 0, "the test must exercise accepted drafts"
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3], CONFIGS[6]], ids=["ngram", "m", "e3"])
+def test_seeded_sampling_gives_the_plain_tokens(
+    plain, tiny_llama_dir, heads, tmp_path_factory, cfg
+):
+    """Deterministic drafts (lookup, heads' trees) verified by the target's position-seeded
+    draw give plain decoding's tokens."""
+    spec = _spec(cfg, tiny_llama_dir, heads, tmp_path_factory)
+    params = seeded_params(3, 30, ((0.3, 3), (0.7, 0), (1.0, 2), (0.5, 5)))
+    assert_seeded_outputs_match(plain, spec, PROMPTS, params, alone=1)
+
+
+def test_penalties_bias_and_prefix_caching_keep_greedy_equal(plain, tiny_llama_dir):
+    """Penalties and logit bias are applied per draft node on the device; a cached prefix is
+    reused there too."""
+    spec = LLM(
+        str(tiny_llama_dir),
+        device=DEVICE,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        speculative_policy="static",
+    )
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=30,
+        ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias={97: 2.0, 98: -1.0},
+    )
+    assert tokens(spec.generate(PROMPTS, params)) == tokens(plain.generate(PROMPTS, params))
+    long = "the same long prefix of forty tokens or so " * 2
+    first = spec.generate(long + "a", greedy(8))[0]
+    again = spec.generate(long + "b", greedy(8))[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 16
+    assert tokens([again]) == tokens(plain.generate(long + "b", greedy(8)))
+
+
+def test_sampled_distribution_unchanged(sharp_llama_dir):
+    """Chi-square homogeneity on the first three tokens, 2000 seeded samples each way (the
+    rejection sampler's arithmetic runs on the device)."""
+    plain = LLM(str(sharp_llama_dir), device=DEVICE)
+    spec = LLM(
+        str(sharp_llama_dir),
+        device=DEVICE,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        speculative_policy="static",
+    )
+    prompt = "abcabcabc" + plain.generate("abcabcabc", greedy(60))[0].outputs[0].text
+    n = 2000
+
+    def run(llm, offset):
+        params = [
+            SamplingParams(max_tokens=3, ignore_eos=True, seed=offset + s, temperature=1.0, top_k=8)
+            for s in range(n)
+        ]
+        return tokens(llm.generate([prompt] * n, params))
+
+    a, b = run(plain, 0), run(spec, n)
+    for pos in range(3):
+        assert chi_square_pvalue([t[pos] for t in a], [t[pos] for t in b]) > 1e-3, pos
+    assert spec.engine.spec_stats.num_accepted_tokens > 100
+
+
+def test_bf16_serving_with_a_head_runs(tiny_llama_dir, heads):
+    """bf16 on the device (no equality claim: near-ties flip between 1-token and tree passes)."""
+    spec = LLM(
+        str(tiny_llama_dir),
+        device=DEVICE,
+        dtype="bfloat16",
+        speculative_config={"method": "eagle3", "model": str(heads[0] / "eagle3")},
+    )
+    out = spec.generate(PROMPTS, greedy(24))
+    assert all(len(o.outputs[0].token_ids) == 24 for o in out)
+    assert all(0 <= t < 128 for o in out for t in o.outputs[0].token_ids)
+
+
+def test_structured_output_on_the_device(plain):
+    """The grammar's token mask (built on the CPU) applied to the device's logits."""
+    pytest.importorskip("xgrammar")
+    params = SamplingParams(
+        temperature=0, max_tokens=40, structured_output={"regex": "[0-9]{3}-[a-c]+"}
+    )
+    text = plain.generate("say 3 1 9", params)[0].outputs[0].text
+    assert re.fullmatch("[0-9]{3}-[a-c]+", text), text
