@@ -181,11 +181,14 @@ class _FeatureRecorder:
         self.rows: dict[int, list[torch.Tensor]] = {}
 
     def __call__(self, seqs, feats) -> None:
-        for seq, f in zip(seqs, feats, strict=True):
+        # kept on the CPU (a shard's features would otherwise pile up on an accelerator),
+        # copied there in one transfer per step
+        sizes = [len(f) for f in feats]
+        host = torch.cat(list(feats)).to(torch.bfloat16).cpu().split(sizes) if feats else ()
+        for seq, f in zip(seqs, host, strict=True):
             if seq.blocks.length - len(f) == 0:
                 self.rows[seq.seq_id] = []
-            # kept on the CPU: a shard's features would otherwise pile up on the accelerator
-            self.rows[seq.seq_id].append(f.to(torch.bfloat16).cpu())
+            self.rows[seq.seq_id].append(f)
 
     def pop(self, seq_id: int) -> torch.Tensor:
         return torch.cat(self.rows.pop(seq_id))

@@ -82,17 +82,23 @@ class _Batch:
     rows: torch.Tensor  # [B] feature rows per example
 
     def to(self, device: torch.device) -> _Batch:
-        return _Batch(*(t.to(device) for t in (self.feats, self.nxt, self.valid, self.rows)))
+        """On `device`, features in fp32 (collated in bf16 for an accelerator: half the bytes
+        cross to it)."""
+        moved = (t.to(device) for t in (self.feats, self.nxt, self.valid, self.rows))
+        feats, *rest = moved
+        return _Batch(feats.float(), *rest)
 
 
-def _collate(examples: list[Example], max_len: int, extra: int) -> _Batch:
+def _collate(
+    examples: list[Example], max_len: int, extra: int, dtype: torch.dtype = torch.float32
+) -> _Batch:
     rows = [min(max_len, ex.features.shape[0]) for ex in examples]
     b, n = len(examples), max(rows)
-    feats = torch.zeros(b, n, examples[0].features.shape[1])
+    feats = torch.zeros(b, n, examples[0].features.shape[1], dtype=dtype)
     nxt = torch.zeros(b, n + extra, dtype=torch.long)
     valid = torch.zeros(b, n + extra, dtype=torch.bool)
     for i, (ex, r) in enumerate(zip(examples, rows, strict=True)):
-        feats[i, :r] = ex.features[:r].float()
+        feats[i, :r] = ex.features[:r]
         nxt[i, :r] = torch.tensor(ex.input_ids[1 : r + 1])
         valid[i, :r] = torch.tensor(ex.loss_mask[1 : r + 1], dtype=torch.bool)
     return _Batch(feats, nxt, valid, torch.tensor(rows))
@@ -164,6 +170,8 @@ class _Trainer:
     def __init__(self, target: LlamaModel, data: DataDirs, cfg: HeadTrainConfig, eos_ids):
         self.target, self.cfg = target, cfg
         self.device = target.norm.weight.device  # the head, its batches and labels live there
+        # features are stored in bf16: an accelerator gets them so and widens them itself
+        self._collate_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         self.hidden = target.config.hidden_size
         self.feature_layers, self.train, self.held_sets = load_examples(data, cfg.eval_examples)
         self.held = [e for _, exs in self.held_sets for e in exs]
@@ -241,11 +249,12 @@ class _Trainer:
                 break
             picked.append(self.train[self._order.pop()])
             longest = max(longest, r)
-        return _collate(picked, self.cfg.max_len, extra).to(self.device)
+        return _collate(picked, self.cfg.max_len, extra, self._collate_dtype).to(self.device)
 
     def held_batches(self):
         for i in range(0, len(self.held), 8):
-            yield _collate(self.held[i : i + 8], self.cfg.max_len, self.extra).to(self.device)
+            held = self.held[i : i + 8]
+            yield _collate(held, self.cfg.max_len, self.extra, self._collate_dtype).to(self.device)
 
     def _evaluate(self, evaluate) -> dict:
         """Held-out metrics on every set together, and per set when there are several."""
@@ -348,11 +357,11 @@ class _Trainer:
         return history
 
     def _recorded_config(self) -> dict:
-        """The settings, with the draft vocabulary the head has (a continued head keeps its
-        own, whatever --draft-vocab said)."""
+        """The settings, with the draft vocabulary the head has (0: the full one): a continued
+        head keeps its own, and one at least the vocabulary's size is the full one, whatever
+        --draft-vocab said."""
         out = asdict(self.cfg)
-        if self.cfg.init:
-            out["draft_vocab"] = 0 if self.vocab_ids is None else int(self.vocab_ids.numel())
+        out["draft_vocab"] = 0 if self.vocab_ids is None else int(self.vocab_ids.numel())
         return out
 
     def _checkpoint(self, module, out_dir: Path, done: int, seconds: float) -> None:
@@ -385,8 +394,8 @@ def _large_allocations_via_mmap() -> None:
 def default_bf16(device: torch.device) -> bool:
     """`--precision auto`: bf16 autocast on CUDA (where the GPU has bf16), on a CPU only where
     it multiplies bf16 natively."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+    if device.type == "cuda":  # native bf16 from Ampere on (is_bf16_supported counts emulation)
+        return torch.cuda.get_device_capability(device)[0] >= 8
     return device.type == "cpu" and native_bf16_matmul()
 
 

@@ -164,16 +164,19 @@ def test_penalties_bias_and_prefix_caching_keep_greedy_equal(plain, tiny_llama_d
     assert tokens([again]) == tokens(plain.generate(long + "b", greedy(8)))
 
 
-def test_sampled_distribution_unchanged(sharp_llama_dir):
-    """Chi-square homogeneity on the first three tokens, 2000 seeded samples each way (the
-    rejection sampler's arithmetic runs on the device)."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_distribution_unchanged(sharp_llama_dir, tmp_path_factory, method):
+    """Chi-square homogeneity on the first three tokens, 2000 seeded samples each way at
+    temperature 1: deterministic lookup drafts, and a draft model's sampled drafts, whose
+    q and residual max(p - q, 0) the rejection sampler computes on the device."""
     plain = LLM(str(sharp_llama_dir), device=DEVICE)
-    spec = LLM(
-        str(sharp_llama_dir),
-        device=DEVICE,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-        speculative_policy="static",
-    )
+    cfg = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    if method == "draft_model":
+        cfg = {"method": "draft_model", "model": str(_draft_dir(tmp_path_factory)),
+               "num_speculative_tokens": 3}  # fmt: skip
+    spec = LLM(str(sharp_llama_dir), device=DEVICE, speculative_config=cfg,
+               speculative_policy="static")  # fmt: skip
+    assert spec.engine.drafter.samples_drafts == (method == "draft_model")
     prompt = "abcabcabc" + plain.generate("abcabcabc", greedy(60))[0].outputs[0].text
     n = 2000
 
@@ -187,7 +190,36 @@ def test_sampled_distribution_unchanged(sharp_llama_dir):
     a, b = run(plain, 0), run(spec, n)
     for pos in range(3):
         assert chi_square_pvalue([t[pos] for t in a], [t[pos] for t in b]) > 1e-3, pos
-    assert spec.engine.spec_stats.num_accepted_tokens > 100
+    stats = spec.engine.spec_stats
+    assert stats.num_accepted_tokens > 100
+    assert stats.num_draft_tokens > stats.num_accepted_tokens + 100  # and residual draws
+
+
+def test_draft_distillation_on_the_device(plain, tiny_llama_dir, heads):
+    """`train draft` (teacher features, losses) on the device, then served losslessly."""
+    from specdecode.models.loader import load_model
+    from specdecode.train.draft import DraftTrainConfig, train_draft
+
+    root, _ = heads
+    target = load_model(tiny_llama_dir, device=DEVICE).model
+    cfg = DraftTrainConfig(
+        num_layers=1, draft_vocab=64, steps=20, batch_size=8, lr=3e-3, eval_examples=8
+    )
+    history = train_draft(target, root / "data", root / "draft", cfg, [2], tiny_llama_dir)
+    assert history["after"]["loss"] < history["before"]["loss"]
+    spec = LLM(
+        str(tiny_llama_dir),
+        device=DEVICE,
+        speculative_config={
+            "method": "draft_model",
+            "model": str(root / "draft"),
+            "num_speculative_tokens": 3,
+        },
+        speculative_policy="static",
+    )
+    want = tokens(plain.generate(PROMPTS, greedy(20)))
+    assert tokens(spec.generate(PROMPTS, greedy(20))) == want
+    assert spec.engine.spec_stats.num_draft_tokens > 0
 
 
 def test_bf16_serving_with_a_head_runs(tiny_llama_dir, heads):

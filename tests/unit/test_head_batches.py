@@ -22,6 +22,7 @@ def test_a_batch_never_pads_past_its_token_budget():
     tr.cfg = SimpleNamespace(batch_tokens=1024, max_len=640)
     tr.train, tr.gen, tr._order = train, gen, []
     tr.device = torch.device("cpu")
+    tr._collate_dtype = torch.float32
     seen, real, padded = 0, 0, 0
     for _ in range(200):
         b = tr.next_batch(extra=2)
