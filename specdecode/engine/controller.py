@@ -31,9 +31,10 @@ Policies (`--speculative-policy`):
   Hysteresis: the plan changes only when it beats the previous one (re-scored with today's
   estimates) by `hysteresis`. Requests that are not drafting keep being measured (`_explore`):
   shadow drafts scored against the real output where drafting has no side effects, else a rare
-  one-token probe, so the estimates recover when the traffic changes. A drafter whose shadow
-  is only part of its drafts (a head's lookup branch) gets probes, and a good shadow brings
-  the next probe forward instead of counting as the drafter's acceptance.
+  one-token probe (after `probe_interval` idle steps of the request, or of the whole engine:
+  short requests are never idle that long), so the estimates recover when the traffic changes.
+  A drafter whose shadow is only part of its drafts (a head's lookup branch) gets probes, and a
+  good shadow brings the next probe forward instead of counting as the drafter's acceptance.
   Lite drafts: a drafter whose shadow can also be verified on its own (`lite_depth`: a head's
   lookup branch without the head) offers a second, cheaper mode. Requests the plan keeps plain
   may verify it, with its own acceptance estimates (from its shadows and its verifications)
@@ -319,6 +320,10 @@ class GoodputController:
         self._lite_workloads: dict[str, AcceptanceCounts] = {}
         self._last_plan: dict[int, int] = {}
         self._idle_steps: dict[int, int] = {}
+        # steps in a row in which no request drafted: requests shorter than `probe_interval`
+        # steps are never idle that long themselves, and without this a controller that
+        # stopped drafting early (on a noisy calibration, say) would never look again
+        self._quiet_steps = 0
         self._shadow_idle: dict[int, int] = {}
         # what the last step decided, for /metrics and logs
         self.last_budgets: list[int] = []
@@ -436,6 +441,7 @@ class GoodputController:
         self._probe_charged = None
         if self.policy == "adaptive" and not capped:
             budgets = self._explore(seqs, budgets, catch_up, base_tokens)
+        self._quiet_steps = 0 if any(budgets) else self._quiet_steps + 1
         self.last_budgets = budgets
         self.num_decisions += len(budgets)
         self.num_drafting += sum(1 for k in budgets if k)
@@ -462,6 +468,7 @@ class GoodputController:
         grow = self.probe_share * step_s
         self._probe_credit = min(self._probe_credit + grow, 4 * self.probe_interval * grow)
         worth: bool | None = None  # whether a perfect acceptance could pay, decided once
+        engine_quiet = 0 if any(k > 0 for k in plan) else self._quiet_steps + 1  # this one too
         self._probe_wait -= 1
         for i, s in enumerate(seqs):
             idle = self._idle_steps.get(s.seq_id, 0)
@@ -473,7 +480,8 @@ class GoodputController:
                     self.shadow_requests.append(s)
                     self._shadow_idle[s.seq_id] = 0
                     continue
-            if self.needs_probes and not probed and idle >= self.probe_interval:
+            quiet = max(idle, engine_quiet)  # (the request's, or the whole engine's)
+            if self.needs_probes and not probed and quiet >= self.probe_interval:
                 cost = self.draft_cost.catch_up_seconds(catch_up[i]) + self.draft_cost.predict(1)
                 if cost > self._probe_credit:
                     continue

@@ -247,7 +247,10 @@ class LLMEngine:
         """Run one forward for the scheduled batch; return the sequences that received tokens."""
         ctrl = self.controller
         self.last_batch = []
-        if ctrl.policy == "adaptive" and not ctrl.step_cost.calibrated:
+        # (the bare-forward curve, even where steps run under another policy already measured
+        # some points: plain steps alone measure one token, and the curve drawn through them
+        # priced every draft as compute-bound, so an engine switched to adaptive never drafted)
+        if ctrl.policy == "adaptive" and not ctrl.step_cost.calibration:
             self.calibrate()
         k = self.spec_config.num_speculative_tokens if ctrl.policy != "off" else 0
         lookahead = self.drafter.max_nodes(k) if k else 0

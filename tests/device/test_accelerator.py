@@ -97,7 +97,8 @@ CONFIGS = [
     {"method": "draft_model", "model": "SELF", "num_speculative_tokens": 3},
     {"method": "draft_model", "model": "OTHER", "num_speculative_tokens": 3},
     {"method": "medusa", "model": "HEAD"},  # its default static tree
-    {"method": "eagle", "model": "HEAD"},  # an EAGLE-2 dynamic tree
+    {"method": "eagle", "model": "HEAD"},  # the defaults: an EAGLE-2 tree
+    {"method": "eagle", "model": "HEAD", "topk": 3, "num_draft_tokens": 6},  # another tree
     {"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 4, "topk": 1},
     {"method": "eagle3", "model": "HEAD", "prompt_lookup_tokens": 6, "prompt_lookup_min": 1},
 ]
@@ -127,7 +128,7 @@ def test_greedy_equals_plain(plain, tiny_llama_dir, heads, tmp_path_factory, cfg
     assert stats.num_accepted_tokens > 0, "the test must exercise accepted drafts"
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3], CONFIGS[6]], ids=["ngram", "m", "e3"])
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3], CONFIGS[7]], ids=["ngram", "m", "e3"])
 def test_seeded_sampling_gives_the_plain_tokens(
     plain, tiny_llama_dir, heads, tmp_path_factory, cfg
 ):

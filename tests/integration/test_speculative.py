@@ -498,6 +498,24 @@ def test_adaptive_policy_is_lossless_and_decides(plain, tiny_llama_dir):
         spec.engine.set_policy("maybe")
 
 
+def test_an_engine_switched_to_adaptive_calibrates_and_drafts(plain, tiny_llama_dir):
+    """Plain steps measure one token only: an engine that ran under `off` first (as a benchmark
+    comparing policies on one engine does) still times its bare forwards when it turns
+    adaptive, and drafts where that pays."""
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        speculative_policy="off",
+    )
+    spec.generate(PROMPTS, greedy(20))
+    ctrl = spec.engine.controller
+    assert ctrl.step_cost.measured and not ctrl.step_cost.calibration
+    spec.engine.set_policy("adaptive")
+    spec.generate(PROMPTS, greedy(40))
+    assert ctrl.step_cost.calibration
+    assert ctrl.num_drafting > 0 and spec.engine.spec_stats.num_accepted_tokens > 0
+
+
 def test_abort_frees_memory(tiny_llama_dir):
     llm = spec_llm(tiny_llama_dir, num_speculative_tokens=3, prompt_lookup_min=1)
     engine = llm.engine

@@ -226,6 +226,19 @@ def test_idle_requests_are_probed():
     assert plans == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0]  # one probe every 5 idle steps
 
 
+def test_short_requests_are_probed_when_the_whole_engine_is_quiet():
+    """Requests that each live fewer steps than the probe interval are never idle that long
+    themselves; once no request has drafted for `probe_interval` steps, the next one is probed
+    anyway (a controller that stopped drafting would otherwise never look again)."""
+    c = controller(memory_bound, acceptance=0.0, draft_s=0.002, probe_interval=5)
+    plans = []
+    for _ in range(4):  # four requests of three steps each, one after another
+        seq = seqs(1)[0]
+        plans += [c.plan([seq], 1, 1)[0] for _ in range(3)]
+        c.release(seq)
+    assert plans == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0]
+
+
 def test_shadow_drafts_are_scored_against_the_real_output():
     c = controller(memory_bound, acceptance=0.0, draft_s=0.002, shadow_capable=True)
     seq = seqs(1)[0]
