@@ -83,6 +83,27 @@ def test_gguf_conversion_matches_transformers_gguf_loader(smol, chat_ids):
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
 
 
+def test_the_engines_decoder_is_transformers_decode(smol):
+    """The output processor calls the Rust tokenizer directly (no clean-up of spaces here):
+    the same text as transformers' `decode` on real text, special tokens and random ids."""
+    import random
+
+    from specdecode.engine.output import fast_decoder
+
+    _, tok = smol
+    decode = fast_decoder(tok)
+    assert decode is not tok.decode  # the direct path is the one tested
+    rng = random.Random(0)
+    texts = ["Hello, world! ", "Ünïcödé 日本語 🙂", "def f(x):\n    return x", "<|im_end|>x"]
+    samples = [tok(t).input_ids for t in texts]
+    samples += [[rng.randrange(len(tok)) for _ in range(rng.randint(1, 12))] for _ in range(500)]
+    for ids in samples:
+        for skip in (True, False):
+            assert decode(ids, skip_special_tokens=skip) == tok.decode(
+                ids, skip_special_tokens=skip
+            )
+
+
 def test_greedy_chat_equals_transformers(smol, hf, chat_ids):
     from specdecode import LLM, SamplingParams
 
