@@ -358,8 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--precision",
             choices=["auto", "bf16", "fp32"],
             default="auto",
-            help="matmul precision (master weights stay fp32); auto: bf16 on CUDA, and on a CPU "
-            "that multiplies bf16 natively (AVX512-BF16 or AMX), else fp32",
+            help="matmul precision (master weights stay fp32); auto: bf16 where it is native (a "
+            "CUDA GPU from Ampere on, a CPU with AVX512-BF16 or AMX), else fp32",
         )
         if kind == "medusa":
             th.add_argument("--num-heads", type=_at_least_one, default=4)

@@ -142,3 +142,22 @@ def assert_seeded_outputs_match(plain, spec, prompts, params, alone: int) -> Non
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
     assert spec.generate(prompts[alone], params[alone])[0].outputs[0].token_ids == want[alone]
+
+
+def train_tiny_heads(plain, model_dir, root, device: str = "cpu"):
+    """Self-distillation data from `plain` (an LLM of the tiny model at `model_dir`), then
+    Medusa, EAGLE and EAGLE-3 heads trained on it on `device`: (root, {kind: history})."""
+    from specdecode.models.loader import load_model
+    from specdecode.train.datagen import generate
+    from specdecode.train.heads import HeadTrainConfig, train_eagle, train_eagle3, train_medusa
+
+    convs = [
+        (f"c{i}", [{"role": "user", "content": f"say {i % 7} {i % 5} {i}"}]) for i in range(40)
+    ]
+    generate(plain, convs, root / "data", shard_size=16, max_tokens=24, feature_layers=(0, 1))
+    target = load_model(model_dir, device=device).model.requires_grad_(False)
+    cfg = HeadTrainConfig(
+        draft_vocab=64, steps=60, batch_tokens=512, lr=3e-3, warmup=5, eval_examples=8
+    )
+    trainers = {"medusa": train_medusa, "eagle": train_eagle, "eagle3": train_eagle3}
+    return root, {k: fn(target, root / "data", root / k, cfg, [2]) for k, fn in trainers.items()}

@@ -184,7 +184,7 @@ class _FeatureRecorder:
         # kept on the CPU (a shard's features would otherwise pile up on an accelerator),
         # copied there in one transfer per step
         sizes = [len(f) for f in feats]
-        host = torch.cat(list(feats)).to(torch.bfloat16).cpu().split(sizes) if feats else ()
+        host = torch.cat(feats).to(torch.bfloat16).cpu().split(sizes) if feats else ()
         for seq, f in zip(seqs, host, strict=True):
             if seq.blocks.length - len(f) == 0:
                 self.rows[seq.seq_id] = []

@@ -84,9 +84,8 @@ class _Batch:
     def to(self, device: torch.device) -> _Batch:
         """On `device`, features in fp32 (collated in bf16 for an accelerator: half the bytes
         cross to it)."""
-        moved = (t.to(device) for t in (self.feats, self.nxt, self.valid, self.rows))
-        feats, *rest = moved
-        return _Batch(feats.float(), *rest)
+        feats = self.feats.to(device).float()
+        return _Batch(feats, self.nxt.to(device), self.valid.to(device), self.rows.to(device))
 
 
 def _collate(

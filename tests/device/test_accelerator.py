@@ -14,7 +14,12 @@ import re
 
 import pytest
 import torch
-from helpers import assert_seeded_outputs_match, chi_square_pvalue, seeded_params
+from helpers import (
+    assert_seeded_outputs_match,
+    chi_square_pvalue,
+    seeded_params,
+    train_tiny_heads,
+)
 
 from specdecode import LLM, SamplingParams
 
@@ -46,25 +51,7 @@ def plain(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def heads(plain, tiny_llama_dir, tmp_path_factory):
     """Data generated and heads trained on the device (the whole pipeline runs there)."""
-    from specdecode.models.loader import load_model
-    from specdecode.train.datagen import generate
-    from specdecode.train.heads import HeadTrainConfig, train_eagle, train_eagle3, train_medusa
-
-    root = tmp_path_factory.mktemp("device-heads")
-    convs = [
-        (f"c{i}", [{"role": "user", "content": f"say {i % 7} {i % 5} {i}"}]) for i in range(40)
-    ]
-    generate(plain, convs, root / "data", shard_size=16, max_tokens=24, feature_layers=(0, 1))
-    target = load_model(tiny_llama_dir, device=DEVICE).model.requires_grad_(False)
-    cfg = HeadTrainConfig(
-        draft_vocab=64, steps=60, batch_tokens=512, lr=3e-3, warmup=5, eval_examples=8
-    )
-    history = {
-        "medusa": train_medusa(target, root / "data", root / "medusa", cfg, [2]),
-        "eagle": train_eagle(target, root / "data", root / "eagle", cfg, [2]),
-        "eagle3": train_eagle3(target, root / "data", root / "eagle3", cfg, [2]),
-    }
-    return root, history
+    return train_tiny_heads(plain, tiny_llama_dir, tmp_path_factory.mktemp("device-heads"), DEVICE)
 
 
 def test_the_device_decodes_as_the_cpu_does(plain, tiny_llama_dir):

@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from helpers import assert_seeded_outputs_match, seeded_params
+from helpers import assert_seeded_outputs_match, seeded_params, train_tiny_heads
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import InvalidRequestError
@@ -31,22 +31,7 @@ def plain(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def heads(plain, tiny_llama_dir, tmp_path_factory):
-    from specdecode.models.loader import load_model
-
-    root = tmp_path_factory.mktemp("heads")
-    convs = [
-        (f"c{i}", [{"role": "user", "content": f"say {i % 7} {i % 5} {i}"}]) for i in range(40)
-    ]
-    generate(plain, convs, root / "data", shard_size=16, max_tokens=24, feature_layers=(0, 1))
-    target = load_model(tiny_llama_dir).model.requires_grad_(False)
-    cfg = HeadTrainConfig(
-        draft_vocab=64, steps=60, batch_tokens=512, lr=3e-3, warmup=5, eval_examples=8
-    )
-    out = {}
-    out["medusa"] = train_medusa(target, root / "data", root / "medusa", cfg, [2])
-    out["eagle"] = train_eagle(target, root / "data", root / "eagle", cfg, [2])
-    out["eagle3"] = train_eagle3(target, root / "data", root / "eagle3", cfg, [2])
-    return root, out
+    return train_tiny_heads(plain, tiny_llama_dir, tmp_path_factory.mktemp("heads"))
 
 
 def test_training_improves_the_held_out_loss(heads):
