@@ -415,12 +415,16 @@ class GoodputController:
         base_tokens: int,
         num_running: int,
         catch_up: list[int] | None = None,
+        caps: list[int] | None = None,
     ) -> list[int]:
         """Draft depth for each decoding sequence. `base_tokens`: the decode tokens the step
         feeds without drafts (one root per decoding request; prefill chunks are left out, see
         the engine); `num_running`: requests in the batch; `catch_up`: tokens the drafter
-        would have to process for each before drafting (the drafter's `catch_up_tokens`)."""
+        would have to process for each before drafting (the drafter's `catch_up_tokens`);
+        `caps`: the deepest draft each can take (its context, max_tokens and cache slots), so
+        that what is recorded as drafted (depths, idle steps, probes) is what will run."""
         catch_up = catch_up or [0] * len(seqs)
+        caps = caps if caps is not None else [self.max_depth] * len(seqs)
         limit = self.disable_by_batch_size
         capped = limit is not None and num_running > limit
         if self.policy != "adaptive" or capped:
@@ -431,6 +435,7 @@ class GoodputController:
             budgets = [self.max_depth] * len(seqs)
         else:
             budgets = self._adaptive(seqs, base_tokens, catch_up)
+        budgets = [min(k, c) if k > 0 else k for k, c in zip(budgets, caps, strict=True)]
         for s, k in zip(seqs, budgets, strict=True):
             if k < 0:  # verified now: a pending shadow would count the same tokens again
                 self._shadows.pop(s.seq_id, None)
@@ -440,7 +445,7 @@ class GoodputController:
         self.shadow_requests = []
         self._probe_charged = None
         if self.policy == "adaptive" and not capped:
-            budgets = self._explore(seqs, budgets, catch_up, base_tokens)
+            budgets = self._explore(seqs, budgets, catch_up, base_tokens, caps)
         self._quiet_steps = 0 if any(budgets) else self._quiet_steps + 1
         self.last_budgets = budgets
         self.num_decisions += len(budgets)
@@ -448,7 +453,12 @@ class GoodputController:
         return budgets
 
     def _explore(
-        self, seqs: list[Sequence], plan: list[int], catch_up: list[int], base_tokens: int
+        self,
+        seqs: list[Sequence],
+        plan: list[int],
+        catch_up: list[int],
+        base_tokens: int,
+        caps: list[int],
     ) -> list[int]:
         """Keep the estimates of requests that are not drafting fresh. With a drafter whose
         proposals have no side effects (n-gram lookup), a shadow draft every `shadow_interval`
@@ -481,7 +491,8 @@ class GoodputController:
                     self._shadow_idle[s.seq_id] = 0
                     continue
             quiet = max(idle, engine_quiet)  # (the request's, or the whole engine's)
-            if self.needs_probes and not probed and quiet >= self.probe_interval:
+            probe = self.needs_probes and not probed and caps[i] > 0  # (room for one draft)
+            if probe and quiet >= self.probe_interval:
                 cost = self.draft_cost.catch_up_seconds(catch_up[i]) + self.draft_cost.predict(1)
                 if cost > self._probe_credit:
                     continue

@@ -358,8 +358,9 @@ class LLMEngine:
         # relative to the tokens it yields (on a compute-bound CPU they are not).
         decode_tokens = sum(1 for n in batch.num_new if n == 1)
         catch_up = [self.drafter.catch_up_tokens(s) for s in seqs]
-        plan = self.controller.plan(seqs, decode_tokens, len(batch), catch_up)
         slots = [batch.draft_slots[s.seq_id] for s in seqs]
+        caps = [self._fit(self.draft_room(s, k), n) for s, n in zip(seqs, slots, strict=True)]
+        plan = self.controller.plan(seqs, decode_tokens, len(batch), catch_up, caps)
         budgets = [
             self._fit(self.draft_room(s, b), n) for s, b, n in zip(seqs, plan, slots, strict=True)
         ]

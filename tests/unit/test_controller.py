@@ -239,6 +239,21 @@ def test_short_requests_are_probed_when_the_whole_engine_is_quiet():
     assert plans == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0]
 
 
+def test_what_is_recorded_is_the_depth_that_fits():
+    """Depths are cut to what each request can take (its context, max_tokens, cache slots)
+    before they are recorded: a request cut to nothing is not counted as drafting, stays idle,
+    and gets no probe it could not run."""
+    c = GoodputController("static", 4, lambda k: k)
+    batch = seqs(3)
+    assert c.plan(batch, 3, 3, caps=[0, 2, 9]) == [0, 2, 4]
+    assert c.num_drafting == 2 and c.num_decisions == 3
+    assert c._idle_steps[batch[0].seq_id] == 1 and c._last_plan[batch[1].seq_id] == 2
+    c = controller(memory_bound, acceptance=0.0, draft_s=0.002, probe_interval=5)
+    seq = seqs(1)[0]
+    assert [c.plan([seq], 1, 1, caps=[0])[0] for _ in range(8)] == [0] * 8  # no room, no probe
+    assert c.plan([seq], 1, 1, caps=[3]) == [1]  # room again: the overdue probe runs
+
+
 def test_shadow_drafts_are_scored_against_the_real_output():
     c = controller(memory_bound, acceptance=0.0, draft_s=0.002, shadow_capable=True)
     seq = seqs(1)[0]
