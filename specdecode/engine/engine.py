@@ -361,9 +361,7 @@ class LLMEngine:
         slots = [batch.draft_slots[s.seq_id] for s in seqs]
         caps = [self._fit(self.draft_room(s, k), n) for s, n in zip(seqs, slots, strict=True)]
         plan = self.controller.plan(seqs, decode_tokens, len(batch), catch_up, caps)
-        budgets = [
-            self._fit(self.draft_room(s, b), n) for s, b, n in zip(seqs, plan, slots, strict=True)
-        ]
+        budgets = [max(b, 0) for b in plan]  # (the plan is within caps; lite rows draft none)
         # a lite draft is a chain: a node a level
         lite = [
             (j, min(self.draft_room(seqs[j], -b), slots[j])) for j, b in enumerate(plan) if b < 0
