@@ -280,10 +280,11 @@ class LLMEngine:
                 accepted.append(nodes if keep is None else [keep[n] for n in nodes])
             if heard:
                 self.drafter.on_verified([batch.seqs[i] for i in heard], originals, accepted)
+        verified = {}  # batch row -> (drafts, depth, accepted): counted once appended
         for i in spec:
             depth, accepted = max(proposals[i].shape.depths), len(self.runner.accepted_nodes[i])
             ctrl.record_verification(batch.seqs[i], depth, accepted, lite=i in self._lite)
-            self.spec_stats.record(proposals[i].num_drafts, depth, accepted)
+            verified[i] = (proposals[i].num_drafts, depth, accepted)
         # the depth each drafted for (its drafting time), read before a request finishes and
         # the drafter drops its state; lite drafts cost no drafting time
         depths = [
@@ -312,6 +313,14 @@ class LLMEngine:
             if seq.error is not None and seq.finish_reason is None:
                 seq.finish_reason = "error"
             self.num_generated_tokens += len(seq.output_token_ids) - before
+            if i in verified:
+                # the statistics count the drafts the request kept: those accepted past a stop
+                # (max_tokens, a stop token or string, the grammar's end) were never emitted
+                # (the controller above heard them all: they measure the drafter)
+                drafts, depth, accepted = verified[i]
+                kept = min(accepted, len(seq.output_token_ids) - before)
+                self.spec_stats.record(drafts, depth, kept)
+                seq.spec.record(drafts, depth, kept)
             ctrl.resolve_shadows(seq)
             self.manager.register(seq.blocks, seq.token_ids, seq.num_tokens)
             if seq.finish_reason is not None:

@@ -209,7 +209,7 @@ class ModelRunner:
             choices.append(inverse_cdf(warp(lg, seq.params), u))
         shapes, tokens = [p.shape for p in proposals], [p.tokens for p in proposals]
         result = verify_choices(shapes, tokens, choices)
-        self._keep_accepted(seqs, proposals, result)
+        self._keep_accepted(seqs, result)
         return result
 
     def _verify_sampled(self, seqs, proposals, logits, masks) -> VerifyResult:
@@ -229,7 +229,7 @@ class ModelRunner:
             [p.shape for p in proposals], [p.tokens for p in proposals], q
         )
         result = verify(target, drafts, [self.generator(s) for s in seqs])
-        self._keep_accepted(seqs, proposals, result)
+        self._keep_accepted(seqs, result)
         return result
 
     def _rows(self, batch, plain, spec, proposals, num_new, want):
@@ -310,10 +310,9 @@ class ModelRunner:
         elif root:  # nothing the grammar allows is a token of this vocabulary
             seq.error = "the grammar cannot be continued with this model's vocabulary"
 
-    def _keep_accepted(self, seqs, proposals, result: VerifyResult) -> None:
-        for seq, prop, acc in zip(seqs, proposals, result.accepted, strict=True):
+    def _keep_accepted(self, seqs, result: VerifyResult) -> None:
+        for seq, acc in zip(seqs, result.accepted, strict=True):
             keep_path(self.manager, self.cache, seq.blocks, [0] + acc)
-            seq.spec.record(prop.num_drafts, max(prop.shape.depths), len(acc))
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         if seq.params.greedy:

@@ -4,6 +4,7 @@ sampled outputs identically distributed."""
 from __future__ import annotations
 
 import time
+from copy import deepcopy
 
 import pytest
 import torch
@@ -62,6 +63,32 @@ def test_stops_inside_an_accepted_run(plain, tiny_llama_dir):
     params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[full[9]])
     got = spec.generate(PROMPTS[0], params)[0].outputs[0].token_ids
     assert got == full[: full.index(full[9]) + 1]
+
+
+def test_drafts_accepted_past_a_stop_are_not_counted(plain, tiny_llama_dir):
+    """The target drafting for itself has every draft accepted at T=0; a stop token inside
+    such a run ends the request, and the statistics (per request and the engine's) count only
+    the drafts emitted, not those accepted after the stop."""
+    spec = draft_llm(tiny_llama_dir, tiny_llama_dir, 5)
+    full = plain.generate(PROMPTS[0], greedy(40))[0].outputs[0].token_ids
+    # a stop token first met 1-4 tokens into a verification step's six (5 drafts + 1): the
+    # tokens after the prefill's first come 6 a step
+    cut = next(i + 1 for i, t in enumerate(full) if t not in full[:i] and i > 6 and (i - 1) % 6 < 4)
+    params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[full[cut - 1]])
+    before = deepcopy(spec.engine.spec_stats)
+    out = spec.generate(PROMPTS[0], params)[0]
+    assert out.outputs[0].token_ids == full[:cut]
+    steps = -(-(cut - 1) // 6)
+    last = cut - 1 - 6 * (steps - 1)  # the last step's tokens up to the stop: all drafts
+    assert steps > 1
+    got = out.outputs[0].spec
+    assert got["num_drafts"] == steps
+    assert got["num_accepted_tokens"] == 5 * (steps - 1) + last  # not 5 * steps
+    stats = spec.engine.spec_stats
+    assert stats.num_accepted_tokens - before.num_accepted_tokens == 5 * (steps - 1) + last
+    old = before.accepted_per_position + [0] * (5 - len(before.accepted_per_position))
+    kept = [a - b for a, b in zip(stats.accepted_per_position, old, strict=True)]
+    assert kept == [steps] * last + [steps - 1] * (5 - last)
 
 
 def test_sampled_distribution_unchanged(sharp_llama_dir):
