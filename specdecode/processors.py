@@ -4,7 +4,9 @@ frequency penalties, vLLM's repetition penalty and min_tokens.
 They change the target distribution p of every row the step computes, plain or draft node, as
 if the row had been decoded on its own: a draft node's history is the request's tokens plus the
 drafts on the path from the root to the node. So speculation stays lossless under them (the
-drafters' q need not see them: verification corrects for any q). Semantics follow vLLM:
+drafters' q need not see them: verification corrects for any q). The drafters apply them too
+(`apply` over their own vocabulary's columns), so their drafts follow the penalised target and
+are accepted as often as without penalties. Semantics follow vLLM:
 - logit_bias: added to the named tokens' logits;
 - presence / frequency penalty: subtracted once per token present / per occurrence, counting
   the generated tokens only;
@@ -60,19 +62,46 @@ class _History:
         self.num_counted = len(seq.output_token_ids)
 
 
-def apply(rows: torch.Tensor, seq: Sequence, histories: list[list[int]]) -> None:
+def columns_of(vocab_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """For logits over a draft vocabulary (`vocab_ids` [Vd]: column -> target token): target
+    token -> its column, -1 for tokens the draft vocabulary lacks (None: the full vocabulary)."""
+    if vocab_ids is None:
+        return None
+    cols = torch.full((vocab_size,), -1, dtype=torch.long, device=vocab_ids.device)
+    cols[vocab_ids] = torch.arange(vocab_ids.shape[0], device=vocab_ids.device)
+    return cols
+
+
+def apply(
+    rows: torch.Tensor,
+    seq: Sequence,
+    histories: list[list[int]],
+    columns: torch.Tensor | None = None,
+) -> None:
     """Bias and penalise `rows` [n, V] in place; `histories[r]`: the tokens after the request's
     own that row r follows (draft nodes; [] for a plain row). Only the logits of tokens the
-    request has seen are touched (no pass over the vocabulary)."""
+    request has seen are touched (no pass over the vocabulary). `columns` (`columns_of`): rows
+    over a draft vocabulary, whose column for a token is `columns[token]` (-1: none)."""
     params = seq.params
     device = rows.device
     if seq.penalty_history is None:
         seq.penalty_history = _History(seq)
     hist = seq.penalty_history
     hist.update(seq)
+
+    def at(tokens: list[int], values: list[float] | None = None):
+        """(columns, values) of these tokens, those the rows have."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        vals = None if values is None else torch.tensor(values, dtype=rows.dtype, device=device)
+        if columns is not None:
+            ids = columns[ids.clamp(max=columns.shape[0] - 1)].where(ids < columns.shape[0], -1)
+            keep = ids >= 0
+            ids = ids[keep]
+            vals = None if vals is None else vals[keep]
+        return ids, vals
+
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=device)
-        bias = torch.tensor(list(params.logit_bias.values()), dtype=rows.dtype, device=device)
+        ids, bias = at(list(params.logit_bias), list(params.logit_bias.values()))
         rows[:, ids] += bias
     rp = params.repetition_penalty
     if rp != 1.0:
@@ -81,28 +110,27 @@ def apply(rows: torch.Tensor, seq: Sequence, histories: list[list[int]]) -> None
             return torch.where(values > 0, values / rp, values * rp)
 
         if hist.seen:
-            ids = torch.tensor(sorted(hist.seen), device=device)
+            ids, _ = at(sorted(hist.seen))
             rows[:, ids] = repeat(rows[:, ids])
         for r, extra in enumerate(histories):  # the path's tokens not seen before, once each
             new = sorted(set(extra) - hist.seen)
             if new:
-                ids = torch.tensor(new, device=device)
+                ids, _ = at(new)
                 rows[r, ids] = repeat(rows[r, ids])
     pres, freq = params.presence_penalty, params.frequency_penalty
     if pres or freq:
         if hist.counts:
-            ids = torch.tensor(list(hist.counts), device=device)
-            n = torch.tensor(list(hist.counts.values()), dtype=rows.dtype, device=device)
+            ids, n = at(list(hist.counts), list(hist.counts.values()))
             rows[:, ids] -= freq * n + pres
         for r, extra in enumerate(histories):  # the path's own occurrences on top
             if not extra:
                 continue
             path = Counter(extra)
-            ids = torch.tensor(list(path), device=device)
             delta = [
                 freq * m + (pres if tok not in hist.counts else 0.0) for tok, m in path.items()
             ]
-            rows[r, ids] -= torch.tensor(delta, dtype=rows.dtype, device=device)
+            ids, delta = at(list(path), delta)
+            rows[r, ids] -= delta
 
 
 def mask_stops(rows: torch.Tensor, seq: Sequence, depths: list[int], stop_ids: set[int]) -> None:

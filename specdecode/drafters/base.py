@@ -15,7 +15,26 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.core import Sequence
+from specdecode.processors import apply, has_penalties
 from specdecode.tree import TreeShape
+
+
+def penalize(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    histories: list[list[list[int]]],
+    columns: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Draft logits under each request's logit bias and penalties, as the target's rows will be
+    (`processors.apply`): the rows of `seqs[i]` come next, one per `histories[i]` entry (the
+    drafts the row follows). `columns`: a draft vocabulary's (`processors.columns_of`). The
+    logits are changed in place and returned; requests without penalties cost nothing."""
+    r = 0
+    for seq, hist in zip(seqs, histories, strict=True):
+        if has_penalties(seq.params):
+            apply(logits[r : r + len(hist)], seq, hist, columns)
+        r += len(hist)
+    return logits
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 from specdecode.cache import BlockManager, KVCache, SeqBlocks, keep_path
 from specdecode.config import QUANTIZED_DRAFT_DTYPES, SpeculativeConfig
 from specdecode.core import Sequence
-from specdecode.drafters.base import Drafter, DraftProposal
+from specdecode.drafters.base import Drafter, DraftProposal, penalize
 from specdecode.errors import InvalidRequestError
 from specdecode.models.attention import build_metadata
 from specdecode.models.llama import LlamaModel
@@ -167,6 +167,7 @@ class DraftModelDrafter(Drafter):
         step = 0
         while active:
             logits = self._forward([states[i].blocks for i in active], [feeds[i] for i in active])
+            penalize(logits, [seqs[i] for i in active], [[drafts[i]] for i in active])
             for row, i in enumerate(active):
                 q = warp(logits[row : row + 1], seqs[i].params)
                 greedy = seqs[i].params.greedy  # q is one-hot: no draw needed
@@ -202,7 +203,9 @@ class DraftModelDrafter(Drafter):
             return [DraftProposal.empty(s.last_token) for s in seqs]
         feeds = [seqs[i].token_ids(states[i].blocks.length, seqs[i].num_tokens) for i in active]
         logits = self._forward([states[i].blocks for i in active], feeds)
+        penalize(logits, [seqs[i] for i in active], [[[]] for _ in active])
         q_rows = {(i, 0): logits[r] for r, i in enumerate(active)}  # (seq, node) -> logits
+        path = {(i, 0): [] for i in active}  # (seq, node) -> the drafts from the root to it
         depths, kids = tree.depths, tree.children
         for depth in range(1, max(depths) + 1):
             level = [j for j, d in enumerate(depths) if d == depth]
@@ -228,6 +231,14 @@ class DraftModelDrafter(Drafter):
             positions = [[seqs[i].num_tokens - 1 + depth] * (hi - lo) for i in deeper]
             logits = self._forward(
                 [states[i].blocks for i in deeper], feeds, [mask] * len(deeper), positions
+            )
+            for i in deeper:
+                for j in range(lo, hi):
+                    path[(i, j)] = [*path[(i, tree.parents[j])], tokens[i][j]]
+            penalize(
+                logits,
+                [seqs[i] for i in deeper],
+                [[path[(i, j)] for j in range(lo, hi)] for i in deeper],
             )
             for r, i in enumerate(deeper):
                 states[i].fed_nodes = hi - 1

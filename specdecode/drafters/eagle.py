@@ -25,9 +25,10 @@ import torch
 
 from specdecode.cache import BlockManager, KVCache, SeqBlocks
 from specdecode.core import Sequence
-from specdecode.drafters.base import Drafter, DraftProposal
+from specdecode.drafters.base import Drafter, DraftProposal, penalize
 from specdecode.models.attention import build_metadata
 from specdecode.models.heads import Eagle3Head, EagleHead
+from specdecode.processors import columns_of
 from specdecode.tree import TreeShape
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ class EagleDrafter(Drafter):
         self.manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
         self.cache = KVCache(cfg, num_blocks, block_size, torch.float32, self.device)
         self._state: dict[int, _HeadState] = {}
+        self._columns: torch.Tensor | None = None  # a draft vocabulary's, for penalties
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, engine: LLMEngine) -> EagleDrafter:
@@ -295,6 +297,12 @@ class EagleDrafter(Drafter):
             b.length += n
         return pred
 
+    def _logits(self, feat, seqs, histories) -> torch.Tensor:
+        """The head's logits under the requests' bias and penalties (`penalize`)."""
+        if self._columns is None and self.head.vocab_ids is not None:
+            self._columns = columns_of(self.head.vocab_ids, int(self.head.vocab_ids.max()) + 1)
+        return penalize(self.head.logits(feat), seqs, histories, self._columns)
+
     def _tokens(self, idx: torch.Tensor) -> list:
         vocab = self.head.vocab_ids
         return (vocab[idx] if vocab is not None else idx).tolist()
@@ -305,7 +313,8 @@ class EagleDrafter(Drafter):
         rows = list(range(len(seqs)))
         step = 0
         while True:
-            toks = self._tokens(self.head.logits(feat).argmax(-1))
+            logits = self._logits(feat, [seqs[i] for i in rows], [[drafts[i]] for i in rows])
+            toks = self._tokens(logits.argmax(-1))
             for r, i in enumerate(rows):
                 drafts[i].append(toks[r])
             step += 1
@@ -332,7 +341,7 @@ class EagleDrafter(Drafter):
         pools: list[list[_Node]] = [[] for _ in seqs]
         frontiers: list[list[int]] = [[] for _ in seqs]
         fed: list[list[int]] = [[] for _ in seqs]  # pool indices in head-cache order
-        logp = self.head.logits(root_feat).log_softmax(-1)
+        logp = self._logits(root_feat, seqs, [[[]] for _ in seqs]).log_softmax(-1)
         top = logp.topk(k, dim=-1)
         for i in range(len(seqs)):
             for s, t in zip(top.values[i].tolist(), self._tokens(top.indices[i]), strict=True):
@@ -357,7 +366,8 @@ class EagleDrafter(Drafter):
             pred = self._forward(
                 [states[i].blocks for i in rows], nums, ids, feats, positions, masks
             )
-            logp = self.head.logits(pred).log_softmax(-1)
+            paths = [[self._path(pools[i], j) for j in frontiers[i]] for i in rows]
+            logp = self._logits(pred, [seqs[i] for i in rows], paths).log_softmax(-1)
             top = logp.topk(k, dim=-1)
             values, tokens = top.values, self._tokens(top.indices)
             r = 0
@@ -379,6 +389,15 @@ class EagleDrafter(Drafter):
             self._select(seq.last_token, pool, self._tree_size(b))
             for seq, pool, b in zip(seqs, pools, budgets, strict=True)
         ]
+
+    @staticmethod
+    def _path(pool: list[_Node], j: int) -> list[int]:
+        """The drafts from the root (excluded) to node `j` (included)."""
+        out = []
+        while j >= 0:
+            out.append(pool[j].token)
+            j = pool[j].parent
+        return out[::-1]
 
     @staticmethod
     def _level_mask(pool: list[_Node], fed: list[int], front: list[int]) -> torch.Tensor:

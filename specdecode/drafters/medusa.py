@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.core import Sequence
-from specdecode.drafters.base import Drafter, DraftProposal
+from specdecode.drafters.base import Drafter, DraftProposal, penalize
 from specdecode.models.heads import MedusaHeads
+from specdecode.processors import columns_of, has_penalties
 from specdecode.tree import TreeShape
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class MedusaDrafter(Drafter):
         self.heads = heads
         self.tree = tree
         self._last: dict[int, torch.Tensor] = {}  # seq id -> the last committed token's feature
+        self._columns: torch.Tensor | None = None  # a draft vocabulary's, for penalties
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, engine: LLMEngine) -> MedusaDrafter:
@@ -75,6 +77,15 @@ class MedusaDrafter(Drafter):
             return out
         feats = torch.stack([self._last[seqs[i].seq_id] for i in active])
         logits = self.heads(feats.float())  # [B, K, Vd]
+        if any(has_penalties(seqs[i].params) for i in active):
+            # every head under the request's bias and penalties (the candidates of a level
+            # are shared by the tree's paths: the drafts before them are not counted)
+            if self._columns is None and self.heads.vocab_ids is not None:
+                ids = self.heads.vocab_ids
+                self._columns = columns_of(ids, int(ids.max()) + 1)
+            logits = logits.contiguous()
+            flat, k = logits.view(-1, logits.shape[-1]), logits.shape[1]
+            penalize(flat, [seqs[i] for i in active], [[[]] * k for _ in active], self._columns)
         width = max(self.tree.ranks) + 1
         cand = logits.topk(width, dim=-1).indices  # [B, K, width]
         vocab = self.heads.vocab_ids

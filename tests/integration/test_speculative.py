@@ -645,6 +645,20 @@ def test_penalties_and_bias_keep_greedy_equal(plain, tiny_llama_dir, method):
     assert spec.engine.spec_stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("tree", [None, TREE])
+def test_a_draft_model_drafts_under_the_penalties(plain, tiny_llama_dir, tree):
+    """The target drafting for itself under penalties and bias (chain: with the drafts before
+    each in its history; tree: each node's path): its drafts are the penalised target's, so
+    all are accepted at T=0 (those the penalties change were rejected when it drafted without)."""
+    spec = draft_llm(tiny_llama_dir, tiny_llama_dir, 3, tree)
+    params = SamplingParams(temperature=0, max_tokens=29, ignore_eos=True, **PENALTIES)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == want
+    stats = spec.engine.spec_stats
+    assert stats.num_drafts == 4 * 7  # one prefill token, then 3 drafts + 1 a step
+    assert stats.num_accepted_tokens == 4 * 7 * 3
+
+
 def test_penalties_and_min_p_keep_seeded_sampling_equal(sharp_llama_dir):
     """Seeded sampling with penalties, bias and min-p: a draft model's static tree (drafts
     verified by the target's own draws) gives plain decoding's tokens, batched and alone."""

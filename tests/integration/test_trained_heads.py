@@ -71,6 +71,41 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize(
+    "method,extra",
+    [
+        ("medusa", {"num_speculative_tokens": 3}),
+        ("eagle", {"num_speculative_tokens": 3, "topk": 1}),
+        ("eagle", {"num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 6}),
+        ("eagle3", {"num_speculative_tokens": 3, "topk": 1}),
+        ("eagle3", {"num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 6}),
+    ],
+)
+def test_heads_draft_under_the_requests_logit_bias(plain, tiny_llama_dir, heads, method, extra):
+    """A bias that makes the target emit one token every time: a head that drafts under the
+    request's bias drafts it too, and every draft is accepted (unbiased, it never would be)."""
+    root, _ = heads
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={"method": method, "model": str(root / method), **extra},
+        speculative_policy="static",
+    )
+    drafter = spec.engine.drafter
+    ids = (drafter.heads if method == "medusa" else drafter.head).vocab_ids
+    assert ids is not None  # a draft vocabulary: the bias is applied to its columns
+    token = int(ids[7])
+    params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True,
+                            logit_bias={token: 40.0})  # fmt: skip
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    assert all(w == [token] * 13 for w in want)
+    got = spec.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in got] == want
+    stats = spec.engine.spec_stats
+    depth = extra["num_speculative_tokens"]
+    assert stats.num_drafts == 4 * 3  # 1 prefill token, then 3 drafts + 1 a step
+    assert stats.num_accepted_tokens == 4 * 3 * depth
+
+
 def test_a_short_cache_gives_smaller_draft_trees(plain, tiny_llama_dir, heads):
     """Where a request's 9-node Medusa tree does not fit the cache, it drafts the deepest
     pruned tree its slots hold instead of none; nothing is lost."""

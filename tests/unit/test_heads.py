@@ -14,6 +14,7 @@ from specdecode.models.attention import build_metadata
 from specdecode.models.head_io import load_head, save_head
 from specdecode.models.heads import EagleHead, MedusaHeads
 from specdecode.models.llama import LlamaModel
+from specdecode.sampling import SamplingParams
 
 CFG = HEAD_TARGET_CONFIG
 
@@ -197,6 +198,8 @@ def test_select_keeps_the_best_nodes_as_a_level_ordered_tree():
     assert prop.shape.parents == (-1, 0, 0, 1, 2, 3)
     prop = EagleDrafter._select(99, pool, size=4)  # 0, 2, 6: a chain
     assert prop.tokens == [99, 10, 12, 16] and prop.shape.is_chain()
+    # what a node's children follow (the penalties' history): the drafts from the root to it
+    assert [EagleDrafter._path(pool, j) for j in (0, 4, 6)] == [[10], [11, 14], [10, 12, 16]]
 
 
 def test_level_mask_sees_fed_ancestors_only():
@@ -246,13 +249,13 @@ def test_dynamic_tree_expands_global_topk_and_reranks():
     head = _ScriptedHead(table)
     drafter = EagleDrafter.__new__(EagleDrafter)
     drafter.head, drafter.topk, drafter.num_draft_tokens = head, 2, 6
-    drafter.device = torch.device("cpu")
+    drafter.device, drafter._columns = torch.device("cpu"), None
     drafter.manager = BlockManager(16, 4)
     drafter.cache = KVCache(CFG, 16, 4)
     st = type("S", (), {})()
     st.blocks, st.committed, st.base = SeqBlocks(), 0, 0
     drafter.manager.allocate(st.blocks, 32)
-    seq = type("Q", (), {"last_token": 7})()
+    seq = type("Q", (), {"last_token": 7, "params": SamplingParams()})()
     root_feat = torch.nn.functional.one_hot(torch.tensor([7]), 96).float()
     [prop] = drafter._tree([seq], [st], [3], root_feat)
     # depth 1: 1 (.7), 2 (.2); depth 2 from {1, 2}: 4 (.63), 5 (.07), 6 (.11), 8 (.09): keep 4, 6;

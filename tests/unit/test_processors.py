@@ -11,7 +11,7 @@ import torch
 
 from specdecode.core import Sequence
 from specdecode.errors import InvalidRequestError
-from specdecode.processors import apply, mask_stops, paths
+from specdecode.processors import apply, columns_of, mask_stops, paths
 from specdecode.sampling import SamplingParams, warp
 
 V = 12
@@ -64,6 +64,33 @@ def test_every_tree_row_is_processed_as_if_decoded_alone(kw):
         want = reference(logits[r], params, prompt, output + hist[r])
         torch.testing.assert_close(got[r], want)
     assert not torch.equal(got, logits)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3,
+         "logit_bias": {1: 1.5, 4: -3.0, 11: 2.0}},
+        {"repetition_penalty": 0.7},
+    ],
+)  # fmt: skip
+def test_rows_over_a_draft_vocabulary_are_the_full_rows_columns(kw):
+    """A drafter's rows over a draft vocabulary (some of the target's tokens, in its own order)
+    get what the full rows would at those tokens; tokens it lacks are skipped."""
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams(**kw)
+    seq = Sequence([0, 5, 5, 2], params, output_token_ids=[3, 3, 8, 11])
+    parents, tokens = (-1, 0, 1, 0), [11, 3, 9, 4]
+    hist = paths(parents, tokens)
+    vocab_ids = torch.tensor([9, 3, 0, 1, 5, 7])  # no 2, 4, 8, 11: penalised or biased in full
+    full = torch.randn(len(parents), V, generator=g) * 3
+    want = full.clone()
+    apply(want, seq, hist)
+    got = full[:, vocab_ids].clone()
+    apply(got, seq, hist, columns_of(vocab_ids, V))
+    torch.testing.assert_close(got, want[:, vocab_ids])
+    assert not torch.equal(got, full[:, vocab_ids])
+    assert columns_of(None, V) is None
 
 
 def test_min_tokens_masks_stop_tokens_until_enough_are_generated():
