@@ -329,7 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
         th.add_argument(
             "--draft-vocab", type=int, default=16384, help="draft vocabulary size (0 = full)"
         )
-        th.add_argument("--steps", type=_at_least_one, default=1000)
+        th.add_argument(
+            "--steps", type=_at_least_one, default=None, help="optimizer steps (default 1000)"
+        )
         th.add_argument("--batch-tokens", type=_at_least_one, default=4096)
         th.add_argument("--max-len", type=_at_least_one, default=768)
         th.add_argument("--lr", type=float, default=1e-3)
@@ -338,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
             "--init",
             default=None,
             help="continue training this head (on any data; its draft vocabulary is kept)",
+        )
+        th.add_argument(
+            "--resume",
+            action="store_true",
+            help="continue the run saved in --out where it stopped (a checkpoint, Ctrl-C, the "
+            "time budget): its weights, optimizer state, step, schedule, data order and time; "
+            "its settings are kept, but --steps and --max-minutes may raise them",
         )
         th.add_argument("--eval-examples", type=_at_least_one, default=64)
         th.add_argument(
@@ -352,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
             type=float,
             default=5.0,
             help="write the head as it stands to --out this often (0: only at the end); a run "
-            "killed later keeps it, --init continues from it; Ctrl-C stops training and saves",
+            "killed later keeps it, --resume continues the run from it (--init: a new run from "
+            "its weights); Ctrl-C stops training and saves",
         )
         th.add_argument(
             "--precision",
@@ -597,7 +607,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         }[args.train]()
         hcfg = HeadTrainConfig(
             draft_vocab=args.draft_vocab,
-            steps=args.steps,
+            steps=args.steps or 1000,
             batch_tokens=args.batch_tokens,
             max_len=args.max_len,
             lr=args.lr,
@@ -609,6 +619,19 @@ def cmd_train(args: argparse.Namespace) -> None:
             bf16={"auto": None, "bf16": True, "fp32": False}[args.precision],
             **extra,
         )
+        if args.resume:
+            from dataclasses import replace
+
+            from specdecode.train.heads import resume_config
+
+            if args.init:
+                raise InvalidRequestError(
+                    "--resume continues the run in --out; --init starts a new one"
+                )
+            hcfg = resume_config(
+                Path(args.out), args.train, steps=args.steps, max_minutes=args.max_minutes
+            )
+            hcfg = replace(hcfg, checkpoint_minutes=args.checkpoint_minutes or None)
         fn = {"medusa": train_medusa, "eagle": train_eagle, "eagle3": train_eagle3}[args.train]
         loaded.model.requires_grad_(False)
         history = fn(loaded.model, [Path(d) for d in args.data], Path(args.out), hcfg, eos)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -202,14 +203,22 @@ def build_head(recipe: HeadRecipe, run=None) -> Path:
             ["data", "generate", "--model", recipe.target, "--out", str(data), *exclude, *args]
         )
         dirs.append(data)
+    from specdecode.train.heads import STATE_FILE
+
+    # training interrupted before (its last checkpoint saved): it goes on from there
+    resume = ["--resume"] if (partial / STATE_FILE).is_file() else []
     steps.append(
         ["train", recipe.kind, "--model", recipe.target,
-         *[a for d in dirs for a in ("--data", str(d))], "--out", str(partial), *recipe.train_args]
+         *[a for d in dirs for a in ("--data", str(d))], "--out", str(partial), *recipe.train_args,
+         *resume]
     )  # fmt: skip
     for argv in steps:
         log.warning("building %s: specdecode %s", recipe.name, " ".join(argv))
         if run(argv) != 0:
             raise ModelNotFoundError(f"building {recipe.name} failed at `specdecode {argv[0]}`")
+    # the trainer's state (fp32 weights and optimizer moments: several times the head) is
+    # only there to resume; a built head does not keep it
+    shutil.rmtree(partial / Path(STATE_FILE).parent, ignore_errors=True)
     partial.replace(out)
     return out
 

@@ -72,6 +72,41 @@ class HeadTrainConfig:
     # write the head as it stands to the output directory this often (a run killed later
     # keeps it; `init` continues from it); None: only at the end
     checkpoint_minutes: float | None = 5.0
+    # continue the run saved in the output directory where it stopped (`resume_config`): its
+    # weights, optimizer moments, step, schedule, data order and training time so far
+    resume: bool = False
+
+
+# beside each checkpoint, what `resume` continues: in a folder of its own, since engines that
+# load the head (vLLM, SGLang, this one) read every *.safetensors file at its top level
+STATE_FILE = "resume/trainer_state.safetensors"
+
+
+def resume_config(out_dir: Path, kind: str, **overrides) -> HeadTrainConfig:
+    """The settings of the run saved in `out_dir` (a checkpoint, a run stopped by Ctrl-C or its
+    time budget, or a finished one), to continue it with `resume`; `overrides` that are not
+    None replace them (the time budget, the checkpoint interval, the number of steps)."""
+    from safetensors import safe_open
+
+    path = out_dir / STATE_FILE
+    if not path.is_file():
+        raise DataError(
+            f"{out_dir} holds no run to resume ({STATE_FILE} is missing: heads saved before "
+            "this version, or other projects' heads, continue with --init)"
+        )
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    try:
+        state = json.loads(meta["state"])
+    except (KeyError, ValueError) as e:
+        raise DataError(f"{path} is not a trainer state of this project") from e
+    if state.get("kind") != kind:
+        raise DataError(f"{out_dir} holds a {state.get('kind')} run, not {kind}")
+    fields = set(HeadTrainConfig.__dataclass_fields__)
+    cfg = {k: v for k, v in state["config"].items() if k in fields}
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    cfg.update(resume=True, init=str(out_dir))
+    return HeadTrainConfig(**cfg)
 
 
 @dataclass
@@ -285,11 +320,20 @@ class _Trainer:
         def autocast():
             return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
-        with autocast():
-            history = {"before": self._evaluate(evaluate)}
-        t0 = last_save = time.perf_counter()
-        bar = tqdm(range(cfg.steps), desc=f"training {kind}", unit="step")
-        done, stopped, skipped = 0, None, 0
+        done, stopped, skipped, spent = 0, None, 0, 0.0
+        if cfg.resume:  # where the saved run stopped (its "before" was measured then)
+            done, skipped, spent, before = self._load_state(out_dir, params, opt, kind)
+            history = {"before": before, "resumed_at_step": done}
+            log.info("resuming %s at step %d of %d (%.0f s trained)", kind, done, cfg.steps, spent)
+        else:
+            with autocast():
+                history = {"before": self._evaluate(evaluate)}
+        self._state_info = (kind, history["before"], params)
+        t0 = last_save = time.perf_counter() - spent  # a resumed run's time counts on
+        bar = tqdm(
+            range(done, cfg.steps), desc=f"training {kind}", unit="step",
+            initial=done, total=cfg.steps,
+        )  # fmt: skip
         try:
             for step in bar:
                 progress = step / cfg.steps
@@ -326,7 +370,7 @@ class _Trainer:
                 if cfg.checkpoint_minutes is not None and now - last_save >= (
                     cfg.checkpoint_minutes * 60
                 ):
-                    self._checkpoint(module, out_dir, done, now - t0)
+                    self._checkpoint(module, opt, out_dir, done, skipped, now - t0)
                     last_save = time.perf_counter()
         except KeyboardInterrupt:
             # Ctrl-C ends training like the time budget: evaluated and saved as it stands
@@ -340,7 +384,8 @@ class _Trainer:
         history["steps_done"] = done
         history["steps_skipped"] = skipped
         history["stopped_by"] = stopped or "steps"
-        history["train_seconds"] = round(time.perf_counter() - t0, 1)
+        seconds = time.perf_counter() - t0
+        history["train_seconds"] = round(seconds, 1)
         with autocast():
             history["after"] = self._evaluate(evaluate)
         history.update(
@@ -352,6 +397,7 @@ class _Trainer:
             **info,
         )
         save_head(module, out_dir, self.target.config, {"training": history})
+        self._save_state(opt, out_dir, done, skipped, seconds)
         (out_dir / "training.json").write_text(json.dumps(history, indent=2))
         return history
 
@@ -363,13 +409,86 @@ class _Trainer:
         out["draft_vocab"] = 0 if self.vocab_ids is None else int(self.vocab_ids.numel())
         return out
 
-    def _checkpoint(self, module, out_dir: Path, done: int, seconds: float) -> None:
-        """The head as it stands, loadable (`--init` continues from it); replaced at the end."""
+    def _checkpoint(self, module, opt, out_dir: Path, done: int, skipped: int, seconds: float):
+        """The head as it stands, loadable (`--init` continues from it, `--resume` continues
+        the run), replaced at the end."""
         info = {"checkpoint": True, "steps_done": done, "train_seconds": round(seconds, 1)}
         info["config"] = self._recorded_config()
         save_head(module, out_dir, self.target.config, {"training": info})
+        self._save_state(opt, out_dir, done, skipped, seconds)
         (out_dir / "training.json").write_text(json.dumps(info, indent=2))
         log.info("checkpoint after %d steps written to %s", done, out_dir)
+
+    def _save_state(self, opt, out_dir: Path, done: int, skipped: int, seconds: float) -> None:
+        """What `resume` needs beyond the head's file (saved just before, with the same
+        `steps_done`): the fp32 weights, the optimizer's moments and steps, the data order still
+        to come and the generators, the step and time reached. Safetensors and JSON, no pickle."""
+        from specdecode.models.loader import write_safetensors
+
+        kind, before, params = self._state_info
+        opt_state = opt.state_dict()
+        tensors = {
+            f"optimizer.{i}.{k}": v.detach().contiguous()
+            for i, st in opt_state["state"].items()
+            for k, v in st.items()
+            if torch.is_tensor(v)
+        }
+        # the fp32 master weights (the head's own file is bf16): the run goes on bit for bit
+        tensors.update({f"weights.{i}": p.detach().contiguous() for i, p in enumerate(params)})
+        tensors["data.order"] = torch.tensor(self._order, dtype=torch.long)
+        tensors["rng.data"] = self.gen.get_state()
+        tensors["rng.torch"] = torch.get_rng_state()
+        state = {
+            "kind": kind,
+            "steps_done": done,
+            "steps_skipped": skipped,
+            "train_seconds": seconds,
+            "config": self._recorded_config(),
+            "before": before,
+            "param_groups": opt_state["param_groups"],
+            "param_shapes": [list(p.shape) for p in params],
+            "train_examples": len(self.train),
+        }
+        (out_dir / STATE_FILE).parent.mkdir(exist_ok=True)
+        write_safetensors(tensors, out_dir / STATE_FILE, {"state": json.dumps(state)})
+
+    def _load_state(self, out_dir: Path, params, opt, kind: str):
+        """Restore what `_save_state` wrote: (steps done, skipped, seconds, `before` metrics)."""
+        from safetensors import safe_open
+
+        path = out_dir / STATE_FILE
+        with safe_open(str(path), "pt") as f:
+            state = json.loads(f.metadata()["state"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+        head_cfg = json.loads((out_dir / "config.json").read_text())
+        head_steps = head_cfg.get("specdecode_head", {}).get("training", {}).get("steps_done")
+        if head_steps != state["steps_done"]:
+            raise DataError(
+                f"{out_dir}: the head was saved at step {head_steps} and the trainer state at "
+                f"step {state['steps_done']} (a run killed between the two writes); --init "
+                "continues from the head with a fresh optimizer"
+            )
+        shapes = [list(p.shape) for p in params]
+        if state["kind"] != kind or state["param_shapes"] != shapes:
+            raise DataError(f"{path} was saved by another kind or shape of head")
+        if state["train_examples"] != len(self.train):
+            raise DataError(
+                f"{path} was trained on {state['train_examples']} examples, this --data has "
+                f"{len(self.train)}: resume with the same data (--init trains on other data)"
+            )
+        per_param: dict[int, dict] = {}
+        for key, v in tensors.items():
+            if key.startswith("optimizer."):
+                _, i, name = key.split(".", 2)
+                per_param.setdefault(int(i), {})[name] = v.to(params[int(i)].device)
+        opt.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                p.copy_(tensors[f"weights.{i}"])
+        self._order = tensors["data.order"].tolist()
+        self.gen.set_state(tensors["rng.data"])
+        torch.set_rng_state(tensors["rng.torch"])
+        return state["steps_done"], state["steps_skipped"], state["train_seconds"], state["before"]
 
 
 def _large_allocations_via_mmap() -> None:

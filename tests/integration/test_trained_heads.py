@@ -8,10 +8,11 @@ import json
 import re
 
 import pytest
+import torch
 from helpers import assert_seeded_outputs_match, seeded_params, train_tiny_heads
 
 from specdecode import LLM, SamplingParams
-from specdecode.errors import InvalidRequestError
+from specdecode.errors import DataError, InvalidRequestError
 from specdecode.train.datagen import generate
 from specdecode.train.heads import (
     HeadTrainConfig,
@@ -388,6 +389,69 @@ def test_a_killed_run_keeps_its_last_checkpoint(heads, tiny_llama_dir, tmp_path,
         init=str(tmp_path / "e"),
     )  # fmt: skip
     assert train_eagle(target, root / "data", tmp_path / "e2", cfg, [2])["steps_done"] == 1
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+def test_a_killed_run_resumes_where_it_stopped(
+    heads, plain, tiny_llama_dir, tmp_path, monkeypatch, kind
+):
+    """Killed at step 5 with a checkpoint every step, then resumed: the run goes on from step 4
+    with its optimizer moments, schedule, data order and random streams, and ends with the
+    weights of a run never stopped, bit for bit."""
+    from safetensors.torch import load_file
+
+    from specdecode.models.loader import load_model
+    from specdecode.train import heads as train_heads
+    from specdecode.train.heads import STATE_FILE, resume_config
+
+    root, _ = heads
+    train = {"medusa": train_medusa, "eagle": train_eagle, "eagle3": train_eagle3}[kind]
+    target = load_model(tiny_llama_dir).model.requires_grad_(False)
+    cfg = HeadTrainConfig(draft_vocab=64, steps=7, batch_tokens=256, warmup=2, eval_examples=8,
+                          checkpoint_minutes=0.0)  # fmt: skip
+    whole = train(target, root / "data", tmp_path / "whole", cfg, [2])
+    assert whole["steps_done"] == 7
+    real = _fail_at(monkeypatch, 5, MemoryError("killed"))
+    with pytest.raises(MemoryError):
+        train(target, root / "data", tmp_path / "cut", cfg, [2])
+    monkeypatch.setattr(train_heads._Trainer, "next_batch", real)
+    with pytest.raises(DataError, match="holds a"):
+        resume_config(tmp_path / "cut", "medusa" if kind != "medusa" else "eagle")
+    again = resume_config(tmp_path / "cut", kind, checkpoint_minutes=None)
+    assert again.resume and again.steps == 7 and again.checkpoint_minutes == 0.0
+    resumed = train(target, root / "data", tmp_path / "cut", again, [2])
+    assert resumed["resumed_at_step"] == 4 and resumed["steps_done"] == 7
+    assert resumed["before"] == whole["before"]  # the run's own start, not re-measured
+    a = load_file(tmp_path / "whole" / STATE_FILE)
+    b = load_file(tmp_path / "cut" / STATE_FILE)
+    weights = [k for k in a if k.startswith(("weights.", "optimizer."))]
+    assert weights and all(torch.equal(a[k], b[k]) for k in weights)
+    assert resumed["after"] == whole["after"]
+    # nothing to resume, or another run's data: clear errors
+    with pytest.raises(DataError, match="no run to resume"):
+        resume_config(tmp_path, kind)
+    other = tmp_path / "other"
+    convs = [(f"o{i}", [{"role": "user", "content": f"say {i}"}]) for i in range(12)]
+    generate(plain, convs, other, shard_size=16, max_tokens=8, feature_layers=(0, 1))
+    with pytest.raises(DataError, match="same data"):
+        train(target, [root / "data", other], tmp_path / "cut", again, [2])
+
+
+def test_train_resume_from_the_command_line(heads, tiny_llama_dir, tmp_path, capsys):
+    """`train ... --resume` continues the run in --out with its own settings; --steps raises
+    them (the schedule follows the new length from the step reached)."""
+    from specdecode.cli import main
+
+    root, _ = heads
+    common = ["train", "eagle3", "--model", str(tiny_llama_dir), "--data", str(root / "data"),
+              "--out", str(tmp_path / "h"), "--batch-tokens", "256",
+              "--eval-examples", "8"]  # fmt: skip
+    assert main([*common, "--steps", "2", "--draft-vocab", "64", "--lr", "0.002"]) == 0
+    assert main([*common, "--resume", "--steps", "3", "--lr", "0.5"]) == 0
+    saved = json.loads((tmp_path / "h" / "training.json").read_text())
+    assert saved["resumed_at_step"] == 2 and saved["steps_done"] == 3
+    assert saved["config"]["lr"] == 0.002 and saved["config"]["steps"] == 3  # its own, raised
+    assert saved["config"]["draft_vocab"] == 64
 
 
 def test_one_head_trains_on_two_data_sets_and_reports_each(heads, plain, tiny_llama_dir, tmp_path):

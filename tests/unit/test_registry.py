@@ -162,6 +162,22 @@ def test_a_failed_head_build_says_where_and_leaves_no_head(monkeypatch, tmp_path
         registry.built_head(recipe.name)
 
 
+def test_an_interrupted_head_build_resumes_its_training_and_keeps_no_trainer_state(
+    monkeypatch, tmp_path
+):
+    from specdecode.train.heads import STATE_FILE
+
+    recipe = fake_recipe(monkeypatch, tmp_path)
+    partial = tmp_path / "cache" / "heads" / "tgt-eagle3.partial"
+    (partial / STATE_FILE).parent.mkdir(parents=True)
+    (partial / STATE_FILE).write_bytes(b"checkpointed")  # a run killed after a checkpoint
+    (partial / "config.json").write_text("{}")
+    calls = []
+    path = registry.build_head(recipe, lambda argv: calls.append(argv) or 0)
+    assert calls[-1][0] == "train" and calls[-1][-3:] == ["--steps", "3", "--resume"]
+    assert (path / "config.json").is_file() and not (path / STATE_FILE).parent.exists()
+
+
 def test_the_suite_runs_a_built_head_for_a_pulled_target_and_says_how_to_build_it(
     monkeypatch, tmp_path
 ):
