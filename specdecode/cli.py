@@ -637,6 +637,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         history = fn(loaded.model, [Path(d) for d in args.data], Path(args.out), hcfg, eos)
         keys = ("before", "after", "train_seconds", "draft_vocab_coverage", "train_answer_tokens")
         print(json.dumps({k: history[k] for k in keys}, indent=2))
+        if history["stopped_by"] == "interrupt":  # saved, resumable; but not done: exit 130
+            raise KeyboardInterrupt
         return
     cfg = DraftTrainConfig(
         num_layers=args.num_layers,
@@ -669,7 +671,10 @@ def cmd_export(args: argparse.Namespace) -> None:
     kind = head_kind(Path(args.head))
     export_head(Path(args.head), loaded.model, args.format, Path(args.out), name)
     print(f"wrote {args.out}; serve it with:")
-    print("  " + serve_command(args.format, kind or "eagle3", name, str(args.out)))
+    import json
+
+    heads = json.loads((Path(args.out) / "config.json").read_text()).get("num_heads")
+    print("  " + serve_command(args.format, kind or "eagle3", name, str(args.out), heads))
 
 
 def cmd_models(args: argparse.Namespace) -> None:

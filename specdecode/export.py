@@ -201,8 +201,13 @@ def _medusa(head: MedusaHeads, target: LlamaModel, fmt: str):
     return tensors, config
 
 
-def serve_command(fmt: str, kind: str, target: str, head_dir: str) -> str:
-    """The command that serves an exported head (printed by the CLI, listed in the README)."""
+def serve_command(
+    fmt: str, kind: str, target: str, head_dir: str, num_heads: int | None = None
+) -> str:
+    """The command that serves an exported head (printed by the CLI, listed in the README).
+    Medusa drafts as many tokens as it has heads: vLLM sets the config's head count to
+    `num_speculative_tokens` (MedusaConfig.num_lookahead_tokens), so any other number builds
+    heads the checkpoint does not have, or leaves some unused."""
     if fmt == "sglang":
         algo = {"eagle3": "EAGLE3", "eagle": "EAGLE"}[kind]
         return (
@@ -212,8 +217,8 @@ def serve_command(fmt: str, kind: str, target: str, head_dir: str) -> str:
         )
     if fmt == "speculators":
         return f"vllm serve {head_dir}"
-    method = kind
+    k = num_heads if kind == "medusa" and num_heads else 5
     return (
         f"vllm serve {target} --speculative-config "
-        f'\'{{"method": "{method}", "model": "{head_dir}", "num_speculative_tokens": 5}}\''
+        f'\'{{"method": "{kind}", "model": "{head_dir}", "num_speculative_tokens": {k}}}\''
     )

@@ -67,8 +67,9 @@ def columns_of(vocab_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor 
     token -> its column, -1 for tokens the draft vocabulary lacks (None: the full vocabulary)."""
     if vocab_ids is None:
         return None
-    cols = torch.full((vocab_size,), -1, dtype=torch.long, device=vocab_ids.device)
-    cols[vocab_ids] = torch.arange(vocab_ids.shape[0], device=vocab_ids.device)
+    ids = vocab_ids.cpu()  # looked up on the CPU: no device sync per lookup
+    cols = torch.full((vocab_size,), -1, dtype=torch.long)
+    cols[ids] = torch.arange(ids.shape[0])
     return cols
 
 
@@ -90,14 +91,16 @@ def apply(
     hist.update(seq)
 
     def at(tokens: list[int], values: list[float] | None = None):
-        """(columns, values) of these tokens, those the rows have."""
+        """(columns, values) of these tokens, those the rows have, on the rows' device."""
+        if columns is not None:  # (a CPU table: `columns_of`)
+            n = columns.shape[0]
+            cols = columns[torch.tensor([t if t < n else 0 for t in tokens])].tolist()
+            pairs = enumerate(zip(tokens, cols, strict=True))
+            kept = [i for i, (t, c) in pairs if t < n and c >= 0]
+            tokens = [cols[i] for i in kept]
+            values = None if values is None else [values[i] for i in kept]
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
         vals = None if values is None else torch.tensor(values, dtype=rows.dtype, device=device)
-        if columns is not None:
-            ids = columns[ids.clamp(max=columns.shape[0] - 1)].where(ids < columns.shape[0], -1)
-            keep = ids >= 0
-            ids = ids[keep]
-            vals = None if vals is None else vals[keep]
         return ids, vals
 
     if params.logit_bias:

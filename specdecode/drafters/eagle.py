@@ -28,7 +28,7 @@ from specdecode.core import Sequence
 from specdecode.drafters.base import Drafter, DraftProposal, penalize
 from specdecode.models.attention import build_metadata
 from specdecode.models.heads import Eagle3Head, EagleHead
-from specdecode.processors import columns_of
+from specdecode.processors import columns_of, has_penalties
 from specdecode.tree import TreeShape
 
 if TYPE_CHECKING:
@@ -366,7 +366,11 @@ class EagleDrafter(Drafter):
             pred = self._forward(
                 [states[i].blocks for i in rows], nums, ids, feats, positions, masks
             )
-            paths = [[self._path(pools[i], j) for j in frontiers[i]] for i in rows]
+            paths = [
+                [self._path(pools[i], j) if has_penalties(seqs[i].params) else [] for j in front]
+                for i in rows
+                for front in (frontiers[i],)
+            ]
             logp = self._logits(pred, [seqs[i] for i in rows], paths).log_softmax(-1)
             top = logp.topk(k, dim=-1)
             values, tokens = top.values, self._tokens(top.indices)

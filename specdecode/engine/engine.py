@@ -313,7 +313,7 @@ class LLMEngine:
             if seq.error is not None and seq.finish_reason is None:
                 seq.finish_reason = "error"
             self.num_generated_tokens += len(seq.output_token_ids) - before
-            if i in verified:
+            if i in verified and seq.error is None:  # (an errored row emitted nothing)
                 # the statistics count the drafts the request kept: those accepted past a stop
                 # (max_tokens, a stop token or string, the grammar's end) were never emitted
                 # (the controller above heard them all: they measure the drafter)

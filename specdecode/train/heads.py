@@ -321,21 +321,26 @@ class _Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
         done, stopped, skipped, spent = 0, None, 0, 0.0
+        position = 0  # the next step to run (past skipped ones, unlike `done`)
         if cfg.resume:  # where the saved run stopped (its "before" was measured then)
-            done, skipped, spent, before = self._load_state(out_dir, params, opt, kind)
-            history = {"before": before, "resumed_at_step": done}
-            log.info("resuming %s at step %d of %d (%.0f s trained)", kind, done, cfg.steps, spent)
+            done, position, skipped, spent, before = self._load_state(out_dir, params, opt, kind)
+            history = {"before": before, "resumed_at_step": position}
+            log.info("resuming %s at step %d of %d (%.0f s trained)", kind, position, cfg.steps,
+                     spent)  # fmt: skip
         else:
             with autocast():
                 history = {"before": self._evaluate(evaluate)}
         self._state_info = (kind, history["before"], params)
-        t0 = last_save = time.perf_counter() - spent  # a resumed run's time counts on
+        t0 = time.perf_counter() - spent  # a resumed run's time counts on
+        last_save = time.perf_counter()
         bar = tqdm(
-            range(done, cfg.steps), desc=f"training {kind}", unit="step",
-            initial=done, total=cfg.steps,
+            range(position, cfg.steps), desc=f"training {kind}", unit="step",
+            initial=position, total=cfg.steps,
         )  # fmt: skip
+        snapshot = None  # the data order and random streams before the step in flight
         try:
             for step in bar:
+                position = step
                 progress = step / cfg.steps
                 if budget is not None:
                     progress = max(progress, (time.perf_counter() - t0) / budget)
@@ -351,16 +356,19 @@ class _Trainer:
                 for group in opt.param_groups:
                     group["lr"] = lr
                 self.progress = progress
+                snapshot = self._streams()
                 with autocast():
                     loss, metrics = loss_fn(self.next_batch(extra=self.extra))
                 if not torch.is_tensor(loss):  # no answer token within --max-len: skipped
                     skipped += 1
+                    position, snapshot = step + 1, None
                     continue
                 opt.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 0.5)
                 opt.step()
-                done = step + 1
+                done = position = step + 1
+                snapshot = None
                 bar.set_postfix(
                     loss=f"{loss.item():.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()}
                 )
@@ -370,11 +378,14 @@ class _Trainer:
                 if cfg.checkpoint_minutes is not None and now - last_save >= (
                     cfg.checkpoint_minutes * 60
                 ):
-                    self._checkpoint(module, opt, out_dir, done, skipped, now - t0)
+                    self._checkpoint(module, opt, out_dir, done, position, skipped, now - t0)
                     last_save = time.perf_counter()
         except KeyboardInterrupt:
-            # Ctrl-C ends training like the time budget: evaluated and saved as it stands
+            # Ctrl-C ends training like the time budget: evaluated and saved as it stands; the
+            # step it cut short is run again on resuming (its batch back in the data order)
             stopped = "interrupt"
+            if snapshot is not None:
+                self._set_streams(snapshot)
         bar.close()
         if stopped:
             level = logging.WARNING if stopped == "interrupt" else logging.INFO
@@ -397,7 +408,7 @@ class _Trainer:
             **info,
         )
         save_head(module, out_dir, self.target.config, {"training": history})
-        self._save_state(opt, out_dir, done, skipped, seconds)
+        self._save_state(opt, out_dir, done, position, skipped, seconds)
         (out_dir / "training.json").write_text(json.dumps(history, indent=2))
         return history
 
@@ -409,17 +420,32 @@ class _Trainer:
         out["draft_vocab"] = 0 if self.vocab_ids is None else int(self.vocab_ids.numel())
         return out
 
-    def _checkpoint(self, module, opt, out_dir: Path, done: int, skipped: int, seconds: float):
+    def _checkpoint(self, module, opt, out_dir: Path, done, position, skipped, seconds: float):
         """The head as it stands, loadable (`--init` continues from it, `--resume` continues
         the run), replaced at the end."""
         info = {"checkpoint": True, "steps_done": done, "train_seconds": round(seconds, 1)}
         info["config"] = self._recorded_config()
         save_head(module, out_dir, self.target.config, {"training": info})
-        self._save_state(opt, out_dir, done, skipped, seconds)
+        self._save_state(opt, out_dir, done, position, skipped, seconds)
         (out_dir / "training.json").write_text(json.dumps(info, indent=2))
         log.info("checkpoint after %d steps written to %s", done, out_dir)
 
-    def _save_state(self, opt, out_dir: Path, done: int, skipped: int, seconds: float) -> None:
+    def _streams(self) -> dict:
+        """The data order still to come and the random streams (CPU; the device's)."""
+        out = {"order": list(self._order), "data": self.gen.get_state()}
+        out["torch"] = torch.get_rng_state()
+        if self.device.type == "cuda":  # EAGLE-1's feature noise is drawn there
+            out["cuda"] = torch.cuda.get_rng_state(self.device)
+        return out
+
+    def _set_streams(self, streams: dict) -> None:
+        self._order = list(streams["order"])
+        self.gen.set_state(streams["data"])
+        torch.set_rng_state(streams["torch"])
+        if "cuda" in streams and self.device.type == "cuda":
+            torch.cuda.set_rng_state(streams["cuda"], self.device)
+
+    def _save_state(self, opt, out_dir: Path, done, position, skipped, seconds: float) -> None:
         """What `resume` needs beyond the head's file (saved just before, with the same
         `steps_done`): the fp32 weights, the optimizer's moments and steps, the data order still
         to come and the generators, the step and time reached. Safetensors and JSON, no pickle."""
@@ -435,12 +461,13 @@ class _Trainer:
         }
         # the fp32 master weights (the head's own file is bf16): the run goes on bit for bit
         tensors.update({f"weights.{i}": p.detach().contiguous() for i, p in enumerate(params)})
-        tensors["data.order"] = torch.tensor(self._order, dtype=torch.long)
-        tensors["rng.data"] = self.gen.get_state()
-        tensors["rng.torch"] = torch.get_rng_state()
+        streams = self._streams()
+        tensors["data.order"] = torch.tensor(streams.pop("order"), dtype=torch.long)
+        tensors.update({f"rng.{k}": v for k, v in streams.items()})
         state = {
             "kind": kind,
             "steps_done": done,
+            "next_step": position,
             "steps_skipped": skipped,
             "train_seconds": seconds,
             "config": self._recorded_config(),
@@ -462,12 +489,11 @@ class _Trainer:
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
         head_cfg = json.loads((out_dir / "config.json").read_text())
         head_steps = head_cfg.get("specdecode_head", {}).get("training", {}).get("steps_done")
-        if head_steps != state["steps_done"]:
-            raise DataError(
-                f"{out_dir}: the head was saved at step {head_steps} and the trainer state at "
-                f"step {state['steps_done']} (a run killed between the two writes); --init "
-                "continues from the head with a fresh optimizer"
-            )
+        if head_steps != state["steps_done"]:  # killed between the two writes: the state
+            log.warning(  # holds the weights of its own step, which the run goes on from
+                "%s: the head file is of step %s, the trainer state of step %s: resuming from "
+                "the trainer state", out_dir, head_steps, state["steps_done"],
+            )  # fmt: skip
         shapes = [list(p.shape) for p in params]
         if state["kind"] != kind or state["param_shapes"] != shapes:
             raise DataError(f"{path} was saved by another kind or shape of head")
@@ -485,10 +511,15 @@ class _Trainer:
         with torch.no_grad():
             for i, p in enumerate(params):
                 p.copy_(tensors[f"weights.{i}"])
-        self._order = tensors["data.order"].tolist()
-        self.gen.set_state(tensors["rng.data"])
-        torch.set_rng_state(tensors["rng.torch"])
-        return state["steps_done"], state["steps_skipped"], state["train_seconds"], state["before"]
+        streams = {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
+        self._set_streams({"order": tensors["data.order"].tolist(), **streams})
+        return (
+            state["steps_done"],
+            state["next_step"],
+            state["steps_skipped"],
+            state["train_seconds"],
+            state["before"],
+        )
 
 
 def _large_allocations_via_mmap() -> None:

@@ -319,8 +319,9 @@ def test_training_stops_at_its_time_budget(heads, tiny_llama_dir, tmp_path):
     assert (tmp_path / "e" / "config.json").exists()  # still evaluated and saved
 
 
-def _fail_at(monkeypatch, call: int, exc: BaseException):
-    """Training's `call`-th batch raises `exc` (a Ctrl-C, a kill); returns the real batcher."""
+def _fail_at(monkeypatch, call: int, exc: BaseException, drawn: bool = False):
+    """Training's `call`-th batch raises `exc` (a Ctrl-C, a kill), before it is drawn or, with
+    `drawn`, once it was (taken from the data order); returns the real batcher."""
     from specdecode.train import heads as train_heads
 
     real, calls = train_heads._Trainer.next_batch, []
@@ -328,6 +329,8 @@ def _fail_at(monkeypatch, call: int, exc: BaseException):
     def failing(self, extra):
         calls.append(1)
         if len(calls) == call:
+            if drawn:
+                real(self, extra)
             raise exc
         return real(self, extra)
 
@@ -391,13 +394,16 @@ def test_a_killed_run_keeps_its_last_checkpoint(heads, tiny_llama_dir, tmp_path,
     assert train_eagle(target, root / "data", tmp_path / "e2", cfg, [2])["steps_done"] == 1
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize(
+    "kind,stop", [("medusa", "kill"), ("eagle", "kill"), ("eagle3", "kill"), ("eagle", "ctrl-c")]
+)
 def test_a_killed_run_resumes_where_it_stopped(
-    heads, plain, tiny_llama_dir, tmp_path, monkeypatch, kind
+    heads, plain, tiny_llama_dir, tmp_path, monkeypatch, kind, stop
 ):
-    """Killed at step 5 with a checkpoint every step, then resumed: the run goes on from step 4
-    with its optimizer moments, schedule, data order and random streams, and ends with the
-    weights of a run never stopped, bit for bit."""
+    """Killed at step 5 with a checkpoint every step (or stopped by Ctrl-C once step 5 drew its
+    batch), then resumed: the run goes on from step 4 with its optimizer moments, schedule,
+    data order and random streams, and ends with the weights of a run never stopped, bit for
+    bit."""
     from safetensors.torch import load_file
 
     from specdecode.models.loader import load_model
@@ -411,9 +417,14 @@ def test_a_killed_run_resumes_where_it_stopped(
                           checkpoint_minutes=0.0)  # fmt: skip
     whole = train(target, root / "data", tmp_path / "whole", cfg, [2])
     assert whole["steps_done"] == 7
-    real = _fail_at(monkeypatch, 5, MemoryError("killed"))
-    with pytest.raises(MemoryError):
-        train(target, root / "data", tmp_path / "cut", cfg, [2])
+    if stop == "kill":
+        real = _fail_at(monkeypatch, 5, MemoryError("killed"))
+        with pytest.raises(MemoryError):
+            train(target, root / "data", tmp_path / "cut", cfg, [2])
+    else:  # evaluated and saved as it stands, the cut step's batch back in the order
+        real = _fail_at(monkeypatch, 5, KeyboardInterrupt(), drawn=True)
+        cut = train(target, root / "data", tmp_path / "cut", cfg, [2])
+        assert cut["stopped_by"] == "interrupt" and cut["steps_done"] == 4
     monkeypatch.setattr(train_heads._Trainer, "next_batch", real)
     with pytest.raises(DataError, match="holds a"):
         resume_config(tmp_path / "cut", "medusa" if kind != "medusa" else "eagle")

@@ -283,6 +283,17 @@ def test_medusa_with_a_draft_vocabulary_exports_its_token_map(target, tmp_path):
     assert load_head(tmp_path / "whole", target).vocab_ids is None
 
 
+def test_serve_commands_draft_as_many_tokens_as_a_medusa_head_has_heads():
+    """vLLM sets a Medusa config's head count to num_speculative_tokens: the command names the
+    exported head's own count (5 for a 4-head export would build a head it cannot load)."""
+    from specdecode.export import serve_command
+
+    medusa = serve_command("vllm", "medusa", "T", "out/m", num_heads=4)
+    assert '"method": "medusa"' in medusa and '"num_speculative_tokens": 4' in medusa
+    eagle = serve_command("vllm", "eagle3", "T", "out/e", num_heads=None)
+    assert '"method": "eagle3"' in eagle and '"num_speculative_tokens": 5' in eagle
+
+
 def test_heads_of_qwen_targets_export_as_llama_layers(tmp_path):
     """A Qwen2 target's head has q/k/v biases: vLLM's Llama layer takes them with
     `attention_bias`, which also gives o_proj a bias (written as zeros, read back as none);
