@@ -366,10 +366,11 @@ class EagleDrafter(Drafter):
             pred = self._forward(
                 [states[i].blocks for i in rows], nums, ids, feats, positions, masks
             )
-            paths = [
-                [self._path(pools[i], j) if has_penalties(seqs[i].params) else [] for j in front]
+            paths = [  # (what a penalised node's children follow)
+                [self._path(pools[i], j) for j in frontiers[i]]
+                if has_penalties(seqs[i].params)
+                else [[]] * len(frontiers[i])
                 for i in rows
-                for front in (frontiers[i],)
             ]
             logp = self._logits(pred, [seqs[i] for i in rows], paths).log_softmax(-1)
             top = logp.topk(k, dim=-1)
