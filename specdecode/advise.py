@@ -221,7 +221,10 @@ def candidate_configs(model: str | None, given: dict | None, draft_model: str | 
     """The configs to try: the one given, or every drafter available for the model."""
     if given:
         return {given["method"]: given}
-    out = {"ngram": {"method": "ngram", "num_speculative_tokens": 5}}
+    out = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 5},
+        "suffix": {"method": "suffix"},  # (learns from the traffic's earlier answers as it runs)
+    }
     if draft_model:
         out["draft_model"] = {"method": "draft_model", "model": draft_model}
         # with a prompt-lookup branch: grafted at T=0, run instead of the draft where it pays

@@ -202,7 +202,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "medusa", "eagle", "eagle3")
 # Methods a lookup branch can join (a draft model's chain sampled from q takes none).
 LOOKUP_BRANCH_METHODS = ("draft_model", "medusa", "eagle", "eagle3")
 DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
@@ -247,6 +247,18 @@ class SpeculativeConfig:
     # vLLM's switch, a hard cap under every policy: no drafts while more requests than this are
     # running. None: never.
     disable_by_batch_size: int | None = None
+    # Suffix decoding (method "suffix", vLLM's keys and defaults): `num_speculative_tokens`
+    # caps a draft tree's nodes; the longest suffix matched plus the draft stay within
+    # max_tree_depth; a match of n tokens drafts at most max_spec_factor * n; tokens whose share
+    # of the matches' continuations is below min_token_prob are not drafted; the answers of the
+    # last max_cached_requests requests (at most corpus_tokens tokens) are drafted from besides
+    # the request's own text (0: its own text only; the corpus holds other requests' answers,
+    # whose effect on timing a multi-tenant server may not want).
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_corpus_tokens: int = 1_000_000
 
     @property
     def load_dtype(self) -> str | None:
@@ -284,6 +296,8 @@ class SpeculativeConfig:
             raise InvalidRequestError(
                 f"method ngram drafts from the prompt and takes no model (got {self.model!r})"
             )
+        if self.method == "suffix":
+            self._check_suffix()
         if self.topk is not None and (not isinstance(self.topk, int) or self.topk < 1):
             raise InvalidRequestError("topk must be a positive integer")
         if self.num_draft_tokens is not None and (
@@ -324,6 +338,30 @@ class SpeculativeConfig:
             n = self.prompt_lookup_tokens
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise InvalidRequestError("prompt_lookup_tokens must be a positive integer")
+
+    def _check_suffix(self) -> None:
+        from specdecode.errors import InvalidRequestError
+
+        for key in ("model", "speculative_token_tree", "draft_dtype"):
+            if getattr(self, key) is not None:
+                raise InvalidRequestError(
+                    f"method suffix drafts from text, not a model or a static tree ({key})"
+                )
+
+        def integer(key: str, least: int) -> None:
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                raise InvalidRequestError(f"{key} must be an integer >= {least}")
+
+        integer("suffix_decoding_max_tree_depth", 3)
+        integer("suffix_decoding_max_cached_requests", 0)
+        integer("suffix_decoding_corpus_tokens", 1)
+        factor = self.suffix_decoding_max_spec_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise InvalidRequestError("suffix_decoding_max_spec_factor must be a number > 0")
+        prob = self.suffix_decoding_min_token_prob
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            raise InvalidRequestError("suffix_decoding_min_token_prob must be in [0, 1]")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:

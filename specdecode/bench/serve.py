@@ -149,6 +149,12 @@ def closed_loop(
     from specdecode.serving.async_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine(core)
+    if core.drafter is not None:
+        # the clients cycle through the prompts: a drafter learning from finished answers
+        # (suffix decoding) would replay each repeated prompt's earlier answer, which measures
+        # the repetition, not the method; it drafts from each request's own text here
+        core.drafter.clear_history()
+        core.drafter.learning = False
 
     def request(i: int) -> tuple[list[int], SamplingParams]:
         if isinstance(params, list):

@@ -89,6 +89,11 @@ def _label(cfg) -> str:
         parts.append(f"tree {len(cfg.speculative_token_tree)}")
     else:
         parts.append(f"k={cfg.num_speculative_tokens}")
+    if cfg.method == "suffix":
+        if cfg.suffix_decoding_max_spec_factor != 1.0:
+            parts.append(f"factor {cfg.suffix_decoding_max_spec_factor:g}")
+        if cfg.suffix_decoding_max_cached_requests == 0:
+            parts.append("no corpus")
     if cfg.prompt_lookup_tokens:
         parts.append(f"+lookup {cfg.prompt_lookup_tokens}")
     if cfg.draft_dtype:
@@ -104,6 +109,13 @@ def _measure_interleaved(llm, methods, prompts, temp: float, max_tokens: int):
     engine = llm.engine
     plain: list = []
     parts: list[list] = [[] for _ in methods]
+    # A drafter that learns from finished answers (suffix decoding) starts each cell empty and
+    # learns from its own measured requests only, after each is timed: the plain runs and the
+    # warm-ups produce the answers of the prompts it is about to be measured on.
+    for _, m in methods:
+        _learning(m.engine, False)
+        if m.engine.drafter is not None:
+            m.engine.drafter.clear_history()
     policy = engine.controller.policy
     engine.set_policy("off")
     _measure_one(llm, prompts[0], 0, temp, 8)  # one short request each first: one-off costs
@@ -119,7 +131,9 @@ def _measure_interleaved(llm, methods, prompts, temp: float, max_tokens: int):
         plain.append(_measure_one(llm, ids, i, temp, max_tokens))
         engine.set_policy(policy)
         for j, (_, m) in enumerate(methods):
+            _learning(m.engine, True)
             parts[j].append(_measure_one(m, ids, i, temp, max_tokens))
+            _learning(m.engine, False)
     measured = [
         (*_rates(p), _diff_stats(m.engine, b), _branch_diff(m.engine, bb), _drafting(m.engine, d))
         for p, (_, m), b, bb, d in zip(
@@ -127,6 +141,11 @@ def _measure_interleaved(llm, methods, prompts, temp: float, max_tokens: int):
         )
     ]
     return _rates(plain), measured
+
+
+def _learning(engine, on: bool) -> None:
+    if engine.drafter is not None:
+        engine.drafter.learning = on
 
 
 def _decisions(engine) -> tuple[int, int, int]:

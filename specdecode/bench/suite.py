@@ -43,7 +43,7 @@ from specdecode.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-METHODS = ("off", "ngram", "draft_model", "medusa", "eagle", "eagle3")
+METHODS = ("off", "ngram", "suffix", "draft_model", "medusa", "eagle", "eagle3")
 TARGETS = ("smollm2-135m", "qwen2.5-coder-1.5b")
 SHIPPED_HEADS = ("medusa", "eagle", "eagle3")  # for the default target only
 
@@ -105,6 +105,8 @@ def resolve_targets(args: argparse.Namespace) -> tuple[list[Target], dict[str, s
                 t.configs[m] = overrides[m]
             elif m == "ngram":
                 t.configs[m] = {"method": "ngram", "num_speculative_tokens": 5}
+            elif m == "suffix":  # vLLM's defaults
+                t.configs[m] = {"method": "suffix"}
             elif m == "draft_model":
                 if draft:
                     t.configs[m] = {"method": "draft_model", "model": draft}

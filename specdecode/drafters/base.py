@@ -67,6 +67,9 @@ class Drafter(ABC):
     lite_depth: int = 0
     #: Target features this drafter reads (see `ModelRunner.feature_layers`); None: none.
     feature_layers: tuple[int, ...] | None = None
+    #: Whether finished requests' answers are added to what it drafts from (a suffix corpus);
+    #: benchmarks turn it off where the answers are those of prompts they measure next.
+    learning: bool = True
 
     def max_nodes(self, k: int) -> int:
         """Cache slots a proposal of depth at most k may need (beyond the root)."""
@@ -120,6 +123,10 @@ class Drafter(ABC):
         rebuilds (by default everything), keep what it must continue (a seeded random
         stream: restarting it would draw again the numbers its earlier drafts used)."""
         self.release(seq)
+
+    def clear_history(self) -> None:
+        """Forget what finished requests taught the drafter (a suffix corpus); most drafters
+        keep nothing across requests."""
 
     def tracked_ids(self) -> set[int]:
         """Sequences this drafter holds state for (leak checks)."""

@@ -32,6 +32,16 @@ def _build(config: SpeculativeConfig, engine: LLMEngine) -> Drafter:
         from specdecode.drafters.ngram import NgramDrafter
 
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        from specdecode.drafters.suffix import SuffixDrafter
+
+        return SuffixDrafter(
+            config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_cached_requests,
+            config.suffix_decoding_max_spec_factor,
+            config.suffix_decoding_min_token_prob,
+            config.suffix_decoding_corpus_tokens,
+        )
     if config.method == "draft_model":
         from specdecode.drafters.draft_model import DraftModelDrafter
 

@@ -93,6 +93,7 @@ def test_candidates_for_the_default_model_include_the_lookup_branch():
 
     got = candidate_configs(None, None, None)
     assert got["eagle3+lookup"]["prompt_lookup_tokens"] > 0
+    assert got["suffix"] == {"method": "suffix"}  # model-free: offered for every model
     for cfg in got.values():
         SpeculativeConfig.from_dict(cfg)  # every candidate is a valid config
     assert "eagle3+lookup" not in candidate_configs("some/model", None, None)  # no shipped head
