@@ -244,6 +244,10 @@ class SpeculativeConfig:
     # chain sampled from q (temperature > 0, no speculative_token_tree) takes no graft: there
     # the lookup runs instead of the draft, on steps where it has done as well for the time.
     prompt_lookup_tokens: int | None = None
+    # Where the lookup branch's chain comes from: "ngram" (the last n-gram's most recent match,
+    # as above) or "suffix" (the likeliest path of suffix decoding's tree over the request's
+    # text and the answers of earlier requests; the suffix_decoding_* keys below apply).
+    prompt_lookup_method: str = "ngram"
     # vLLM's switch, a hard cap under every policy: no drafts while more requests than this are
     # running. None: never.
     disable_by_batch_size: int | None = None
@@ -298,6 +302,15 @@ class SpeculativeConfig:
             )
         if self.method == "suffix":
             self._check_suffix()
+        if self.prompt_lookup_method not in ("ngram", "suffix"):
+            raise InvalidRequestError("prompt_lookup_method must be 'ngram' or 'suffix'")
+        if self.prompt_lookup_method == "suffix":
+            if self.prompt_lookup_tokens is None:
+                raise InvalidRequestError(
+                    "prompt_lookup_method picks the lookup branch's source: it needs "
+                    "prompt_lookup_tokens"
+                )
+            self._check_suffix_numbers()
         if self.topk is not None and (not isinstance(self.topk, int) or self.topk < 1):
             raise InvalidRequestError("topk must be a positive integer")
         if self.num_draft_tokens is not None and (
@@ -347,6 +360,10 @@ class SpeculativeConfig:
                 raise InvalidRequestError(
                     f"method suffix drafts from text, not a model or a static tree ({key})"
                 )
+        self._check_suffix_numbers()
+
+    def _check_suffix_numbers(self) -> None:
+        from specdecode.errors import InvalidRequestError
 
         def integer(key: str, least: int) -> None:
             v = getattr(self, key)

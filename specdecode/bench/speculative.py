@@ -95,7 +95,8 @@ def _label(cfg) -> str:
         if cfg.suffix_decoding_max_cached_requests == 0:
             parts.append("no corpus")
     if cfg.prompt_lookup_tokens:
-        parts.append(f"+lookup {cfg.prompt_lookup_tokens}")
+        source = "suffix" if cfg.prompt_lookup_method == "suffix" else "lookup"
+        parts.append(f"+{source} {cfg.prompt_lookup_tokens}")
     if cfg.draft_dtype:
         parts.append(cfg.draft_dtype)
     if cfg.draft_vocab_size:

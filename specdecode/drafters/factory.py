@@ -23,8 +23,21 @@ def build_drafter(config: SpeculativeConfig, engine: LLMEngine) -> Drafter:
             config.prompt_lookup_max,
             room=engine.draft_room,
             step_time=lambda n: engine.controller.predict_step_time(n),  # built after this
+            source=_suffix(config) if config.prompt_lookup_method == "suffix" else None,
         )
     return drafter
+
+
+def _suffix(config: SpeculativeConfig):
+    from specdecode.drafters.suffix import SuffixDrafter
+
+    return SuffixDrafter(
+        config.suffix_decoding_max_tree_depth,
+        config.suffix_decoding_max_cached_requests,
+        config.suffix_decoding_max_spec_factor,
+        config.suffix_decoding_min_token_prob,
+        config.suffix_decoding_corpus_tokens,
+    )
 
 
 def _build(config: SpeculativeConfig, engine: LLMEngine) -> Drafter:
@@ -33,15 +46,7 @@ def _build(config: SpeculativeConfig, engine: LLMEngine) -> Drafter:
 
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
-        from specdecode.drafters.suffix import SuffixDrafter
-
-        return SuffixDrafter(
-            config.suffix_decoding_max_tree_depth,
-            config.suffix_decoding_max_cached_requests,
-            config.suffix_decoding_max_spec_factor,
-            config.suffix_decoding_min_token_prob,
-            config.suffix_decoding_corpus_tokens,
-        )
+        return _suffix(config)
     if config.method == "draft_model":
         from specdecode.drafters.draft_model import DraftModelDrafter
 

@@ -34,7 +34,9 @@ request's lookup rarely holds past its first few tokens.
 
 The same idea, choosing per step between a suffix tree and a head by a score, is Arctic
 Inference's hybrid of suffix decoding and its speculator (Snowflake, 2025); here both proposals
-are verified together instead.
+are verified together instead. With `prompt_lookup_method: "suffix"` the branch is that: the
+likeliest path of suffix decoding's tree (`suffix.SuffixDrafter.chain`), from the request's own
+text and the corpus of earlier answers, in place of the most recent n-gram match.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import torch
 from specdecode.core import Sequence
 from specdecode.drafters.base import Drafter, DraftProposal
 from specdecode.drafters.ngram import context_ids, lookup
+from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine.controller import AcceptanceCounts
 from specdecode.tree import TreeShape
 
@@ -99,6 +102,7 @@ class _Request:
     missed: bool = False  # the last step verified without the head kept none of the lookup's
     prior_total: float = 2.0  # tokens a lookup step emitted with the head, on earlier requests
     skipped: int = 0  # lookup steps in a row without the head
+    cut_short: int = 0  # lookup steps whose chain was cut
     chain: list[int] | None = None  # this step's lookup continuation
     head_ran: bool = True
     # a verified step not yet scored: (chain, head ran, output length before it, drafts kept);
@@ -112,6 +116,7 @@ class _Request:
 _SMOOTHING = 0.3
 _PRIOR_SMOOTHING = 0.1
 _EXPLORE_EVERY = 8  # while the head is skipped, run it every this many lookup steps anyway
+_EXPLORE_CUTS = 16  # of a request's cut chains, verify every this many whole anyway
 _POSITION_STRENGTH = 2.0  # a request's chain acceptance, shrunk to the drafter-wide one by this
 
 
@@ -135,6 +140,7 @@ class LookupBranchDrafter(Drafter):
         prompt_lookup_max: int = 5,
         room: Callable[[Sequence, int], int] | None = None,
         step_time: Callable[[int], float | None] | None = None,
+        source: SuffixDrafter | None = None,
     ) -> None:
         if num_tokens < 1 or not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError("need num_tokens >= 1 and 1 <= prompt_lookup_min <= max")
@@ -143,6 +149,7 @@ class LookupBranchDrafter(Drafter):
         self.num_tokens = num_tokens
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
         self.room = room or (lambda seq, k: k)
+        self.source = source  # suffix decoding's chains instead of the last n-gram's match
         self.step_time = step_time
         self.stateless = False  # propose keeps per-request state (a shadow draft would skew it)
         # but the lookup alone drafts in shadow: while the controller keeps a request plain
@@ -160,6 +167,25 @@ class LookupBranchDrafter(Drafter):
         # model's first run prefills the whole prompt, worth skipping where copying is the rule)
         self._prior = _Request()
         self._prior.positions = AcceptanceCounts(decay=0.995)
+
+    def _lookup(self, seq: Sequence, n: int) -> list[int]:
+        context = context_ids(seq)
+        if self.source is not None:
+            return self.source.chain(context, n)
+        return lookup(context, self.min_n, self.max_n, n)
+
+    @property  # type: ignore[override]
+    def learning(self) -> bool:
+        return self.source.learning if self.source is not None else False
+
+    @learning.setter
+    def learning(self, on: bool) -> None:
+        if self.source is not None:
+            self.source.learning = on
+
+    def clear_history(self) -> None:
+        if self.source is not None:
+            self.source.clear_history()
 
     def max_nodes(self, k: int) -> int:
         return self.head.max_nodes(k) + self.num_tokens
@@ -193,12 +219,14 @@ class LookupBranchDrafter(Drafter):
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         chains, head_budgets = [], []
         probing = False  # a probe after skipped steps catches up on their features: not typical
+        costs: tuple[float, float] | None = None
+        costs_read = False  # (the step-cost curve is read only where some request has a chain)
         for seq, k in zip(seqs, budgets, strict=True):
             self._score(seq)
             n = self.room(seq, self.num_tokens) if k > 0 else 0
             chain: list[int] = []
             if n > 0:
-                chain = lookup(context_ids(seq), self.min_n, self.max_n, n)
+                chain = self._lookup(seq, n)
             chains.append(chain)
             if chain:
                 st = self._req.get(seq.seq_id)
@@ -206,7 +234,12 @@ class LookupBranchDrafter(Drafter):
                     prior = self._prior
                     st = self._req[seq.seq_id] = _Request(prior.alone, prior.head_gain)
                     st.prior_total = prior.alone + prior.head_gain
-                st.chain, st.head_ran = chain, self._head_pays(st, len(seqs), k)
+                if not costs_read:
+                    costs, costs_read = self._node_costs(len(seqs), max(budgets)), True
+                # the head is skipped only for a chain worth verifying alone: one cut to nothing
+                # would leave the step without drafts
+                alone = self._cut(seq, chain, DraftProposal.empty(seq.last_token), costs)
+                st.chain, st.head_ran = chain, not alone or self._head_pays(st, len(seqs), k)
                 probing |= st.head_ran and st.skipped > 0
                 st.skipped = 0 if st.head_ran else st.skipped + 1
                 if not st.head_ran:
@@ -230,14 +263,20 @@ class LookupBranchDrafter(Drafter):
             old = self._head_seconds
             self._head_seconds = per if old is None else old + _SMOOTHING * (per - old)
         out = []
-        # (the step-cost curve is read only where some request has a chain to cut)
-        costs = self._node_costs(len(seqs), max(budgets)) if any(chains) else None
         for seq, chain, prop in zip(seqs, chains, props, strict=True):
             self._own[seq.seq_id] = prop
             if prop.num_drafts and self.samples_drafts and not seq.params.greedy:
                 out.append(prop)  # drafts sampled from q take no deterministic sibling
-            else:  # (a graft drops q: verified by the argmax)
-                out.append(graft(prop, self._cut(seq, chain, prop, costs)))
+                continue
+            cut = self._cut(seq, chain, prop, costs)
+            st = self._req.get(seq.seq_id)
+            if len(cut) < len(chain) and st is not None:
+                # now and then the whole chain: the cut rests on the step-cost curve at sizes
+                # that cut steps no longer visit, where a slow spell's points would stay
+                st.cut_short += 1
+                if st.cut_short % _EXPLORE_CUTS == 0:
+                    cut = chain
+            out.append(graft(prop, cut))  # (a graft drops q: verified by the argmax)
         return out
 
     def _node_costs(self, batch: int, k: int) -> tuple[float, float] | None:
@@ -288,7 +327,7 @@ class LookupBranchDrafter(Drafter):
         out = []
         for seq, k in zip(seqs, budgets, strict=True):
             n = self.room(seq, min(k, self.num_tokens)) if k > 0 else 0
-            chain = lookup(context_ids(seq), self.min_n, self.max_n, n) if n > 0 else []
+            chain = self._lookup(seq, n) if n > 0 else []
             out.append(DraftProposal(TreeShape.chain(len(chain)), [seq.last_token] + chain))
         return out
 
@@ -361,6 +400,8 @@ class LookupBranchDrafter(Drafter):
     def release(self, seq: Sequence) -> None:
         self._drop(seq)
         self.head.release(seq)
+        if self.source is not None:  # (an answer for the corpus, unless learning is off)
+            self.source.release(seq)
 
     def preempt(self, seq: Sequence) -> None:
         self._drop(seq)

@@ -219,8 +219,24 @@ class SuffixDrafter(Drafter):
 
     def draft(self, context: np.ndarray, size: int) -> tuple[list[int], list[int]]:
         """(parents, draft tokens) of the better tree of the two sources, at most `size` nodes."""
+        parents, tokens, _ = self._best_tree(context, size)
+        return parents, tokens[1:]
+
+    def chain(self, context: np.ndarray, size: int) -> list[int]:
+        """The likeliest path of that tree (for a lookup branch on a head's tree): from the
+        root, the likeliest child each time."""
+        parents, tokens, probs = self._best_tree(context, size)
+        out, node = [], 0
+        while True:
+            kids = [j for j in range(node + 1, len(parents)) if parents[j] == node]
+            if not kids:
+                return out
+            node = max(kids, key=lambda j: probs[j])
+            out.append(tokens[node])
+
+    def _best_tree(self, context: np.ndarray, size: int):
         if len(context) < KEY:
-            return [-1], []
+            return [-1], [SEP], [1.0]
         best = ([-1], [SEP], [1.0])
         tail = context[-self.max_tree_depth :]
         sources = [(context, own_candidates(context))]
@@ -242,7 +258,7 @@ class SuffixDrafter(Drafter):
                 tree = frequency_tree(cont, self.min_token_prob, cap)
                 if sum(tree[2][1:]) > sum(best[2][1:]):
                     best = tree
-        return best[0], best[1][1:]
+        return best
 
     def release(self, seq: Sequence) -> None:
         if self.learning and seq.error is None and seq.output_token_ids:

@@ -318,17 +318,20 @@ def test_a_preempted_seeded_draft_stream_goes_on(tiny_llama_dir, other_draft_dir
     assert engine.num_tracked() == 0
 
 
+@pytest.mark.parametrize("source", ["ngram", "suffix"])
 def test_draft_model_with_a_lookup_branch_greedy_equals_plain(
-    plain, tiny_llama_dir, other_draft_dir
+    plain, tiny_llama_dir, other_draft_dir, source
 ):
     """The lookup chain grafted onto a draft model's greedy chain: plain decoding's tokens,
-    batched and alone, with the branch accepted where the draft model was not."""
+    batched and alone, with the branch accepted where the draft model was not (its chain from
+    the last n-gram's match, or suffix decoding's likeliest path, earlier answers included)."""
     cfg = {
         "method": "draft_model",
         "model": str(other_draft_dir),
         "num_speculative_tokens": 3,
         "prompt_lookup_tokens": 5,
         "prompt_lookup_min": 1,
+        "prompt_lookup_method": source,
     }
     spec = LLM(str(tiny_llama_dir), speculative_config=cfg, speculative_policy="static")
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(40))]

@@ -69,6 +69,17 @@ CONFIGS = [
     ("eagle3", {"num_speculative_tokens": 3, "topk": 1, "prompt_lookup_tokens": 6}),
     ("eagle", {"prompt_lookup_tokens": 8, "prompt_lookup_min": 1}),
     ("medusa", {"num_speculative_tokens": 2, "prompt_lookup_tokens": 5}),
+    # ... its chain from suffix decoding (the request's text and earlier answers)
+    (
+        "eagle3",
+        {
+            "num_speculative_tokens": 3,
+            "topk": 2,
+            "num_draft_tokens": 6,
+            "prompt_lookup_tokens": 6,
+            "prompt_lookup_method": "suffix",
+        },
+    ),  # fmt: skip
 ]
 
 
@@ -220,11 +231,16 @@ def test_greedy_equals_plain(plain, tiny_llama_dir, heads, method, extra):
 
 
 @pytest.mark.parametrize(
-    "method,policy",
-    [("eagle", "static"), ("eagle3", "adaptive"), ("medusa", "static")],
+    "method,policy,source",
+    [
+        ("eagle", "static", "ngram"),
+        ("eagle3", "adaptive", "ngram"),
+        ("medusa", "static", "ngram"),
+        ("eagle", "static", "suffix"),
+    ],
 )
 def test_seeded_sampling_with_a_lookup_branch_gives_the_plain_tokens(
-    plain, tiny_llama_dir, heads, method, policy
+    plain, tiny_llama_dir, heads, method, policy, source
 ):
     """A head's tree with a grafted lookup branch is still deterministic drafts, verified by the
     target's own position-seeded draw: seeded sampled requests get plain decoding's tokens,
@@ -237,10 +253,13 @@ def test_seeded_sampling_with_a_lookup_branch_gives_the_plain_tokens(
             "model": str(root / method),
             "prompt_lookup_tokens": 6,
             "prompt_lookup_min": 1,
+            "prompt_lookup_method": source,
         },
         speculative_policy=policy,
     )
     params = seeded_params(5, 40, ((0.3, 3), (0.7, 0), (1.0, 2), (0.5, 5)))
+    if source == "suffix":  # a corpus of these answers: the branch follows them
+        spec.generate(PROMPTS, params)
     assert_seeded_outputs_match(plain, spec, PROMPTS, params, alone=2)
     if policy == "static":  # adaptive may rightly decide not to draft on this tiny model
         assert spec.engine.drafter.branch_stats.accepted > 0

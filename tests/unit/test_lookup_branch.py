@@ -193,6 +193,19 @@ def test_config_accepts_the_branch_for_heads_and_draft_models():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(InvalidRequestError, match="positive integer"):
             SpeculativeConfig(method="eagle", prompt_lookup_tokens=bad)
+    cfg = SpeculativeConfig(method="eagle3", prompt_lookup_tokens=8, prompt_lookup_method="suffix")
+    assert cfg.prompt_lookup_method == "suffix"
+    with pytest.raises(InvalidRequestError, match="'ngram' or 'suffix'"):
+        SpeculativeConfig(method="eagle3", prompt_lookup_tokens=8, prompt_lookup_method="tree")
+    with pytest.raises(InvalidRequestError, match="needs prompt_lookup_tokens"):
+        SpeculativeConfig(method="eagle3", prompt_lookup_method="suffix")
+    with pytest.raises(InvalidRequestError, match="min_token_prob"):
+        SpeculativeConfig(
+            method="eagle3",
+            prompt_lookup_tokens=8,
+            prompt_lookup_method="suffix",
+            suffix_decoding_min_token_prob=-0.1,
+        )
 
 
 class _SamplingHead(_CountingHead):
@@ -413,3 +426,29 @@ def test_the_chain_is_cut_where_its_next_node_no_longer_pays(monkeypatch):
     # without a step-cost curve nothing is cut
     drafter = LookupBranchDrafter(_FixedHead(), 6, 1, 2)
     assert run(drafter, _seq([5, 6, 5]), 10, keep=2, bonus=5) == [6] * 10
+
+
+def test_a_chain_not_worth_verifying_alone_does_not_skip_the_head(fixed_lookup):
+    """Each fed token costs 50 ms against a 60 ms step, so a chain node pays only where the
+    target keeps it more than 5 times in 6; it keeps lookup's first token every other step.
+    The head adds nothing (its nodes are never kept), so the skip rule alone would skip it, and
+    the chain cut to nothing would leave the step without drafts: the head runs instead. Every
+    16th cut chain is verified whole (the cost curve at the sizes cut steps no longer visit)."""
+    head = _CountingHead()
+    drafter = LookupBranchDrafter(head, 4, 1, 2, step_time=lambda n: 0.010 + 0.050 * n)
+    seq = _seq([5, 6, 7, 8, 9, 5])
+    grafted, drafts, steps = [], [], [0]
+
+    def half(prop):  # the chain's first token, kept every other step
+        steps[0] += 1
+        drafts.append(prop.num_drafts)
+        grafted.append(sum(1 for t in prop.tokens[1:] if t in (6, 7, 8, 9)))
+        first = [n for n, t in enumerate(prop.tokens) if n and t == 6]
+        return first if steps[0] % 2 else []
+
+    _run(drafter, seq, 40, half)
+    assert min(drafts) > 0, (drafts, grafted)  # never a step without drafts
+    assert all(b[0] > 0 for b in head.budgets[5:])  # the head runs once the chain is cut
+    assert grafted[0] == 4  # nothing measured yet: the whole chain
+    whole = [i for i, n in enumerate(grafted) if i and n == 4]
+    assert whole == [16, 32] and all(n <= 1 for i, n in enumerate(grafted[1:], 1) if i not in whole)

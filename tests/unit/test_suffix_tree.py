@@ -119,6 +119,14 @@ def test_siblings_come_from_diverging_answers():
     assert sorted(zip(parents[1:], tokens, strict=True)) == [(0, 4), (0, 8), (1, 5), (1, 6)]
 
 
+def test_the_chain_is_the_likeliest_path():
+    drafter = SuffixDrafter(max_spec_factor=4.0)
+    for tail in ([4, 5], [8, 9], [8, 7], [8, 9]):
+        drafter.corpus.add([1, 2, *tail])
+    assert drafter.chain(arr([0, 1, 2]), 4) == [8, 9]  # 8 (3/4), then 9 (2/4) over 7 (1/4)
+    assert drafter.chain(arr([0, 5, 6]), 4) == []
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_a_too_shallow_tree_depth_is_refused(depth):
     with pytest.raises(ValueError):
