@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -373,11 +374,15 @@ class SpeculativeConfig:
         integer("suffix_decoding_max_tree_depth", 3)
         integer("suffix_decoding_max_cached_requests", 0)
         integer("suffix_decoding_corpus_tokens", 1)
+
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
         factor = self.suffix_decoding_max_spec_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+        if not number(factor) or factor <= 0:
             raise InvalidRequestError("suffix_decoding_max_spec_factor must be a number > 0")
         prob = self.suffix_decoding_min_token_prob
-        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+        if not number(prob) or not 0 <= prob <= 1:
             raise InvalidRequestError("suffix_decoding_min_token_prob must be in [0, 1]")
 
     @classmethod

@@ -51,6 +51,22 @@ def _prompts(tokenizer, n: int, max_prompt_tokens: int) -> list[list[int]]:
     return out
 
 
+def plain_then_speculative(engine, prompts, params, policy: str) -> tuple[dict, dict]:
+    """The prompts plain, then speculative. A drafter that learns from finished answers (suffix
+    decoding) starts empty and learns from its own measured requests only, each after it is
+    timed: the plain run's answers are those of the prompts it is measured on next."""
+    drafter = engine.drafter
+    if drafter is not None:
+        drafter.clear_history()
+        drafter.learning = False
+    engine.set_policy("off")
+    plain = _run(engine, prompts, params)
+    engine.set_policy(policy)
+    if drafter is not None:
+        drafter.learning = True
+    return plain, _run(engine, prompts, params)
+
+
 def _run(engine, prompts, params) -> dict:
     """Each prompt alone (batch 1): decode time after the first token, forwards, tokens."""
     tokens = forwards = forced = valid = 0
@@ -120,10 +136,7 @@ def run_structured_bench(args: argparse.Namespace) -> dict:
                 temperature=args.temperature, seed=0, max_tokens=args.max_tokens,
                 structured_output=so,
             )  # fmt: skip
-            engine.set_policy("off")
-            plain = _run(engine, prompts, params)
-            engine.set_policy(policy)
-            spec = _run(engine, prompts, params)
+            plain, spec = plain_then_speculative(engine, prompts, params, policy)
             row = {
                 "method": label,
                 "policy": policy,

@@ -105,7 +105,7 @@ def resolve_targets(args: argparse.Namespace) -> tuple[list[Target], dict[str, s
                 t.configs[m] = overrides[m]
             elif m == "ngram":
                 t.configs[m] = {"method": "ngram", "num_speculative_tokens": 5}
-            elif m == "suffix":  # vLLM's defaults
+            elif m == "suffix":  # the method's defaults
                 t.configs[m] = {"method": "suffix"}
             elif m == "draft_model":
                 if draft:

@@ -78,13 +78,22 @@ def test_an_earlier_answer_is_drafted_from(plain, tiny_llama_dir):
 
 def test_an_errored_or_preempted_request_teaches_nothing(tiny_llama_dir):
     spec = suffix_llm(tiny_llama_dir)
-    drafter = spec.engine.drafter
+    engine, drafter = spec.engine, spec.engine.drafter
     spec.generate(PROMPTS[0], greedy(10))
     assert len(drafter.corpus) == 1
-    seq = spec.engine.add_request(spec.encode(PROMPTS[1]), greedy(10))
-    drafter.preempt(seq)  # (the engine recomputes it: not an answer yet)
+    seq = engine.add_request(spec.encode(PROMPTS[1]), greedy(30))
+    while len(seq.output_token_ids) < 5:
+        engine.step()
+    engine.preempt(seq)  # an answer in the making: the engine recomputes it
     assert len(drafter.corpus) == 1
-    spec.engine.abort(seq)
+    while len(seq.output_token_ids) < 10:
+        engine.step()
+    seq.error = "failed"  # (as a request that cannot go on)
+    drafter.release(seq)
+    assert len(drafter.corpus) == 1
+    seq.error = None
+    engine.abort(seq)  # aborted (a client gone): its partial answer is still the model's text
+    assert len(drafter.corpus) == 2
 
 
 def test_bad_suffix_configs(tiny_llama_dir):
@@ -94,6 +103,10 @@ def test_bad_suffix_configs(tiny_llama_dir):
         ({"suffix_decoding_max_cached_requests": -1}, "max_cached_requests"),
         ({"suffix_decoding_max_spec_factor": 0}, "max_spec_factor"),
         ({"suffix_decoding_min_token_prob": 1.5}, "min_token_prob"),
+        ({"suffix_decoding_max_spec_factor": float("inf")}, "max_spec_factor"),
+        ({"suffix_decoding_max_spec_factor": float("nan")}, "max_spec_factor"),
+        ({"suffix_decoding_min_token_prob": "0.1"}, "min_token_prob"),
+        ({"suffix_decoding_max_tree_depth": 24.0}, "max_tree_depth"),
         ({"topk": 4}, "topk"),
     ]
     for extra, match in bad:
@@ -122,3 +135,23 @@ def test_bench_keeps_a_prompts_own_answer_out_of_the_corpus(tiny_llama_dir):
     # warm-ups twice and three plain runs teach nothing; each measured run is added
     assert len(drafter.corpus) == 3
     assert [learning for _, learning in seen] == [False, False] + [False, True] * 3
+
+
+def test_bench_structured_keeps_the_plain_answers_out_of_the_corpus(tiny_llama_dir):
+    from specdecode.bench.structured import plain_then_speculative
+
+    spec = suffix_llm(tiny_llama_dir)
+    drafter = spec.engine.drafter
+    drafter.corpus.add([1, 2, 3, 4])  # an earlier cell's answer: dropped
+    learned = []
+    real = drafter.release
+
+    def release(seq):
+        learned.append(drafter.learning)
+        real(seq)
+
+    drafter.release = release
+    prompts = [spec.encode(p) for p in PROMPTS[:3]]
+    plain, fast = plain_then_speculative(spec.engine, prompts, greedy(12), "static")
+    assert learned == [False] * 3 + [True] * 3 and len(drafter.corpus) == 3
+    assert fast["tokens"] == plain["tokens"]
