@@ -60,6 +60,10 @@ class SuffixCorpus:
         return len(self._docs)
 
     @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+    @property
     def buffer(self) -> np.ndarray:
         return self._buf[: self._len]
 

@@ -88,6 +88,17 @@ class _EngineCollector:
                 "specdecode:lookup_branch_head_skipped", "Drafts where lookup matched and the "
                 "head was not run (it was not paying for its time).", branch.head_skipped,
             )  # fmt: skip
+        drafter = e.drafter
+        corpus = getattr(getattr(drafter, "source", drafter), "corpus", None)  # suffix decoding
+        if corpus is not None:
+            yield gauge(
+                "specdecode:suffix_corpus_requests", "Earlier answers suffix decoding drafts "
+                "from (suffix_decoding_max_cached_requests at most).", len(corpus),
+            )  # fmt: skip
+            yield gauge(
+                "specdecode:suffix_corpus_tokens", "Tokens of those answers "
+                "(suffix_decoding_corpus_tokens at most).", corpus.num_tokens,
+            )  # fmt: skip
         ctrl = e.controller.summary()
         yield self._family(
             GaugeMetricFamily, "specdecode:speculative_policy", "The policy in force (1).", 1,

@@ -155,3 +155,16 @@ def test_bench_structured_keeps_the_plain_answers_out_of_the_corpus(tiny_llama_d
     plain, fast = plain_then_speculative(spec.engine, prompts, greedy(12), "static")
     assert learned == [False] * 3 + [True] * 3 and len(drafter.corpus) == 3
     assert fast["tokens"] == plain["tokens"]
+
+
+def test_metrics_show_the_corpus(tiny_llama_dir):
+    from types import SimpleNamespace
+
+    from specdecode.serving.metrics import _EngineCollector
+
+    spec = suffix_llm(tiny_llama_dir)
+    spec.generate(PROMPTS[:2], greedy(8))
+    served = SimpleNamespace(engine=spec.engine, num_finished_requests=0, num_failed_requests=0)
+    found = {m.name: m.samples[0].value for m in _EngineCollector(served, "t").collect()}
+    assert found["specdecode:suffix_corpus_requests"] == 2
+    assert found["specdecode:suffix_corpus_tokens"] == 16
