@@ -252,13 +252,13 @@ class SpeculativeConfig:
     # vLLM's switch, a hard cap under every policy: no drafts while more requests than this are
     # running. None: never.
     disable_by_batch_size: int | None = None
-    # Suffix decoding (method "suffix", vLLM's keys and defaults): `num_speculative_tokens`
-    # caps a draft tree's nodes; the longest suffix matched plus the draft stay within
-    # max_tree_depth; a match of n tokens drafts at most max_spec_factor * n; tokens whose share
-    # of the matches' continuations is below min_token_prob are not drafted; the answers of the
-    # last max_cached_requests requests (at most corpus_tokens tokens) are drafted from besides
-    # the request's own text (0: its own text only; the corpus holds other requests' answers,
-    # whose effect on timing a multi-tenant server may not want).
+    # Suffix decoding (method "suffix", vLLM's keys and their defaults; `num_speculative_tokens`
+    # keeps this project's 5 and caps a draft tree's nodes): the suffix matched plus the draft
+    # stay within max_tree_depth; a match of n tokens drafts at most max_spec_factor * n; tokens
+    # whose share of the matches' continuations is below min_token_prob are not drafted; the
+    # answers of the last max_cached_requests requests (at most corpus_tokens tokens) are drafted
+    # from besides the request's own text (0: its own text only; the corpus holds other
+    # requests' answers, whose effect on timing a multi-tenant server may not want).
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0

@@ -5,8 +5,8 @@ prompt lookup in three ways, all kept here:
 - two sources: the request's prompt and output so far, and a corpus of the outputs of earlier
   requests (FIFO, `suffix_decoding_max_cached_requests` of them; 0 turns it off), so answers
   that repeat across requests (boilerplate, SQL over one schema, agent loops) are drafted too;
-- frequencies: every earlier occurrence of the request's longest matching suffix votes for what
-  followed it, and the draft is a *tree* of the likeliest continuations, a node's probability
+- frequencies: the earlier occurrences of the request's longest matching suffix vote for what
+  followed them, and the draft is a *tree* of the likeliest continuations, a node's probability
   being the share of matches that continue with its path (`suffix_decoding_min_token_prob`
   prunes rare ones);
 - an adaptive length: a match of n tokens drafts at most `max_spec_factor * n` tokens, and the
@@ -168,7 +168,7 @@ def frequency_tree(cont: np.ndarray, min_prob: float, size: int):
     """The `size` likeliest continuations of the rows of `cont` as a tree: a node's probability
     is the share of rows that begin with its path (a child's is at most its parent's, so the
     kept set holds every kept node's parent). Returns (parents, tokens, probabilities) in level
-    order, the root (-1, None, 1.0) first."""
+    order, the root (-1, SEP, 1.0) first."""
     rows = cont.shape[0]
     parents, tokens, probs = [-1], [SEP], [1.0]
     if rows == 0 or size < 1:
@@ -208,7 +208,7 @@ def frequency_tree(cont: np.ndarray, min_prob: float, size: int):
 
 class SuffixDrafter(Drafter):
     samples_drafts = False
-    stateless = True  # proposals read the corpus, never change it
+    stateless = True  # proposals read the corpus, never change what it holds
 
     def __init__(
         self,
