@@ -15,8 +15,9 @@ prompt lookup in three ways, all kept here:
 The matching here is not a suffix tree: each source is indexed by its 2-grams (the corpus once,
 as answers arrive; the request's own text by a vectorised scan each step), the most recent
 `MAX_CANDIDATES` occurrences of the request's last 2-gram are extended backwards with numpy
-(so on a large corpus a long match older than those is missed), and the continuations of
-those with the longest match are counted level by level. Of the two sources' trees the one
+(on the corpus, those of its last 8 tokens where it has any, so a long match is found however
+common its last two tokens are), and the continuations of those with the longest match are
+counted level by level. Of the two sources' trees the one
 with the larger expected number of accepted tokens (the sum of its nodes' probabilities) is
 proposed. Drafts are deterministic: verified losslessly by the tree sampler, at any
 temperature.
@@ -36,6 +37,7 @@ from specdecode.tree import TreeShape
 
 SEP = -1  # ends every answer in the corpus: never equal to a token, so matches stop there
 KEY = 2  # the tokens a match covers at least (the corpus's index key)
+LONG = 8  # a second index's key: where the last 8 tokens occurred before, those matches first
 MAX_CANDIDATES = 256  # the most recent matches of a key that vote (bounds a step's work)
 
 
@@ -53,8 +55,10 @@ class SuffixCorpus:
         self._tokens = 0  # tokens of the answers held
         self._floor = 0  # absolute positions below this were evicted
         # (a, b) -> absolute positions p (ascending) with (a, b) just before p: where a
-        # continuation of that 2-gram starts
+        # continuation of that 2-gram starts; and the same by the hash of the 8 tokens before
+        # p, so a long match is found however common its last two tokens are
         self._index: dict[tuple[int, int], list[int]] = {}
+        self._long: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
         return len(self._docs)
@@ -85,9 +89,11 @@ class SuffixCorpus:
         self._len += n + 1
         self._docs.append((start, start + n))
         self._tokens += n
-        index = self._index
+        index, long = self._index, self._long
         for p in range(KEY, n):  # a continuation must follow the key
             index.setdefault((tokens[p - 2], tokens[p - 1]), []).append(start + p)
+        for p in range(LONG, n):
+            long.setdefault(hash(tuple(tokens[p - LONG : p])), []).append(start + p)
         while len(self._docs) > self.max_requests or self._tokens > self.max_tokens:
             s, e = self._docs.popleft()
             self._tokens -= e - s
@@ -99,31 +105,42 @@ class SuffixCorpus:
     def _compact(self) -> None:
         """Drop the evicted answers: the buffer's dead prefix (one numpy copy), and the index's
         dead entries (a pass over its keys, not its tokens; lookups trim what this leaves). On
-        the engine's thread, once per live corpus's worth of evicted tokens: 0.34 s at the
+        the engine's thread, once per live corpus's worth of evicted tokens: 0.41 s at the
         1M-token cap with a million distinct 2-grams (random tokens; text has fewer), where
-        rebuilding the index took 1.5 s (2-core EPYC VM)."""
+        rebuilding the indexes would take seconds (2-core EPYC VM)."""
         dead = self._floor - self._base
         self._buf = self._buf[dead:].copy()
         self._len -= dead
         self._base = self._floor
         floor = self._floor
-        for key in list(self._index):
-            found = self._index[key]
-            if found[-1] < floor:
-                del self._index[key]
-            elif found[0] < floor:
-                del found[: bisect.bisect_left(found, floor)]
+        for index in (self._index, self._long):
+            for key in list(index):
+                found = index[key]
+                if found[-1] < floor:
+                    del index[key]
+                elif found[0] < floor:
+                    del found[: bisect.bisect_left(found, floor)]
 
-    def candidates(self, a: int, b: int) -> np.ndarray:
+    def candidates(self, context: np.ndarray) -> np.ndarray:
         """Buffer positions where continuations of the most recent live occurrences of the
-        2-gram (a, b) start."""
-        found = self._index.get((a, b))
+        context's last 8 tokens start, or where there are none, of its last 2."""
+        if len(context) >= LONG:
+            found = self._live(self._long, hash(tuple(context[-LONG:].tolist())))
+            if found.size:  # (a hash collision is weeded out by its last two tokens)
+                buf = self._buf
+                found = found[(buf[found - 1] == context[-1]) & (buf[found - 2] == context[-2])]
+                if found.size:
+                    return found
+        return self._live(self._index, (int(context[-2]), int(context[-1])))
+
+    def _live(self, index: dict, key) -> np.ndarray:
+        found = index.get(key)
         if not found:
             return np.empty(0, dtype=np.int64)
         if found[0] < self._floor:  # evicted entries are a prefix: trim them
             del found[: bisect.bisect_left(found, self._floor)]
             if not found:
-                del self._index[(a, b)]
+                del index[key]
                 return np.empty(0, dtype=np.int64)
         return np.asarray(found[-MAX_CANDIDATES:], dtype=np.int64) - self._base
 
@@ -262,7 +279,7 @@ class SuffixDrafter(Drafter):
         sources = [(context, own_candidates(context))]
         if len(self.corpus):
             corpus = self.corpus.buffer
-            sources.append((corpus, self.corpus.candidates(int(context[-2]), int(context[-1]))))
+            sources.append((corpus, self.corpus.candidates(context)))
         for source, starts in sources:
             if starts.size == 0:
                 continue

@@ -58,12 +58,12 @@ def test_corpus_evicts_oldest_answers_first():
     for doc in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
         corpus.add(doc)
     assert len(corpus) == 2
-    assert corpus.candidates(1, 2).size == 0  # the first answer is gone
-    assert corpus.buffer[corpus.candidates(4, 5)].tolist() == [6]
+    assert corpus.candidates(arr([1, 2])).size == 0  # the first answer is gone
+    assert corpus.buffer[corpus.candidates(arr([4, 5]))].tolist() == [6]
     capped = SuffixCorpus(max_requests=10, max_tokens=5)
     capped.add([1, 2, 3])
     capped.add([4, 5, 6])  # 6 tokens held > 5: the first goes
-    assert len(capped) == 1 and capped.candidates(1, 2).size == 0
+    assert len(capped) == 1 and capped.candidates(arr([1, 2])).size == 0
     off = SuffixCorpus(max_requests=0, max_tokens=1000)
     off.add([1, 2, 3])
     assert len(off) == 0
@@ -77,9 +77,23 @@ def test_corpus_compaction_keeps_the_live_answers():
         corpus.add(doc)
     assert len(corpus.buffer) < 10 * 401  # compacted (40 answers were added)
     for doc in docs[-3:]:
-        starts = corpus.candidates(doc[0], doc[1])
+        starts = corpus.candidates(arr(doc[:2]))
         assert doc[2] in corpus.buffer[starts].tolist()
-    assert corpus.candidates(docs[0][0], docs[0][1]).size == 0
+    assert corpus.candidates(arr(docs[0][:2])).size == 0
+
+
+def test_a_long_match_is_found_behind_many_recent_short_ones():
+    """An answer repeated from long ago: its last two tokens occur in each of 300 later answers,
+    more than the 2-gram index lets vote, but its last eight only in it."""
+    drafter = SuffixDrafter(max_spec_factor=1.0)
+    old = list(range(100, 130))
+    drafter.corpus.add(old)
+    for i in range(300):
+        drafter.corpus.add([1000 + i, 1000 + i, old[18], old[19], 2000 + i])
+    context = arr([7] + old[:20])  # the old answer again, 20 tokens in
+    assert drafter.draft(context, 5)[1] == old[20:25]
+    drafter.corpus._long.clear()  # the 2-gram index alone: the 256 most recent vote
+    assert drafter.draft(context, 5)[1] == []
 
 
 def test_the_draft_length_follows_the_match_length():
