@@ -450,6 +450,19 @@ def _levels(text: str | None) -> list[int]:
     return levels
 
 
+def _given(cfg) -> dict:
+    """A speculative config's method and depth, and its other keys that differ from their
+    defaults (the recommended command line names what matters, not every key)."""
+    from dataclasses import fields
+
+    out = {"method": cfg.method, "num_speculative_tokens": cfg.num_speculative_tokens}
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.name not in out and v is not None and v != f.default:
+            out[f.name] = v
+    return out
+
+
 def _measure(llm, label: str, ids, params, bar) -> Measured:
     from specdecode.bench.speculative import _copy_stats, _diff_stats
 
@@ -460,7 +473,7 @@ def _measure(llm, label: str, ids, params, bar) -> Measured:
     cfg = eng.spec_config
     return Measured(
         label=label,
-        config={k: v for k, v in cfg.__dict__.items() if v is not None},
+        config=_given(cfg),
         max_depth=cfg.num_speculative_tokens,
         tree=eng.drafter.max_nodes(cfg.num_speculative_tokens) != cfg.num_speculative_tokens,
         decisions=eng.controller.num_decisions - dec0,

@@ -255,3 +255,21 @@ def test_validation_runs_the_option_recommended_by_its_label(monkeypatch):
     advise.validate(llms, result, measured, costs, [[1]], [None], [1], 20, 50)
     assert ("eagle3+lookup", "static", 4) in ran and ("eagle3+lookup", "adaptive", 4) in ran
     assert not any(name == "eagle3" for name, _, _ in ran)
+
+
+def test_a_recommended_config_names_only_what_differs_from_the_defaults():
+    from specdecode.advise import _given
+    from specdecode.config import SpeculativeConfig
+
+    cfg = SpeculativeConfig(method="suffix", suffix_decoding_max_spec_factor=2.0)
+    assert _given(cfg) == {
+        "method": "suffix",
+        "num_speculative_tokens": 5,
+        "suffix_decoding_max_spec_factor": 2.0,
+    }
+    cfg = SpeculativeConfig(method="eagle3", prompt_lookup_tokens=8, speculative_token_tree=None)
+    assert _given(cfg) == {
+        "method": "eagle3",
+        "num_speculative_tokens": 5,
+        "prompt_lookup_tokens": 8,
+    }
