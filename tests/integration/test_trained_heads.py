@@ -258,6 +258,9 @@ def test_seeded_sampling_with_a_lookup_branch_gives_the_plain_tokens(
         speculative_policy=policy,
     )
     params = seeded_params(5, 40, ((0.3, 3), (0.7, 0), (1.0, 2), (0.5, 5)))
+    if policy == "static":  # the whole branch every step: what is verified does not depend on
+        # this machine's step times (the cut and the head skipping have their own unit tests)
+        spec.engine.drafter.step_time = None
     if source == "suffix":  # a corpus of these answers: the branch follows them
         spec.generate(PROMPTS, params)
     assert_seeded_outputs_match(plain, spec, PROMPTS, params, alone=2)
