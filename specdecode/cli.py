@@ -669,11 +669,9 @@ def cmd_export(args: argparse.Namespace) -> None:
         "HuggingFaceTB/SmolLM2-135M-Instruct" if args.model is None else str(loaded.path)
     )
     kind = head_kind(Path(args.head))
-    export_head(Path(args.head), loaded.model, args.format, Path(args.out), name)
+    config = export_head(Path(args.head), loaded.model, args.format, Path(args.out), name)
     print(f"wrote {args.out}; serve it with:")
-    import json
-
-    heads = json.loads((Path(args.out) / "config.json").read_text()).get("num_heads")
+    heads = config.get("num_heads")
     print("  " + serve_command(args.format, kind or "eagle3", name, str(args.out), heads))
 
 

@@ -217,7 +217,7 @@ class LookupBranchDrafter(Drafter):
         return st.skipped % _EXPLORE_EVERY == _EXPLORE_EVERY - 1
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
-        chains, head_budgets = [], []
+        chains, alone_cuts, head_budgets = [], [], []
         probing = False  # a probe after skipped steps catches up on their features: not typical
         costs: tuple[float, float] | None = None
         costs_read = False  # (the step-cost curve is read only where some request has a chain)
@@ -228,6 +228,7 @@ class LookupBranchDrafter(Drafter):
             if n > 0:
                 chain = self._lookup(seq, n)
             chains.append(chain)
+            alone: list[int] = []  # the chain's prefix worth verifying without the head's tree
             if chain:
                 st = self._req.get(seq.seq_id)
                 if st is None:  # a new request starts from what earlier ones measured
@@ -247,6 +248,7 @@ class LookupBranchDrafter(Drafter):
                     k = 0
             elif seq.seq_id in self._req:
                 self._req[seq.seq_id].chain = None
+            alone_cuts.append(alone)
             head_budgets.append(k)
         # nor is a drafter's first run for a request, or one after steps it missed: its
         # catch-up (for a draft model, the whole prompt) is more than a step's tokens
@@ -263,12 +265,13 @@ class LookupBranchDrafter(Drafter):
             old = self._head_seconds
             self._head_seconds = per if old is None else old + _SMOOTHING * (per - old)
         out = []
-        for seq, chain, prop in zip(seqs, chains, props, strict=True):
+        for seq, chain, alone, prop in zip(seqs, chains, alone_cuts, props, strict=True):
             self._own[seq.seq_id] = prop
             if prop.num_drafts and self.samples_drafts and not seq.params.greedy:
                 out.append(prop)  # drafts sampled from q take no deterministic sibling
                 continue
-            cut = self._cut(seq, chain, prop, costs)
+            # (without the head's nodes the cut is the one already made)
+            cut = self._cut(seq, chain, prop, costs) if prop.num_drafts else alone
             st = self._req.get(seq.seq_id)
             if len(cut) < len(chain) and st is not None:
                 # now and then the whole chain: the cut rests on the step-cost curve at sizes
