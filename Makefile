@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint format bench compat clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -38,5 +38,20 @@ test: lint
 bench: install
 	$(VENV)/bin/specdecode bench latency
 
+# `make compat`: the EAGLE-3 heads against vLLM's speculators library itself (its model code,
+# pinned), installed without its dependencies' dependencies into a side directory (.compat) that
+# the project's environment never sees; speculators' own requirements pull a CUDA torch.
+COMPAT := .compat
+SPECULATORS_SPEC ?= speculators==0.9.0 hs-connectors==0.9.0
+$(COMPAT)/.installed: $(VENV)/.installed
+	rm -rf $(COMPAT)
+	$(PY) -m pip install -q --target $(COMPAT) --no-deps $(SPECULATORS_SPEC) datasets==5.1.0 \
+		pyarrow dill multiprocess xxhash pandas aiohttp aiohappyeyeballs aiosignal frozenlist \
+		multidict yarl propcache loguru pydantic-settings python-dotenv
+	touch $@
+
+compat: $(COMPAT)/.installed
+	PYTHONPATH=$(COMPAT) $(PY) -m pytest -q tests/compat
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(COMPAT) build *.egg-info

@@ -105,7 +105,7 @@ def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | N
             "speculators_model_type": "eagle3",
             "transformer_layer_config": _llama_keys(head.config),
             "draft_vocab_size": n_draft,
-            "norm_before_residual": head.norm_before_residual,
+            **head.variant,  # norm_before_residual always: vLLM reads a missing one as true
             "target_hidden_size": None,
             "eagle_aux_hidden_state_layer_ids": aux,
             "speculators_config": {
@@ -131,6 +131,12 @@ def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | N
             "this head normalises before the residual (speculators' variant); export it with "
             "--format speculators"
         )
+    variants = [k for k, on in head.variant.items() if on]
+    if variants and fmt == "sglang":
+        raise InvalidRequestError(
+            f"this head uses {', '.join(variants)} (EAGLE-3 variants of speculators' config); "
+            "export it with --format vllm or --format speculators"
+        )
     tensors = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -139,7 +145,7 @@ def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | N
     }
     if fmt == "vllm":
         config["eagle_aux_hidden_state_layer_ids"] = aux  # the layers they enter
-        config["norm_before_residual"] = False
+        config.update(head.variant)  # vLLM's llama_eagle3 reads each flag from the config
     else:  # SGLang counts a feature as the output of the layer before
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]}
     return tensors, config

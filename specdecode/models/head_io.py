@@ -69,6 +69,7 @@ def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> No
         if eagle3:
             config["draft_vocab_size"] = int(head.lm_head.out_features)
             config["eagle_aux_hidden_state_layer_ids"] = list(head.aux_layers)
+            config.update({k: v for k, v in head.variant.items() if v})  # (off: not written)
         kind = head.kind
     if head.vocab_ids is not None and kind != "eagle3":
         tensors["vocab_ids"] = head.vocab_ids.detach().cpu().to(torch.int64)
@@ -317,9 +318,16 @@ def _load_eagle3(raw: dict, tensors: dict[str, torch.Tensor], tc: ModelConfig):
             f"{tc.num_layers}: it was trained for another target"
         )
     head = Eagle3Head(tc, int(vocab_n), tuple(int(x) for x in layers) if layers else None)
-    # speculators defaults to normalising the hidden state before the residual
-    default = "speculators_model_type" in raw
-    head.norm_before_residual = bool(raw.get("norm_before_residual", default))
+    # vLLM reads a speculators config's missing norm_before_residual as true, others' as false;
+    # the other variants are off unless named (top level, or NVIDIA's `eagle_config`)
+    nested = raw.get("eagle_config") or {}
+    flags = {k: bool(raw.get(k, nested.get(k, False))) for k in head.variant}
+    if "norm_before_residual" not in raw and "norm_before_residual" not in nested:
+        flags["norm_before_residual"] = "speculators_model_type" in raw
+    try:
+        head.set_variant(**flags)
+    except ValueError as e:
+        raise InvalidRequestError(f"the EAGLE-3 checkpoint's config: {e}") from None
     vocab_ids = None
     if d2t is not None:
         vocab_ids = torch.arange(d2t.numel()) + d2t.long()

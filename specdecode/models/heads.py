@@ -195,7 +195,11 @@ class EagleHead(nn.Module):
             h = residual + attn.forward_dense(x, cos, sin)
         else:
             h = residual + attn(x, cos, sin, meta)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return self._output(h + layer.mlp(layer.post_attention_layernorm(h)))
+
+    def _output(self, h: torch.Tensor) -> torch.Tensor:
+        """What a draft step passes on (the next step's hidden state, the logits' input)."""
+        return h
 
     def forward(
         self,
@@ -246,7 +250,7 @@ class EagleHead(nn.Module):
             values.append(v.transpose(1, 2))
             out = _ttt_attention(q.transpose(1, 2), keys, values, attn.num_heads)
             h = residual + attn.o_proj(out.transpose(1, 2).reshape(b, t, attn.q_size))
-            pred = h + layer.mlp(layer.post_attention_layernorm(h))
+            pred = self._output(h + layer.mlp(layer.post_attention_layernorm(h)))
             outs.append(pred)
             x = pred
         return outs
@@ -320,8 +324,39 @@ class Eagle3Head(EagleHead):
         self.proj = None
         self.vocab_ids = None
         self._rope = None
-        # speculators' variant: the residual is the normalised hidden state
-        self.norm_before_residual = False
+        self.set_variant()
+
+    def set_variant(
+        self,
+        norm_before_residual: bool = False,
+        norm_before_fc: bool = False,
+        fc_norm: bool = False,
+        norm_output: bool = False,
+    ) -> None:
+        """The EAGLE-3 variants of speculators' config (which vLLM reads too):
+        `norm_before_residual`, the layer's residual is the normalised hidden state;
+        `norm_before_fc`, one RMSNorm over the concatenated features before fc (`input_norm`);
+        `fc_norm`, an RMSNorm per feature before fc (EAGLE 3.1); `norm_output`, a draft step
+        passes on its output after the final norm (EAGLE 3.1), so later steps read normalised
+        hidden states. New norms start as identities."""
+        if norm_before_fc and fc_norm:
+            raise ValueError("norm_before_fc and fc_norm exclude each other")
+        h, eps = self.config.hidden_size, self.config.rms_norm_eps
+        self.norm_before_residual = bool(norm_before_residual)
+        self.input_norm = RMSNorm(self.feature_size, eps) if norm_before_fc else None
+        n = len(self.aux_layers)
+        self.fc_norm = nn.ModuleList(RMSNorm(h, eps) for _ in range(n)) if fc_norm else None
+        self.norm_output = bool(norm_output)
+
+    @property
+    def variant(self) -> dict[str, bool]:
+        """`set_variant`'s flags, as config.json names them."""
+        return {
+            "norm_before_residual": self.norm_before_residual,
+            "norm_before_fc": self.input_norm is not None,
+            "fc_norm": self.fc_norm is not None,
+            "norm_output": self.norm_output,
+        }
 
     def attach(self, embed: nn.Embedding, vocab_ids: torch.Tensor | None) -> None:  # type: ignore[override]
         if vocab_ids is not None and vocab_ids.numel() != self.lm_head.out_features:
@@ -337,12 +372,25 @@ class Eagle3Head(EagleHead):
         self._pack_layer(dtype)
         self.lm_head = _PackedLinear(self.lm_head, dtype)
 
+    def _fc_input(self, feats: torch.Tensor) -> torch.Tensor:
+        if self.input_norm is not None:
+            return self.input_norm(feats)
+        if self.fc_norm is not None:
+            parts = feats.chunk(len(self.fc_norm), -1)
+            return torch.cat([norm(x) for norm, x in zip(self.fc_norm, parts, strict=True)], -1)
+        return feats
+
     def _attn_input(self, ids: torch.Tensor, feats: torch.Tensor):
-        h = self.fc(feats) if feats.shape[-1] == self.feature_size else feats
+        # the target's features (3H) go through fc; a draft step's own output is the state
+        h = self.fc(self._fc_input(feats)) if feats.shape[-1] == self.feature_size else feats
         layer = self.layers[0]
         e = layer.input_layernorm(self.embed(ids).to(h.dtype))
         hn = layer.hidden_norm(h)
         return torch.cat([e, hn], -1), (hn if self.norm_before_residual else h)
 
+    def _output(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h) if self.norm_output else h
+
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(predicted)).float()
+        x = predicted if self.norm_output else self.norm(predicted)  # (normalised already)
+        return self.lm_head(x).float()

@@ -755,6 +755,8 @@ def train_eagle3(
         )
     vocab = tr.vocab_ids if tr.vocab_ids is not None else torch.arange(target.config.vocab_size)
     head = Eagle3Head(_layer_config(target, tr), vocab.numel(), layers)
+    if isinstance(tr.init_head, Eagle3Head):  # a continued head keeps its variant
+        head.set_variant(**tr.init_head.variant)
     if not cfg.init:  # a continued head takes every weight from its earlier run
         _identity_start3(head, target, tr.lm_rows)
     head = head.float().to(tr.device)
@@ -835,7 +837,7 @@ def _continue_from(head, tr: _Trainer, vocab: torch.Tensor | None) -> None:
             "vLLM Medusa checkpoint); heads trained here project with the target's LM head, "
             "so continuing it would drop them: train a new head instead"
         )
-    for attr in ("aux_layers", "norm_before_residual"):  # EAGLE-3: what the features mean
+    for attr in ("aux_layers", "variant"):  # EAGLE-3: what the features mean
         if getattr(prev, attr, None) != getattr(head, attr, None):
             raise DataError(
                 f"{tr.cfg.init} has {attr} {getattr(prev, attr)}, this run "

@@ -104,6 +104,52 @@ def test_speculators_eagle3_layout(target, tmp_path):
     _same_eagle(head, loaded)
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [{"norm_before_fc": True}, {"fc_norm": True, "norm_output": True}],
+    ids=["norm_before_fc", "fc_norm+norm_output"],
+)
+def test_speculators_eagle3_variants_load_and_export(target, tmp_path, flags):
+    """speculators' EAGLE-3 variants (vLLM reads them too): the norms load under speculators'
+    names and compute; vLLM and speculators exports carry them; SGLang's is refused; both
+    norms at once are refused."""
+    vocab = torch.tensor([1, 2, 7, 60])
+    head = _eagle3(target, vocab)
+    head.set_variant(**flags)
+    _randomise(head, seed=5)
+    head.attach(target.embed_tokens, vocab)
+    tensors = _unfused(head, CFG)
+    assert ("input_norm.weight" in tensors) == ("norm_before_fc" in flags)
+    assert ("fc_norm.1.weight" in tensors) == ("fc_norm" in flags)
+    tensors["d2t"] = vocab - torch.arange(4)
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": {**LLAMA, "model_type": "llama"},
+        "draft_vocab_size": 4,
+        "norm_before_residual": False,
+        **flags,
+        "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "x"}},
+    }
+    _write(tmp_path / "in", config, tensors)
+    loaded = load_head(tmp_path / "in", target)
+    assert loaded.variant == {**dict.fromkeys(loaded.variant, False), **flags}
+    _same_eagle(head, loaded)
+    save_head(loaded, tmp_path / "ours", CFG, {})
+    assert {k: True for k in flags}.items() <= json.loads(
+        (tmp_path / "ours" / "config.json").read_text()
+    ).items()
+    for fmt in ("vllm", "speculators"):
+        written = export_head(tmp_path / "ours", target, fmt, tmp_path / fmt, "org/target")
+        assert all(written[k] is True for k in flags)
+        _same_eagle(head, load_head(tmp_path / fmt, target))
+    with pytest.raises(InvalidRequestError, match="format vllm or --format speculators"):
+        export_head(tmp_path / "ours", target, "sglang", tmp_path / "sg")
+    _write(tmp_path / "both", {**config, "norm_before_fc": True, "fc_norm": True}, tensors)
+    with pytest.raises(InvalidRequestError, match="exclude each other"):
+        load_head(tmp_path / "both", target)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_safeailab_eagle1_layout(target, tmp_path, bias):
     head = _randomise(EagleHead(CFG, fc_bias=bias))

@@ -138,6 +138,70 @@ def test_eagle_cached_forward_equals_dense_and_unrolled(target, layer):
         torch.testing.assert_close(step2[0], unrolled[2][0, 5], atol=3e-5, rtol=3e-5)
 
 
+VARIANTS3 = [
+    {},
+    {"norm_before_fc": True},
+    {"fc_norm": True},
+    {"norm_output": True},
+    {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True},
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS3, ids=lambda v: "+".join(v) or "plain")
+def test_eagle3_variants_draft_as_they_train(target, variant):
+    """EAGLE-3 with speculators' variants (a norm before fc, per-feature norms, a normalised
+    output fed back): the engine's cached forward, fed its own outputs, equals the unrolled
+    (training-time test) forward; each variant changes what the head computes."""
+    from specdecode.models.heads import Eagle3Head
+
+    torch.manual_seed(1)
+    head = Eagle3Head(CFG, 7, (0, 1))
+    head.set_variant(**variant)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    head.attach(target.embed_tokens, torch.tensor([0, 3, 5, 8, 13, 21, 34]))
+    head.eval()
+    assert head.variant == {**dict.fromkeys(head.variant, False), **variant}
+    t = 8
+    ids = torch.randint(0, 96, (1, t + 3))
+    feats = torch.randn(1, t, head.feature_size) * 2
+    with torch.no_grad():
+        unrolled = head.forward_unrolled(ids, feats, steps=3)
+        torch.testing.assert_close(unrolled[0], head.forward_dense(ids[:, :t], feats))
+        manager, cache, blocks = BlockManager(16, 4), KVCache(head.config, 16, 4), SeqBlocks()
+        manager.allocate(blocks, 8)
+        out = _paged(
+            head, ids[0, :5].tolist(), feats[0, :5], list(range(5)), blocks, manager, cache
+        )
+        step1 = _paged(head, [int(ids[0, 5])], out[4:5], [5], blocks, manager, cache)
+        torch.testing.assert_close(step1[0], unrolled[1][0, 4], atol=3e-5, rtol=3e-5)
+        logits = head.logits(unrolled[1][0])
+        if variant:
+            plain = Eagle3Head(CFG, 7, (0, 1))
+            plain.load_state_dict(head.state_dict(), strict=False)
+            plain.attach(target.embed_tokens, head.vocab_ids)
+            other = plain.logits(plain.forward_unrolled(ids, feats, steps=3)[1][0])
+            assert not torch.allclose(logits, other, atol=1e-3)
+            # each variant alone, by its definition, on the plain head's first step
+            x = ids[:, :t]
+            if variant == {"norm_output": True}:
+                want = head.norm(plain.forward_dense(x, feats))
+            elif variant == {"norm_before_fc": True}:
+                want = plain.forward_dense(x, head.input_norm(feats))
+            elif variant == {"fc_norm": True}:
+                a, b = feats.chunk(2, -1)
+                want = plain.forward_dense(
+                    x, torch.cat([head.fc_norm[0](a), head.fc_norm[1](b)], -1)
+                )
+            else:
+                want = None
+            if want is not None:
+                torch.testing.assert_close(head.forward_dense(x, feats), want)
+    with pytest.raises(ValueError, match="exclude"):
+        head.set_variant(norm_before_fc=True, fc_norm=True)
+
+
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle-own-layer-shape"])
 def test_head_checkpoint_round_trip(target, tmp_path, kind):
     vocab = torch.tensor([1, 2, 3, 50, 60])
