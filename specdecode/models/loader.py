@@ -195,10 +195,47 @@ def load_tokenizer(model_dir: Path):
 # ---- GGUF ----------------------------------------------------------------------------------------
 
 
+# Bumped when the conversion's output changes: older conversions are then made again.
+CONVERT_VERSION = 1
+
+
+def _content_hash(path: Path) -> str:
+    """sha256 of a file's bytes, remembered per (path, size, mtime) in the cache folder, so a
+    file is hashed once (SmolLM2's 100 MB: ~0.1 s) and the same file anywhere else (another
+    virtual environment's copy of the package) maps to the same conversion."""
+    st = path.stat()
+    stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    index = cache_root() / "models" / "gguf-sha256.json"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known, dict) and isinstance(known.get(stamp), str):
+        return known[stamp]
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    # entries of files that are gone (an uninstalled environment's) are dropped as it grows
+    known = known if isinstance(known, dict) else {}
+    known = {k: v for k, v in known.items() if Path(k.rsplit(":", 2)[0]).exists()}
+    known[stamp] = digest.hexdigest()
+    try:  # written aside, then renamed; a lost race only costs a later hash
+        index.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".gguf-sha256-", dir=index.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f)
+        os.replace(tmp, index)
+    except OSError as e:
+        log.debug("could not remember the hash of %s: %s", path, e)
+    return known[stamp]
+
+
 def convert_gguf_cached(gguf_path: Path, name: str | None = None) -> Path:
-    """Convert `gguf_path` once; later calls return the cached directory (about 1 s to load)."""
-    st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    """Convert `gguf_path` once; later calls return the cached directory (about 1 s to load).
+    The directory is named by the file's content (and the converter's version), not its path:
+    every copy of the same file shares one conversion."""
+    key = hashlib.sha256(f"{_content_hash(gguf_path)}:{CONVERT_VERSION}".encode())
     out = cache_root() / "models" / f"{name or gguf_path.stem}-{key.hexdigest()[:12]}"
     if (out / "config.json").is_file():
         return out

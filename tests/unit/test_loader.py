@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -228,3 +229,39 @@ def test_configs_the_model_cannot_honour_are_refused_or_capped(tmp_path):
     assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).max_position_embeddings == 64
     nulls = ModelConfig.from_hf({**cfg, "rms_norm_eps": None, "max_position_embeddings": None})
     assert nulls.rms_norm_eps == 1e-6 and nulls.max_position_embeddings == 2048
+
+
+def test_gguf_conversions_are_shared_by_content_not_path(tmp_path, monkeypatch):
+    """Two copies of one GGUF file (the package in two virtual environments) share a
+    conversion; a file with other bytes gets its own; the hash is remembered per path."""
+    from specdecode.models import loader
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_convert(src, out):
+        calls.append(src)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr("specdecode.models.gguf_convert.convert_gguf", fake_convert)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = tmp_path / "a" / "m.gguf"
+    first.write_bytes(b"GGUF" + bytes(range(256)) * 100)
+    shutil.copy(first, tmp_path / "b" / "m.gguf")
+    out_a = loader.convert_gguf_cached(first)
+    out_b = loader.convert_gguf_cached(tmp_path / "b" / "m.gguf")
+    assert out_a == out_b and len(calls) == 1
+    index = json.loads((tmp_path / "cache" / "models" / "gguf-sha256.json").read_text())
+    assert len(index) == 2 and len(set(index.values())) == 1
+    other = tmp_path / "c.gguf"
+    other.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 100)
+    assert loader.convert_gguf_cached(other) != out_a and len(calls) == 2
+    (tmp_path / "b" / "m.gguf").unlink()  # gone: its entry is dropped at the next write
+    (tmp_path / "d.gguf").write_bytes(b"GGUF")
+    loader.convert_gguf_cached(tmp_path / "d.gguf")
+    index = json.loads((tmp_path / "cache" / "models" / "gguf-sha256.json").read_text())
+    assert sorted(Path(k.rsplit(":", 2)[0]).name for k in index) == ["c.gguf", "d.gguf", "m.gguf"]
+    monkeypatch.setattr(loader, "CONVERT_VERSION", loader.CONVERT_VERSION + 1)
+    assert loader.convert_gguf_cached(first) != out_a and len(calls) == 4
