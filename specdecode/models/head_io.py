@@ -194,6 +194,12 @@ def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
     tc = target.config
     # FasterDecoding's Medusa config names no sizes: the tensors' shapes are checked below
     hidden = raw.get("hidden_size", tc.hidden_size if kind == "medusa" else None)
+    if raw.get("target_hidden_size") == tc.hidden_size and hidden != tc.hidden_size:
+        raise InvalidRequestError(
+            f"{path}: the head's own hidden size ({hidden}) differs from its target's "
+            f"({tc.hidden_size}, its target_hidden_size); heads of another width than their "
+            "target are not supported here"
+        )
     if hidden != tc.hidden_size or raw.get("vocab_size", tc.vocab_size) != tc.vocab_size:
         raise InvalidRequestError(f"{path} was trained for a different target model")
     tensors = _load_tensors(path, allow_pickle)

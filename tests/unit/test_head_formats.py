@@ -148,6 +148,11 @@ def test_speculators_eagle3_variants_load_and_export(target, tmp_path, flags):
     _write(tmp_path / "both", {**config, "norm_before_fc": True, "fc_norm": True}, tensors)
     with pytest.raises(InvalidRequestError, match="exclude each other"):
         load_head(tmp_path / "both", target)
+    narrow = {**config, "target_hidden_size": H}
+    narrow["transformer_layer_config"] = {**LLAMA, "model_type": "llama", "hidden_size": H // 2}
+    _write(tmp_path / "narrow", narrow, tensors)
+    with pytest.raises(InvalidRequestError, match="another width"):
+        load_head(tmp_path / "narrow", target)
 
 
 @pytest.mark.parametrize("bias", [True, False])
