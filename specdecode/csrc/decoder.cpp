@@ -179,7 +179,8 @@ void dense_attention(const at::Tensor& q, const at::Tensor& cache_k, const at::T
 
 }  // namespace
 
-// Returns {final hidden [T, hidden] (after the last norm), captured layer inputs...}.
+// Returns {final hidden [T, hidden] (after the last norm), captured layer inputs...}; layer
+// `layers` (one past the last) is the residual stream the last layer leaves, before the norm.
 std::vector<at::Tensor> forward_layers(
     at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv,
     const at::Tensor& slot_mapping, int64_t kv_start, int64_t kv_end, const at::Tensor& kv_slots,
@@ -283,6 +284,8 @@ std::vector<at::Tensor> forward_layers(
   }
   at::Tensor final_h = at::empty({T, Hd}, f32);
   rmsnorm_rows(mp, Hd, res, fptr(weights.back()), final_h.data_ptr<float>(), Hd, T, Hd, d.eps);
+  for (auto c : capture)
+    if (c == layers) out.push_back(residual.clone());  // after the last layer, before the norm
   out[0] = final_h;
   return out;
 }

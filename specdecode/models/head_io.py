@@ -318,7 +318,8 @@ def _load_eagle3(raw: dict, tensors: dict[str, torch.Tensor], tc: ModelConfig):
     sglang = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if not layers and sglang:  # SGLang counts a feature as the output of the layer before
         layers = [int(i) + 1 for i in sglang]
-    if layers and not all(0 <= int(x) < tc.num_layers for x in layers):
+    # layer N (one past the last) is the last layer's output, before the final norm
+    if layers and not all(0 <= int(x) <= tc.num_layers for x in layers):
         raise InvalidRequestError(
             f"the EAGLE-3 head reads features of layers {list(layers)}; the target has "
             f"{tc.num_layers}: it was trained for another target"

@@ -155,7 +155,8 @@ class DecoderLayer(nn.Module):
 @dataclass
 class ModelOutput:
     hidden: torch.Tensor  # [T, hidden] final feature (after the last norm), input of the LM head
-    captured: list[torch.Tensor]  # each [T, hidden]: the residual stream entering a chosen layer
+    # each [T, hidden]: the residual stream entering a chosen layer (layer N: leaving the last)
+    captured: list[torch.Tensor]
 
 
 class LlamaModel(nn.Module):
@@ -213,6 +214,7 @@ class LlamaModel(nn.Module):
             # in layer order, once per request of the layer (as the fast path captures)
             captured += [h] * capture_layers.count(i)
             h = layer(h, cos, sin, meta)
+        captured += [h] * capture_layers.count(len(self.layers))  # the last layer's output
         return ModelOutput(self.norm(h), captured)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
@@ -254,6 +256,8 @@ class LlamaModel(nn.Module):
             if i in capture_layers:
                 captured.append(h)
             h = layer.forward_dense(h, cos, sin)
+        if len(self.layers) in capture_layers:
+            captured.append(h)
         return ModelOutput(self.norm(h), captured)
 
     # ---- weights -------------------------------------------------------------------------------

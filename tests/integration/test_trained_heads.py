@@ -728,3 +728,31 @@ def test_heads_train_on_a_qwen3_target_and_export(tmp_path):
         )
         assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(12))] == want
         assert spec.engine.spec_stats.num_drafts > 0
+
+
+def test_a_head_reading_the_last_layers_output_drafts_losslessly(plain, tiny_llama_dir, tmp_path):
+    """Feature layer N (one past the last: the last layer's output before the final norm, which
+    speculators' `--include-last-layer` heads read): data stores it, a head trains on it and
+    drafts from it, token-identical to plain decoding."""
+    from specdecode.models.loader import load_model
+
+    convs = [
+        (f"c{i}", [{"role": "user", "content": f"say {i % 7} {i % 5} {i}"}]) for i in range(24)
+    ]
+    generate(plain, convs, tmp_path / "data", shard_size=12, max_tokens=24, feature_layers=(1, 2))
+    target = load_model(tiny_llama_dir).model.requires_grad_(False)
+    cfg = HeadTrainConfig(
+        draft_vocab=64, steps=40, batch_tokens=512, lr=3e-3, warmup=5, eval_examples=8
+    )
+    train_eagle3(target, tmp_path / "data", tmp_path / "head", cfg, [2])
+    written = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert written["eagle_aux_hidden_state_layer_ids"] == [1, 2]
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={"method": "eagle3", "model": str(tmp_path / "head"), "topk": 1},
+        speculative_policy="static",
+    )
+    assert spec.engine.runner.feature_layers == (1, 2)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(24))]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(24))] == want
+    assert spec.engine.spec_stats.num_accepted_tokens > 0

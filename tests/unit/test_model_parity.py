@@ -64,15 +64,23 @@ def test_captured_layer_inputs_match_hf_hidden_states(ours_and_hf):
     ids = list(range(7, 30))
     r = Runner(ours)
     # a layer asked for twice is captured twice, on both paths (a feature layout is positional)
-    capture = (0, 1, 1)
+    capture = (0, 1, 1, 2)  # 2 = N: the last layer's output, before the final norm
     _, out = r.feed([r.new_seq()], [ids], capture=capture)
     with torch.no_grad():
         hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
     # hidden_states[i] is the input of layer i; the last entry has the final norm applied.
     assert len(out.captured) == len(capture)
-    for k, layer in enumerate(capture):
+    for k, layer in enumerate(capture[:-1]):
         torch.testing.assert_close(out.captured[k], hs[layer][0], atol=ATOL, rtol=0)
     torch.testing.assert_close(out.hidden, hs[-1][0], atol=ATOL, rtol=0)
+    last = out.captured[-1]
+    assert not torch.allclose(last, out.hidden, atol=1e-2)  # (before the norm)
+    with torch.no_grad():
+        torch.testing.assert_close(hf.model.norm(last), out.hidden, atol=ATOL, rtol=0)
+    if ours.fast is None:  # the training forward captures it too
+        with torch.no_grad():
+            dense = ours.forward_dense(torch.tensor([ids]), capture_layers=(0, 2))
+        torch.testing.assert_close(dense.captured[1][0], last, atol=ATOL, rtol=0)
 
 
 def test_dense_forward_matches_transformers(ours_and_hf):
