@@ -25,7 +25,6 @@ temperature.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 
 import numpy as np
@@ -41,9 +40,77 @@ LONG = 8  # a second index's key: where the last 8 tokens occurred before, those
 MAX_CANDIDATES = 256  # the most recent matches of a key that vote (bounds a step's work)
 
 
+_MULT = np.uint64(0x9E3779B97F4A7C15)  # the window hash's multiplier (odd, 64-bit)
+
+
+def window_hashes(tokens: np.ndarray, width: int) -> np.ndarray:
+    """[len - width + 1] a 64-bit polynomial hash of every `width`-token window of `tokens`
+    (wrapping arithmetic), as int64; the same for the corpus and a query."""
+    t = tokens.astype(np.uint64)
+    n = len(t) - width + 1
+    h = np.zeros(max(n, 0), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for i in range(width):
+            h = h * _MULT + t[i : i + n]
+    return h.view(np.int64)
+
+
+class KeyIndex:
+    """key -> the absolute positions it was added at, ascending. A run sorted by (key,
+    position), searched by bisection, and the newest entries (at most `PENDING`) in one small
+    array scanned directly, inserted into the run when it fills (a sort of the few, then one
+    linear copy of the run). 16 bytes an entry: a dict of lists took about 200 (401 MB for a
+    1M-token corpus of distinct 2-grams)."""
+
+    PENDING = 4096
+
+    def __init__(self) -> None:
+        self._keys = np.empty(0, dtype=np.int64)
+        self._pos = np.empty(0, dtype=np.int64)
+        self._new_keys = np.empty(0, dtype=np.int64)
+        self._new_pos = np.empty(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._keys) + len(self._new_keys)
+
+    @property
+    def pending(self) -> int:
+        return len(self._new_keys)
+
+    def add(self, keys: np.ndarray, positions: np.ndarray) -> None:
+        """Entries at positions above every earlier one."""
+        self._new_keys = np.concatenate([self._new_keys, keys.astype(np.int64)])
+        self._new_pos = np.concatenate([self._new_pos, positions.astype(np.int64)])
+        if len(self._new_keys) > self.PENDING:
+            self._merge()
+
+    def _merge(self) -> None:
+        order = np.argsort(self._new_keys, kind="stable")  # equal keys: positions ascending
+        keys, pos = self._new_keys[order], self._new_pos[order]
+        at = np.searchsorted(self._keys, keys, "right")  # after the older positions of a key
+        self._keys, self._pos = np.insert(self._keys, at, keys), np.insert(self._pos, at, pos)
+        self._new_keys, self._new_pos = self._new_keys[:0], self._new_pos[:0]
+
+    def find(self, key: int, floor: int, most: int) -> np.ndarray:
+        """The last `most` positions of `key` at or above `floor`, ascending."""
+        recent = self._new_pos[self._new_keys == key]
+        lo, hi = np.searchsorted(self._keys, key, "left"), np.searchsorted(self._keys, key, "right")
+        old = self._pos[max(lo, hi - max(most - len(recent), 0)) : hi]
+        found = np.concatenate([old, recent])[-most:] if most > 0 else recent[:0]
+        return found[np.searchsorted(found, floor) :]
+
+    def drop_below(self, floor: int) -> None:
+        """Forget the entries below `floor` (evicted answers'): one vectorised pass."""
+        keep = self._pos >= floor
+        self._keys, self._pos = self._keys[keep], self._pos[keep]
+        keep = self._new_pos >= floor
+        self._new_keys, self._new_pos = self._new_keys[keep], self._new_pos[keep]
+
+
 class SuffixCorpus:
-    """The outputs of finished requests, oldest evicted first, indexed by 2-grams. Positions in
-    the index are absolute (since the corpus began); the buffer holds those from `_base` on."""
+    """The outputs of finished requests, oldest evicted first, indexed by their 2-grams and by
+    the hashes of their 8-token windows. Positions in the indexes are absolute (since the
+    corpus began); the buffer holds those from `_base` on."""
 
     def __init__(self, max_requests: int, max_tokens: int) -> None:
         self.max_requests = max_requests
@@ -54,11 +121,11 @@ class SuffixCorpus:
         self._docs: deque[tuple[int, int]] = deque()  # absolute [start, end) of each answer
         self._tokens = 0  # tokens of the answers held
         self._floor = 0  # absolute positions below this were evicted
-        # (a, b) -> absolute positions p (ascending) with (a, b) just before p: where a
-        # continuation of that 2-gram starts; and the same by the hash of the 8 tokens before
-        # p, so a long match is found however common its last two tokens are
-        self._index: dict[tuple[int, int], list[int]] = {}
-        self._long: dict[int, list[int]] = {}
+        # position p is indexed under the 2 tokens before it (where a continuation of that
+        # 2-gram starts) and under the hash of the 8 before it, so a long match is found
+        # however common its last two tokens are
+        self._index = KeyIndex()
+        self._long = KeyIndex()
 
     def __len__(self) -> int:
         return len(self._docs)
@@ -77,23 +144,22 @@ class SuffixCorpus:
     def add(self, tokens: list[int]) -> None:
         if self.max_requests <= 0 or len(tokens) <= KEY:
             return
-        tokens = tokens[-self.max_tokens :]
-        n = len(tokens)
+        toks = np.asarray(tokens[-self.max_tokens :], dtype=np.int64)
+        n = len(toks)
         if self._len + n + 1 > len(self._buf):
             grown = np.full(max(2 * len(self._buf), self._len + n + 1), SEP, dtype=np.int64)
             grown[: self._len] = self._buf[: self._len]
             self._buf = grown
-        self._buf[self._len : self._len + n] = tokens
+        self._buf[self._len : self._len + n] = toks
         self._buf[self._len + n] = SEP
         start = self._base + self._len
         self._len += n + 1
         self._docs.append((start, start + n))
         self._tokens += n
-        index, long = self._index, self._long
-        for p in range(KEY, n):  # a continuation must follow the key
-            index.setdefault((tokens[p - 2], tokens[p - 1]), []).append(start + p)
-        for p in range(LONG, n):
-            long.setdefault(hash(tuple(tokens[p - LONG : p])), []).append(start + p)
+        # a continuation must follow the key: positions KEY..n-1 (LONG..n-1)
+        self._index.add(pair_keys(toks[:-2], toks[1:-1]), start + np.arange(KEY, n))
+        if n > LONG:
+            self._long.add(window_hashes(toks[:-1], LONG)[: n - LONG], start + np.arange(LONG, n))
         while len(self._docs) > self.max_requests or self._tokens > self.max_tokens:
             s, e = self._docs.popleft()
             self._tokens -= e - s
@@ -103,46 +169,35 @@ class SuffixCorpus:
             self._compact()
 
     def _compact(self) -> None:
-        """Drop the evicted answers: the buffer's dead prefix (one numpy copy), and the index's
-        dead entries (a pass over its keys, not its tokens; lookups trim what this leaves). On
-        the engine's thread, once per live corpus's worth of evicted tokens: 0.41 s at the
-        1M-token cap with a million distinct 2-grams (random tokens; text has fewer), where
-        rebuilding the indexes would take seconds (2-core EPYC VM)."""
+        """Drop the evicted answers: the buffer's dead prefix and the indexes' dead entries
+        (numpy copies; lookups skip what is below the floor meanwhile). On the engine's thread,
+        once per live corpus's worth of evicted tokens."""
         dead = self._floor - self._base
         self._buf = self._buf[dead:].copy()
         self._len -= dead
         self._base = self._floor
-        floor = self._floor
-        for index in (self._index, self._long):
-            for key in list(index):
-                found = index[key]
-                if found[-1] < floor:
-                    del index[key]
-                elif found[0] < floor:
-                    del found[: bisect.bisect_left(found, floor)]
+        self._index.drop_below(self._floor)
+        self._long.drop_below(self._floor)
 
     def candidates(self, context: np.ndarray) -> np.ndarray:
         """Buffer positions where continuations of the most recent live occurrences of the
         context's last 8 tokens start, or where there are none, of its last 2."""
+        buf, base = self._buf, self._base
         if len(context) >= LONG:
-            found = self._live(self._long, hash(tuple(context[-LONG:].tolist())))
+            key = int(window_hashes(np.asarray(context[-LONG:]), LONG)[0])
+            found = self._long.find(key, self._floor, MAX_CANDIDATES) - base
             if found.size:  # (a hash collision is weeded out by its last two tokens)
-                buf = self._buf
                 found = found[(buf[found - 1] == context[-1]) & (buf[found - 2] == context[-2])]
                 if found.size:
                     return found
-        return self._live(self._index, (int(context[-2]), int(context[-1])))
+        a, b = np.asarray(context[-2:], dtype=np.int64)
+        key = int(pair_keys(np.array([a]), np.array([b]))[0])
+        return self._index.find(key, self._floor, MAX_CANDIDATES) - base
 
-    def _live(self, index: dict, key) -> np.ndarray:
-        found = index.get(key)
-        if not found:
-            return np.empty(0, dtype=np.int64)
-        if found[0] < self._floor:  # evicted entries are a prefix: trim them
-            del found[: bisect.bisect_left(found, self._floor)]
-            if not found:
-                del index[key]
-                return np.empty(0, dtype=np.int64)
-        return np.asarray(found[-MAX_CANDIDATES:], dtype=np.int64) - self._base
+
+def pair_keys(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """One int64 per 2-gram (token ids are below 2**31)."""
+    return (a.astype(np.int64) << 32) | b.astype(np.int64)
 
 
 def own_candidates(context: np.ndarray) -> np.ndarray:

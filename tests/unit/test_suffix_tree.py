@@ -8,6 +8,7 @@ import pytest
 
 from specdecode.drafters.suffix import (
     SEP,
+    KeyIndex,
     SuffixCorpus,
     SuffixDrafter,
     continuations,
@@ -92,7 +93,7 @@ def test_a_long_match_is_found_behind_many_recent_short_ones():
         drafter.corpus.add([1000 + i, 1000 + i, old[18], old[19], 2000 + i])
     context = arr([7] + old[:20])  # the old answer again, 20 tokens in
     assert drafter.draft(context, 5)[1] == old[20:25]
-    drafter.corpus._long.clear()  # the 2-gram index alone: the 256 most recent vote
+    drafter.corpus._long = KeyIndex()  # the 2-gram index alone: the 256 most recent vote
     assert drafter.draft(context, 5)[1] == []
 
 
@@ -145,3 +146,29 @@ def test_the_chain_is_the_likeliest_path():
 def test_a_too_shallow_tree_depth_is_refused(depth):
     with pytest.raises(ValueError):
         SuffixDrafter(max_tree_depth=depth)
+
+
+def test_key_index_finds_the_most_recent_positions_as_a_dict_of_lists_would(monkeypatch):
+    """Against a dict of lists on random keys: across merged runs and unmerged chunks, with a
+    floor, and after dropping evicted entries."""
+    monkeypatch.setattr(KeyIndex, "PENDING", 50)
+    rng = np.random.default_rng(3)
+    index, ref, pos, both = KeyIndex(), {}, 0, False
+    for _ in range(60):
+        keys = rng.integers(0, 12, rng.integers(1, 40))
+        positions = pos + np.arange(len(keys)) * 2
+        pos = int(positions[-1]) + 5
+        index.add(keys, positions)
+        both = both or 0 < index.pending < len(index)
+        for k, p in zip(keys.tolist(), positions.tolist(), strict=True):
+            ref.setdefault(k, []).append(p)
+        floor = int(rng.integers(0, pos))
+        for k in range(13):
+            for most in (1, 7, 1000):
+                want = [p for p in ref.get(k, []) if p >= floor][-most:]
+                assert index.find(k, floor, most).tolist() == want, (k, floor, most)
+    assert both  # lookups ran with entries in both parts
+    index.drop_below(pos // 2)
+    assert len(index) == sum(p >= pos // 2 for v in ref.values() for p in v)
+    for k in range(13):
+        assert index.find(k, 0, 1000).tolist() == [p for p in ref.get(k, []) if p >= pos // 2]
