@@ -325,11 +325,12 @@ def _load_eagle3(raw: dict, tensors: dict[str, torch.Tensor], tc: ModelConfig):
             f"{tc.num_layers}: it was trained for another target"
         )
     head = Eagle3Head(tc, int(vocab_n), tuple(int(x) for x in layers) if layers else None)
-    # vLLM reads a speculators config's missing norm_before_residual as true, others' as false;
-    # the other variants are off unless named (top level, or NVIDIA's `eagle_config`)
+    # as vLLM 0.34 reads them: the variants from the top level, norm_before_fc from NVIDIA's
+    # `eagle_config` first; a speculators config's missing norm_before_residual as true
+    flags = {k: bool(raw.get(k, False)) for k in head.variant}
     nested = raw.get("eagle_config") or {}
-    flags = {k: bool(raw.get(k, nested.get(k, False))) for k in head.variant}
-    if "norm_before_residual" not in raw and "norm_before_residual" not in nested:
+    flags["norm_before_fc"] = bool(nested.get("norm_before_fc", flags["norm_before_fc"]))
+    if "norm_before_residual" not in raw:
         flags["norm_before_residual"] = "speculators_model_type" in raw
     try:
         head.set_variant(**flags)

@@ -148,6 +148,10 @@ def test_speculators_eagle3_variants_load_and_export(target, tmp_path, flags):
     _write(tmp_path / "both", {**config, "norm_before_fc": True, "fc_norm": True}, tensors)
     with pytest.raises(InvalidRequestError, match="exclude each other"):
         load_head(tmp_path / "both", target)
+    if "norm_before_fc" in flags:  # NVIDIA's checkpoints name it under eagle_config (first)
+        nvidia = {**config, "norm_before_fc": False, "eagle_config": {"norm_before_fc": True}}
+        _write(tmp_path / "nvidia", nvidia, tensors)
+        assert load_head(tmp_path / "nvidia", target).variant["norm_before_fc"]
     narrow = {**config, "target_hidden_size": H}
     narrow["transformer_layer_config"] = {**LLAMA, "model_type": "llama", "hidden_size": H // 2}
     _write(tmp_path / "narrow", narrow, tensors)
