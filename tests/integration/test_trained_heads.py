@@ -756,3 +756,28 @@ def test_a_head_reading_the_last_layers_output_drafts_losslessly(plain, tiny_lla
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(24))]
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(24))] == want
     assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_an_eagle3_variant_head_continues_training_as_that_variant(heads, tiny_llama_dir, tmp_path):
+    """--init from a head with speculators' variants (as an imported EAGLE 3.1 checkpoint has):
+    the run keeps them, and the head it writes says so and loads as one."""
+    from specdecode.models.head_io import load_head, save_head
+    from specdecode.models.loader import load_model
+
+    root, _ = heads
+    target = load_model(tiny_llama_dir).model.requires_grad_(False)
+    head = load_head(root / "eagle3", target)
+    trained = {k: v.clone() for k, v in head.state_dict().items()}
+    head.set_variant(norm_before_fc=True, norm_output=True)
+    head.load_state_dict(trained, strict=False)
+    save_head(head, tmp_path / "variant", target.config, {})
+    cfg = HeadTrainConfig(draft_vocab=64, steps=3, batch_tokens=512, warmup=1, eval_examples=8,
+                          lr=3e-2, init=str(tmp_path / "variant"))  # fmt: skip
+    assert train_eagle3(target, root / "data", tmp_path / "out", cfg, [2])["steps_done"] == 3
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["norm_before_fc"] is True and written["norm_output"] is True
+    again = load_head(tmp_path / "out", target)
+    assert again.variant == {**head.variant}
+    assert not torch.equal(
+        again.input_norm.weight, head.input_norm.weight.to(torch.bfloat16).float()
+    )
