@@ -660,19 +660,32 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from specdecode.export import export_head, serve_command
+    from specdecode.export import export_head, export_notes, serve_command
     from specdecode.models.head_io import head_kind
-    from specdecode.models.loader import load_model
+    from specdecode.models.loader import DEFAULT_MODEL, load_model
+    from specdecode.models.registry import REGISTRY
 
     loaded = load_model(args.model)
-    name = args.target_name or (
-        "HuggingFaceTB/SmolLM2-135M-Instruct" if args.model is None else str(loaded.path)
-    )
-    kind = head_kind(Path(args.head))
-    config = export_head(Path(args.head), loaded.model, args.format, Path(args.out), name)
+    # the target's Hugging Face id where it is known: a speculators checkpoint names its
+    # verifier, and vLLM serves one alone only if that is a Hub id
+    if args.target_name:
+        hub = args.target_name
+    elif args.model in (None, "default", DEFAULT_MODEL):
+        hub = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    elif args.model in REGISTRY:
+        hub = REGISTRY[args.model].hub_id or None
+    else:
+        hub = None
+    name = hub or str(loaded.path)
+    head = Path(args.head)
+    kind = head_kind(head) or "eagle3"
+    ours = json.loads((head / "config.json").read_text()).get("specdecode_head") or {}
+    config = export_head(head, loaded.model, args.format, Path(args.out), name)
     print(f"wrote {args.out}; serve it with:")
     heads = config.get("num_heads")
-    print("  " + serve_command(args.format, kind or "eagle3", name, str(args.out), heads))
+    print("  " + serve_command(args.format, kind, name, str(args.out), heads, remote=bool(hub)))
+    for note in export_notes(args.format, kind, ours.get("draft_vocab_size"), remote=bool(hub)):
+        print(f"note: {note}")
 
 
 def cmd_models(args: argparse.Namespace) -> None:

@@ -95,15 +95,24 @@ def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | N
     tensors = _unfused(head, head.config)
     _llama_layer(tensors, fmt, c.hidden_size)
     n_draft = head.lm_head.out_features
-    vocab = head.vocab_ids if head.vocab_ids is not None else torch.arange(c.vocab_size)
-    tensors["d2t"], tensors["t2d"] = vocab_maps(vocab, c.vocab_size)
+    if n_draft < c.vocab_size:
+        tensors["d2t"], tensors["t2d"] = vocab_maps(head.vocab_ids, c.vocab_size)
+    elif head.vocab_ids is not None:  # the whole vocabulary, in some order: the target's order
+        # (vLLM has no draft-to-target map for a full-size draft vocabulary and refuses d2t)
+        rows = torch.empty_like(tensors["lm_head.weight"])
+        rows[head.vocab_ids.cpu()] = tensors["lm_head.weight"]
+        tensors["lm_head.weight"] = rows
     aux = list(head.aux_layers)
     if fmt == "speculators":
         tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach()
         config = {
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": "eagle3",
-            "transformer_layer_config": _llama_keys(head.config),
+            # vLLM sizes fc by num_aux_hidden_states (3 unless said), not by the layer ids
+            "transformer_layer_config": {
+                **_llama_keys(head.config),
+                "num_aux_hidden_states": len(aux),
+            },
             "draft_vocab_size": n_draft,
             **head.variant,  # norm_before_residual always: vLLM reads a missing one as true
             "target_hidden_size": None,
@@ -126,11 +135,6 @@ def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | N
             },
         }
         return tensors, config
-    if head.norm_before_residual:
-        raise InvalidRequestError(
-            "this head normalises before the residual (speculators' variant); export it with "
-            "--format speculators"
-        )
     variants = [k for k, on in head.variant.items() if on]
     if variants and fmt == "sglang":
         raise InvalidRequestError(
@@ -145,6 +149,7 @@ def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | N
     }
     if fmt == "vllm":
         config["eagle_aux_hidden_state_layer_ids"] = aux  # the layers they enter
+        config["num_aux_hidden_states"] = len(aux)  # (what sizes vLLM's fc: 3 unless said)
         config.update(head.variant)  # vLLM's llama_eagle3 reads each flag from the config
     else:  # SGLang counts a feature as the output of the layer before
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]}
@@ -207,8 +212,35 @@ def _medusa(head: MedusaHeads, target: LlamaModel, fmt: str):
     return tensors, config
 
 
+def export_notes(
+    fmt: str, kind: str, draft_vocab: int | None = None, remote: bool = True
+) -> list[str]:
+    """What the serving side should know about an export (printed by the CLI)."""
+    notes = []
+    if kind == "medusa":
+        notes.append("vLLM 0.32 is the last release with Medusa (0.33 removed it); SGLang has none")
+    if kind == "eagle" and draft_vocab:
+        notes.append(
+            f"this EAGLE-1 head drafts over {draft_vocab} tokens here; "
+            "EAGLE-1 layouts have no field for a draft vocabulary, so vLLM and SGLang draft it "
+            "over the target's whole LM head (still lossless; its drafts can differ)"
+        )
+    if fmt == "speculators" and not remote:
+        notes.append(
+            "the verifier named in config.json is a local directory: vLLM serves a speculators "
+            "checkpoint alone only when its verifier is a Hub id (--target-name sets one), so "
+            "the command above names the target itself"
+        )
+    return notes
+
+
 def serve_command(
-    fmt: str, kind: str, target: str, head_dir: str, num_heads: int | None = None
+    fmt: str,
+    kind: str,
+    target: str,
+    head_dir: str,
+    num_heads: int | None = None,
+    remote: bool = True,
 ) -> str:
     """The command that serves an exported head (printed by the CLI, listed in the README).
     Medusa drafts as many tokens as it has heads: vLLM sets the config's head count to
@@ -221,8 +253,8 @@ def serve_command(
             f"--speculative-draft-model-path {head_dir} --speculative-num-steps 5 "
             "--speculative-eagle-topk 4 --speculative-num-draft-tokens 8"
         )
-    if fmt == "speculators":
-        return f"vllm serve {head_dir}"
+    if fmt == "speculators" and remote:
+        return f"vllm serve {head_dir}"  # the target comes from speculators_config
     k = num_heads if kind == "medusa" and num_heads else 5
     return (
         f"vllm serve {target} --speculative-config "

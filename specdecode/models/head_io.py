@@ -59,7 +59,8 @@ def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> No
         eagle3 = isinstance(head, Eagle3Head)
         if eagle3:  # SafeAILab's EAGLE-3 names: the layer is `midlayer`, the map is d2t / t2d
             tensors = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
-            tensors["d2t"], tensors["t2d"] = vocab_maps(head.vocab_ids, c.vocab_size)
+            if head.vocab_ids is not None:  # (a head over the whole vocabulary has no map)
+                tensors["d2t"], tensors["t2d"] = vocab_maps(head.vocab_ids, c.vocab_size)
         config = {
             "architectures": ["LlamaForCausalLMEagle3" if eagle3 else "EagleLlamaForCausalLM"],
             **head.config.hf_dict(num_layers=1),  # the head's own layer shape

@@ -34,6 +34,7 @@ class PullableModel:
     parts: int
     size: int
     sha256: str
+    hub_id: str = ""  # the original model's Hugging Face id (what other engines serve)
 
 
 REGISTRY = {
@@ -47,6 +48,7 @@ REGISTRY = {
             22,
             1117320768,
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            "Qwen/Qwen2.5-Coder-1.5B-Instruct",
         ),
         PullableModel(
             "qwen2.5-coder-0.5b",
@@ -56,6 +58,7 @@ REGISTRY = {
             6,
             491400064,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            "Qwen/Qwen2.5-Coder-0.5B-Instruct",
         ),
     )
 }

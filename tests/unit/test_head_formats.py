@@ -349,6 +349,24 @@ def test_serve_commands_draft_as_many_tokens_as_a_medusa_head_has_heads():
     assert '"method": "eagle3"' in eagle and '"num_speculative_tokens": 5' in eagle
 
 
+def test_serve_commands_and_notes_say_what_the_serving_side_needs():
+    """vLLM serves a speculators checkpoint alone only if its verifier is a Hub id: with a
+    local target the command names the target; Medusa left vLLM after 0.32; an EAGLE-1 head's
+    draft vocabulary does not travel."""
+    from specdecode.export import export_notes, serve_command
+    from specdecode.models.registry import REGISTRY
+
+    assert serve_command("speculators", "eagle3", "org/t", "out/s") == "vllm serve out/s"
+    local = serve_command("speculators", "eagle3", "/models/t", "out/s", remote=False)
+    assert local.startswith("vllm serve /models/t --speculative-config") and "out/s" in local
+    assert any("local directory" in n for n in export_notes("speculators", "eagle3", remote=False))
+    assert export_notes("speculators", "eagle3", remote=True) == []
+    assert any("0.32" in n for n in export_notes("vllm", "medusa"))
+    assert any("12288 tokens" in n for n in export_notes("vllm", "eagle", 12288))
+    assert export_notes("vllm", "eagle", None) == []
+    assert all(m.hub_id.startswith("Qwen/") for m in REGISTRY.values())
+
+
 def test_heads_of_qwen_targets_export_as_llama_layers(tmp_path):
     """A Qwen2 target's head has q/k/v biases: vLLM's Llama layer takes them with
     `attention_bias`, which also gives o_proj a bias (written as zeros, read back as none);
@@ -497,3 +515,33 @@ def test_a_head_whose_config_disagrees_with_its_tensors_is_refused(target, tmp_p
     _write(tmp_path, config, _unfused(head, CFG))
     with pytest.raises(InvalidRequestError, match="shape"):
         load_head(tmp_path, target)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_eagle3_exports_load_as_vllm_builds_them(target, tmp_path, fmt):
+    """What vLLM 0.34's llama_eagle3 needs: no d2t for a draft vocabulary as large as the
+    target's (it has no map then and refuses one; our rows are put in the target's order), the
+    number of feature layers (its fc is 3 wide unless told), and speculators' residual variant
+    kept. A head over the whole vocabulary is saved without a map too."""
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(0))
+    head = _eagle3(target, perm)
+    head.set_variant(norm_before_residual=True)
+    assert len(head.aux_layers) == 2
+    save_head(head, tmp_path / "ours", CFG, {})
+    config = export_head(tmp_path / "ours", target, fmt, tmp_path / fmt, "org/target")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / fmt / "model.safetensors"), "pt") as f:
+        assert "d2t" not in f.keys() and "t2d" not in f.keys()
+    layer = config["transformer_layer_config"] if fmt == "speculators" else config
+    assert layer["num_aux_hidden_states"] == 2
+    assert config["norm_before_residual"] is True
+    loaded = load_head(tmp_path / fmt, target)
+    assert loaded.vocab_ids is None and loaded.norm_before_residual
+    x = torch.randn(3, H)
+    with torch.no_grad():  # the same distribution, in the target's token order
+        torch.testing.assert_close(loaded.logits(x)[:, perm], head.logits(x))
+    whole = _eagle3(target, perm)
+    whole.vocab_ids = None
+    save_head(whole, tmp_path / "whole", CFG, {})
+    assert load_head(tmp_path / "whole", target).vocab_ids is None
