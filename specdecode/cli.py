@@ -679,8 +679,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     name = hub or str(loaded.path)
     head = Path(args.head)
     kind = head_kind(head) or "eagle3"
-    ours = json.loads((head / "config.json").read_text()).get("specdecode_head") or {}
     config = export_head(head, loaded.model, args.format, Path(args.out), name)
+    ours = json.loads((head / "config.json").read_text()).get("specdecode_head") or {}
     print(f"wrote {args.out}; serve it with:")
     heads = config.get("num_heads")
     print("  " + serve_command(args.format, kind, name, str(args.out), heads, remote=bool(hub)))
