@@ -384,6 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
                 help="fraction of the run (by steps or time) that unrolls fewer steps, 1 up to "
                 "--ttt-steps - 1 in equal shares (cheaper steps while the head learns the basics)",
             )
+            th.add_argument(
+                "--variant",
+                default="",
+                help="speculators' EAGLE-3 variants, comma-separated: norm_before_residual, "
+                "norm_before_fc, fc_norm, norm_output (speculators 0.9 trains "
+                "norm_before_fc,norm_output by default; vLLM reads all four; SGLang none). "
+                "Default: none. A continued head (--init) keeps its own",
+            )
         else:
             th.add_argument("--noise", type=float, default=0.1, help="U(-a, a) feature noise")
             th.add_argument("--ce-weight", type=float, default=0.1)
@@ -603,7 +611,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         extra = {
             "medusa": lambda: {"num_heads": args.num_heads},
             "eagle": lambda: {"noise": args.noise, "ce_weight": args.ce_weight},
-            "eagle3": lambda: {"ttt_steps": args.ttt_steps, "ttt_ramp": args.ttt_ramp},
+            "eagle3": lambda: {
+                "ttt_steps": args.ttt_steps,
+                "ttt_ramp": args.ttt_ramp,
+                "variant": args.variant,
+            },
         }[args.train]()
         hcfg = HeadTrainConfig(
             draft_vocab=args.draft_vocab,

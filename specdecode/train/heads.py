@@ -60,6 +60,8 @@ class HeadTrainConfig:
     # the first `ttt_ramp` of the run (a fraction, by steps or time) unrolls fewer steps: 1, 2,
     # ... ttt_steps - 1 in equal shares, then ttt_steps (one step costs about a quarter of four)
     ttt_ramp: float = 0.0
+    # speculators' EAGLE-3 variants, comma-separated (`Eagle3Head.set_variant`); "" = none
+    variant: str = ""
     # continue from this head (same kind and draft vocabulary) instead of a fresh start
     init: str | None = None
     # stop after this many minutes if `steps` are not done by then; the learning-rate schedule
@@ -755,8 +757,15 @@ def train_eagle3(
         )
     vocab = tr.vocab_ids if tr.vocab_ids is not None else torch.arange(target.config.vocab_size)
     head = Eagle3Head(_layer_config(target, tr), vocab.numel(), layers)
+    asked = variant_flags(cfg.variant)
     if isinstance(tr.init_head, Eagle3Head):  # a continued head keeps its variant
-        head.set_variant(**tr.init_head.variant)
+        if cfg.variant and asked != tr.init_head.variant:
+            raise DataError(
+                f"{cfg.init} is a head with {tr.init_head.variant}; a continued head keeps its "
+                "variant (leave --variant out)"
+            )
+        asked = tr.init_head.variant
+    head.set_variant(**asked)
     if not cfg.init:  # a continued head takes every weight from its earlier run
         _identity_start3(head, target, tr.lm_rows)
     head = head.float().to(tr.device)
@@ -783,6 +792,18 @@ def train_eagle3(
 
     evaluate = _unrolled_evaluation(tr, head, inputs)
     return tr.run(head, loss_fn, evaluate, out_dir, "eagle3", {"aux_layers": list(layers)})
+
+
+def variant_flags(spec: str) -> dict[str, bool]:
+    """`--variant norm_before_fc,norm_output` -> `Eagle3Head.set_variant`'s flags."""
+    names = {"norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"}
+    given = [x.strip() for x in spec.split(",") if x.strip()]
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise DataError(f"unknown EAGLE-3 variant {unknown}; choose from {sorted(names)}")
+    if {"norm_before_fc", "fc_norm"} <= set(given):
+        raise DataError("norm_before_fc and fc_norm exclude each other")
+    return {name: name in given for name in sorted(names)}
 
 
 @torch.no_grad()

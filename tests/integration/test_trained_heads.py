@@ -781,3 +781,35 @@ def test_an_eagle3_variant_head_continues_training_as_that_variant(heads, tiny_l
     assert not torch.equal(
         again.input_norm.weight, head.input_norm.weight.to(torch.bfloat16).float()
     )
+
+
+def test_eagle3_trains_as_a_speculators_variant(plain, heads, tiny_llama_dir, tmp_path):
+    """`train eagle3 --variant norm_before_fc,norm_output` (speculators 0.9's default recipe):
+    the head trains, says so in its config, loads as one, and drafts losslessly."""
+    from specdecode.models.loader import load_model
+    from specdecode.train.heads import variant_flags
+
+    root, _ = heads
+    target = load_model(tiny_llama_dir).model.requires_grad_(False)
+    cfg = HeadTrainConfig(draft_vocab=64, steps=30, batch_tokens=512, lr=3e-3, warmup=5,
+                          eval_examples=8, variant="norm_before_fc, norm_output")  # fmt: skip
+    history = train_eagle3(target, root / "data", tmp_path / "v", cfg, [2])
+    assert history["after"]["ce"] < history["before"]["ce"]
+    written = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert written["norm_before_fc"] is True and written["norm_output"] is True
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={"method": "eagle3", "model": str(tmp_path / "v"), "topk": 1},
+        speculative_policy="static",
+    )
+    assert spec.engine.drafter.head.variant["norm_output"]
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(20))]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(20))] == want
+    with pytest.raises(DataError, match="unknown EAGLE-3 variant"):
+        variant_flags("norm_before_fc,typo")
+    with pytest.raises(DataError, match="exclude"):
+        variant_flags("norm_before_fc,fc_norm")
+    again = HeadTrainConfig(draft_vocab=64, steps=1, batch_tokens=512, warmup=1, eval_examples=8,
+                            init=str(tmp_path / "v"), variant="fc_norm")  # fmt: skip
+    with pytest.raises(DataError, match="keeps its variant"):
+        train_eagle3(target, root / "data", tmp_path / "w", again, [2])
