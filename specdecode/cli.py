@@ -389,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
                 default="",
                 help="speculators' EAGLE-3 variants, comma-separated: norm_before_residual, "
                 "norm_before_fc, fc_norm, norm_output (speculators 0.9 trains "
-                "norm_before_fc,norm_output by default; vLLM reads all four; SGLang none). "
+                "norm_before_fc,norm_output by default; vLLM reads all four, SGLang 0.5.23 all "
+                "but norm_before_residual). "
                 "Default: none. A continued head (--init) keeps its own",
             )
         else:
@@ -696,7 +697,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}; serve it with:")
     heads = config.get("num_heads")
     print("  " + serve_command(args.format, kind, name, str(args.out), heads, remote=bool(hub)))
-    for note in export_notes(args.format, kind, ours.get("draft_vocab_size"), remote=bool(hub)):
+    draft_vocab = ours.get("draft_vocab_size")
+    for note in export_notes(args.format, kind, draft_vocab, bool(hub), config):
         print(f"note: {note}")
 
 

@@ -135,11 +135,11 @@ def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | N
             },
         }
         return tensors, config
-    variants = [k for k, on in head.variant.items() if on]
-    if variants and fmt == "sglang":
+    if head.norm_before_residual and fmt == "sglang":  # (SGLang 0.5.23 reads the other three)
         raise InvalidRequestError(
-            f"this head uses {', '.join(variants)} (EAGLE-3 variants of speculators' config); "
-            "export it with --format vllm or --format speculators"
+            "this head normalises before the residual (speculators' norm_before_residual), "
+            "which SGLang's EAGLE-3 layer does not do; export it with --format vllm or "
+            "--format speculators"
         )
     tensors = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
     config = {
@@ -153,6 +153,7 @@ def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | N
         config.update(head.variant)  # vLLM's llama_eagle3 reads each flag from the config
     else:  # SGLang counts a feature as the output of the layer before
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]}
+        config.update({k: v for k, v in head.variant.items() if v})  # (read by 0.5.23)
     return tensors, config
 
 
@@ -213,10 +214,23 @@ def _medusa(head: MedusaHeads, target: LlamaModel, fmt: str):
 
 
 def export_notes(
-    fmt: str, kind: str, draft_vocab: int | None = None, remote: bool = True
+    fmt: str,
+    kind: str,
+    draft_vocab: int | None = None,
+    remote: bool = True,
+    config: dict | None = None,
 ) -> list[str]:
     """What the serving side should know about an export (printed by the CLI)."""
     notes = []
+    config = config or {}
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    flags = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if config.get(k)]
+    if fmt == "sglang" and kind == "eagle3" and (flags or (ids and (len(ids) != 3 or -1 in ids))):
+        notes.append(
+            "serve it with SGLang 0.5.23 or later (the release it was checked against): 0.5.5 "
+            "builds fc for 3 features, cannot capture the embeddings (layer id -1) and reads "
+            "none of speculators' variants"
+        )
     if kind == "medusa":
         notes.append("vLLM 0.32 is the last release with Medusa (0.33 removed it); SGLang has none")
     if kind == "eagle" and draft_vocab:

@@ -139,12 +139,18 @@ def test_speculators_eagle3_variants_load_and_export(target, tmp_path, flags):
     assert {k: True for k in flags}.items() <= json.loads(
         (tmp_path / "ours" / "config.json").read_text()
     ).items()
-    for fmt in ("vllm", "speculators"):
+    from specdecode.export import export_notes
+
+    for fmt in ("vllm", "speculators", "sglang"):  # (SGLang 0.5.23 reads these three)
         written = export_head(tmp_path / "ours", target, fmt, tmp_path / fmt, "org/target")
         assert all(written[k] is True for k in flags)
         _same_eagle(head, load_head(tmp_path / fmt, target))
+    notes = export_notes("sglang", "eagle3", config=written)
+    assert any("0.5.23" in n for n in notes)
+    loaded.set_variant(norm_before_residual=True)
+    save_head(loaded, tmp_path / "nbr", CFG, {})
     with pytest.raises(InvalidRequestError, match="format vllm or --format speculators"):
-        export_head(tmp_path / "ours", target, "sglang", tmp_path / "sg")
+        export_head(tmp_path / "nbr", target, "sglang", tmp_path / "sg")
     _write(tmp_path / "both", {**config, "norm_before_fc": True, "fc_norm": True}, tensors)
     with pytest.raises(InvalidRequestError, match="exclude each other"):
         load_head(tmp_path / "both", target)
@@ -364,6 +370,10 @@ def test_serve_commands_and_notes_say_what_the_serving_side_needs():
     assert any("0.32" in n for n in export_notes("vllm", "medusa"))
     assert any("12288 tokens" in n for n in export_notes("vllm", "eagle", 12288))
     assert export_notes("vllm", "eagle", None) == []
+    smol = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
+    assert export_notes("sglang", "eagle3", config=smol) == []  # any SGLang loads it
+    tiny = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [-1, 0]}}
+    assert any("0.5.23" in n for n in export_notes("sglang", "eagle3", config=tiny))
     assert all(m.hub_id.startswith("Qwen/") for m in REGISTRY.values())
 
 
