@@ -675,7 +675,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     from specdecode.export import export_head, export_notes, serve_command
     from specdecode.models.head_io import head_kind
-    from specdecode.models.loader import DEFAULT_MODEL, load_model
+    from specdecode.models.loader import DEFAULT_HUB_ID, DEFAULT_MODEL, load_model
     from specdecode.models.registry import REGISTRY
 
     loaded = load_model(args.model)
@@ -684,7 +684,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     if args.target_name:
         hub = args.target_name
     elif args.model in (None, "default", DEFAULT_MODEL):
-        hub = "HuggingFaceTB/SmolLM2-135M-Instruct"
+        hub = DEFAULT_HUB_ID
     elif args.model in REGISTRY:
         hub = REGISTRY[args.model].hub_id or None
     else:

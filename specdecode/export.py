@@ -24,7 +24,13 @@ import torch
 
 from specdecode.errors import InvalidRequestError
 from specdecode.models.head_io import _unfused, load_head
-from specdecode.models.heads import Eagle3Head, EagleHead, MedusaHeads, vocab_maps
+from specdecode.models.heads import (
+    EAGLE3_VARIANTS,
+    Eagle3Head,
+    EagleHead,
+    MedusaHeads,
+    vocab_maps,
+)
 from specdecode.models.llama import LlamaModel
 
 FORMATS = ("vllm", "sglang", "speculators")
@@ -224,7 +230,7 @@ def export_notes(
     notes = []
     config = config or {}
     ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    flags = [k for k in ("norm_before_fc", "fc_norm", "norm_output") if config.get(k)]
+    flags = [k for k in EAGLE3_VARIANTS if config.get(k)]  # (norm_before_residual: refused)
     if fmt == "sglang" and kind == "eagle3" and (flags or (ids and (len(ids) != 3 or -1 in ids))):
         notes.append(
             "serve it with SGLang 0.5.23 or later (the release it was checked against): 0.5.5 "

@@ -283,6 +283,10 @@ def vocab_maps(vocab_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, 
     return vocab - torch.arange(vocab.numel()), t2d
 
 
+# speculators' EAGLE-3 variants, as config.json names them (`Eagle3Head.set_variant`)
+EAGLE3_VARIANTS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
 def eagle3_aux_layers(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's low, mid and high layers: the residual streams entering layers 2, N//2, N-3
     (distinct layers of a smaller model's own span when it has fewer than 6)."""
@@ -351,12 +355,9 @@ class Eagle3Head(EagleHead):
     @property
     def variant(self) -> dict[str, bool]:
         """`set_variant`'s flags, as config.json names them."""
-        return {
-            "norm_before_residual": self.norm_before_residual,
-            "norm_before_fc": self.input_norm is not None,
-            "fc_norm": self.fc_norm is not None,
-            "norm_output": self.norm_output,
-        }
+        on = (self.norm_before_residual, self.input_norm is not None, self.fc_norm is not None,
+              self.norm_output)  # fmt: skip
+        return dict(zip(EAGLE3_VARIANTS, on, strict=True))
 
     def attach(self, embed: nn.Embedding, vocab_ids: torch.Tensor | None) -> None:  # type: ignore[override]
         if vocab_ids is not None and vocab_ids.numel() != self.lm_head.out_features:

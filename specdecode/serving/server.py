@@ -444,12 +444,11 @@ def run_server(args) -> None:
     from specdecode.cli import engine_kwargs
     from specdecode.config import EngineConfig
     from specdecode.engine.engine import LLMEngine
+    from specdecode.models.loader import DEFAULT_HUB_ID
 
     kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs}
     core = LLMEngine(EngineConfig(model=args.model, **kwargs))
-    name = args.served_model_name or (
-        "HuggingFaceTB/SmolLM2-135M-Instruct" if args.model is None else args.model
-    )
+    name = args.served_model_name or (DEFAULT_HUB_ID if args.model is None else args.model)
     api_key = args.api_key or os.environ.get("SPECDECODE_API_KEY")
     engine = AsyncLLMEngine(core)
     app = build_app(

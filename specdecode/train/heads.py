@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from specdecode.errors import DataError
 from specdecode.models.head_io import save_head
-from specdecode.models.heads import Eagle3Head, EagleHead, MedusaHeads
+from specdecode.models.heads import EAGLE3_VARIANTS, Eagle3Head, EagleHead, MedusaHeads
 from specdecode.models.llama import LlamaModel
 from specdecode.train.datagen import Example, iter_examples, shard_metadata
 from specdecode.train.draft import frequent_tokens
@@ -796,7 +796,7 @@ def train_eagle3(
 
 def variant_flags(spec: str) -> dict[str, bool]:
     """`--variant norm_before_fc,norm_output` -> `Eagle3Head.set_variant`'s flags."""
-    names = {"norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"}
+    names = set(EAGLE3_VARIANTS)
     given = [x.strip() for x in spec.split(",") if x.strip()]
     unknown = sorted(set(given) - names)
     if unknown:
