@@ -85,19 +85,25 @@ def test_safeailab_eagle3_layout(target, tmp_path):
     _same_eagle(head, loaded)
 
 
+def _speculators_config(draft_vocab: int, **extra) -> dict:
+    """A speculators EAGLE-3 config.json for the tiny target's layer shape."""
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": {**LLAMA, "model_type": "llama"},
+        "draft_vocab_size": draft_vocab,
+        **extra,
+        "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "x"}},
+    }
+
+
 def test_speculators_eagle3_layout(target, tmp_path):
     vocab = torch.tensor([1, 2, 7, 60])
     head = _eagle3(target, vocab)
     head.norm_before_residual = True
     tensors = _unfused(head, CFG)
     tensors["d2t"] = vocab - torch.arange(4)
-    config = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "transformer_layer_config": {**LLAMA, "model_type": "llama"},
-        "draft_vocab_size": 4,
-        "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "x"}},
-    }  # norm_before_residual absent: speculators' default (true) applies
+    config = _speculators_config(4)  # norm_before_residual absent: vLLM reads it as true
     _write(tmp_path, config, tensors)
     loaded = load_head(tmp_path, target)
     assert loaded.norm_before_residual
@@ -111,8 +117,8 @@ def test_speculators_eagle3_layout(target, tmp_path):
 )
 def test_speculators_eagle3_variants_load_and_export(target, tmp_path, flags):
     """speculators' EAGLE-3 variants (vLLM reads them too): the norms load under speculators'
-    names and compute; vLLM and speculators exports carry them; SGLang's is refused; both
-    norms at once are refused."""
+    names and compute; vLLM, speculators and SGLang exports carry them (SGLang refuses only
+    norm_before_residual); both norms at once are refused."""
     vocab = torch.tensor([1, 2, 7, 60])
     head = _eagle3(target, vocab)
     head.set_variant(**flags)
@@ -122,15 +128,7 @@ def test_speculators_eagle3_variants_load_and_export(target, tmp_path, flags):
     assert ("input_norm.weight" in tensors) == ("norm_before_fc" in flags)
     assert ("fc_norm.1.weight" in tensors) == ("fc_norm" in flags)
     tensors["d2t"] = vocab - torch.arange(4)
-    config = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "transformer_layer_config": {**LLAMA, "model_type": "llama"},
-        "draft_vocab_size": 4,
-        "norm_before_residual": False,
-        **flags,
-        "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "x"}},
-    }
+    config = _speculators_config(4, norm_before_residual=False, **flags)
     _write(tmp_path / "in", config, tensors)
     loaded = load_head(tmp_path / "in", target)
     assert loaded.variant == {**dict.fromkeys(loaded.variant, False), **flags}
