@@ -190,8 +190,7 @@ class SuffixCorpus:
                 found = found[(buf[found - 1] == context[-1]) & (buf[found - 2] == context[-2])]
                 if found.size:
                     return found
-        a, b = np.asarray(context[-2:], dtype=np.int64)
-        key = int(pair_keys(np.array([a]), np.array([b]))[0])
+        key = int(pair_keys(context[-2:-1], context[-1:])[0])
         return self._index.find(key, self._floor, MAX_CANDIDATES) - base
 
 
