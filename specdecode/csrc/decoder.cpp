@@ -181,12 +181,15 @@ void dense_attention(const at::Tensor& q, const at::Tensor& cache_k, const at::T
 
 // Returns {final hidden [T, hidden] (after the last norm), captured layer inputs...}; layer
 // `layers` (one past the last) is the residual stream the last layer leaves, before the norm.
+// `attn_in` (non-empty: [T, K0] fp32) is the first layer's attention input as given, instead of
+// input_norm(h): an EAGLE head's one layer reads [norm(embedding); norm(hidden)] (K0 = 2 hidden)
+// or its fc output unnormalised, with `h` as the residual; its qkv weight is packed with K0.
 std::vector<at::Tensor> forward_layers(
     at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv,
     const at::Tensor& slot_mapping, int64_t kv_start, int64_t kv_end, const at::Tensor& kv_slots,
     const at::Tensor& query_index, const at::Tensor& query_valid, const at::Tensor& mask_in,
     const std::vector<at::Tensor>& weights, std::vector<int64_t> dims_in, double eps,
-    bool bf16_activations, const std::vector<int64_t>& capture) {
+    bool bf16_activations, const std::vector<int64_t>& capture, const at::Tensor& attn_in) {
   Dims d{dims_in[0], dims_in[1], dims_in[2], dims_in[3], dims_in[4], eps, bf16_activations};
   const int64_t layers = (static_cast<int64_t>(weights.size()) - 1) / kPerLayer;
   const int64_t T = h.size(0), Hd = d.hidden, D = d.head_dim;
@@ -197,6 +200,10 @@ std::vector<at::Tensor> forward_layers(
   TORCH_CHECK(slot_map.scalar_type() == at::kLong && slot_map.numel() == T, "bad slot_mapping");
   const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
   const at::Tensor mask = mask_in.numel() ? mask_in.contiguous() : mask_in;
+  const at::Tensor ain = attn_in.numel() ? attn_in.contiguous() : attn_in;
+  TORCH_CHECK(!ain.numel() || (ain.scalar_type() == at::kFloat && ain.dim() == 2 &&
+                               ain.size(0) == T), "attn_in must be fp32 [T, K0]");
+  const int64_t k0 = ain.numel() ? ain.size(1) : Hd;
 
   // Where the queries look.
   at::Tensor qi_t, qv_t;
@@ -242,13 +249,17 @@ std::vector<at::Tensor> forward_layers(
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = &weights[l * kPerLayer];
     // For l > 0 the previous MLP output is added to the residual first (fused).
-    if (l == 0)
+    const bool given = l == 0 && ain.numel();
+    if (l == 0 && !given)
       rmsnorm_rows(res, Hd, nullptr, fptr(w[0]), xp, Hd, T, Hd, d.eps);
-    else
+    else if (l > 0)
       rmsnorm_rows(mp, Hd, res, fptr(w[0]), xp, Hd, T, Hd, d.eps);
     for (auto c : capture)
       if (c == l) out.push_back(residual.clone());  // the residual stream entering layer l
-    linear_rows(xp, Hd, T, w[1], W, Hd, fptr(w[2]), qkvp, W, d.bf16_activations);
+    if (given)
+      linear_rows(fptr(ain), k0, T, w[1], W, k0, fptr(w[2]), qkvp, W, d.bf16_activations);
+    else
+      linear_rows(xp, Hd, T, w[1], W, Hd, fptr(w[2]), qkvp, W, d.bf16_activations);
     float* qp = qkvp;
     float* kp = qkvp + qs;
     float* vp = qkvp + qs + kvs;

@@ -52,6 +52,6 @@ std::vector<at::Tensor> forward_layers(
     const at::Tensor& slot_mapping, int64_t kv_start, int64_t kv_end, const at::Tensor& kv_slots,
     const at::Tensor& query_index, const at::Tensor& query_valid, const at::Tensor& mask,
     const std::vector<at::Tensor>& weights, std::vector<int64_t> dims, double eps,
-    bool bf16_activations, const std::vector<int64_t>& capture);
+    bool bf16_activations, const std::vector<int64_t>& capture, const at::Tensor& attn_in);
 
 }  // namespace specdecode

@@ -207,10 +207,12 @@ constexpr int64_t kGroup = kAvx512 ? 4 : 2;
 enum class Kind { kF32, kBf16, kBf16Dot, kI8, kI8Dot, kI4Dot };
 constexpr int64_t kI4Group = 128;  // k's per int4 scale (kernels.py reads it: int4_group())
 
-// Software prefetch on the AVX2 fp32 path (see `run`); switchable for A/B measurements.
+// Software prefetch of the weight stream at 2+ rows (see `run`); switchable for A/B
+// measurements.
 static bool g_prefetch = true;
 void set_prefetch(bool on) { g_prefetch = on; }
-constexpr int64_t kPrefetchAhead = 1024;  // bytes ahead in each panel (16 k-steps)
+constexpr int64_t kPrefetchSteps = 32;  // k-steps ahead (AVX-512 fp32 and vdpbf16ps tiles)
+constexpr int64_t kPrefetchAhead = 1024;  // AVX2 fp32: bytes ahead in each panel (16 k-steps)
 
 // Blocks per micro-tile for MR rows, keeping the accumulators (MR * CB * kVecs) within the
 // register file: 32 zmm with AVX-512 (MR * CB <= 16), 16 ymm with AVX2 (up to 12 accumulators:
@@ -264,7 +266,7 @@ struct TileArgs {
   int64_t ldy;
   int64_t N;
   const float* bias;
-  bool pf_ahead = false;  // AVX2 fp32: prefetch each panel 1 KiB ahead of the loads (`run`)
+  int64_t prefetch = 0;  // bytes ahead of its loads that a tile prefetches each step (0: none)
   const float* scale = nullptr;  // int8: per-output scales
   const int32_t* wsum = nullptr;  // int8 dot: per-output sums of the quantised weights
   const float* xscale = nullptr;  // int8 dot: per-row activation scales
@@ -297,6 +299,8 @@ void tile(const TileArgs& a, const void* wblock, int64_t sstride_bytes, int64_t 
       // 32 registers: load the tile's weight vectors, then one broadcast per row.
       const float* x = static_cast<const float*>(a.x);
       vf wv[CB];
+      if (a.prefetch)
+        for (int c = 0; c < CB; ++c) _mm_prefetch(p0 + c * bstride_bytes + a.prefetch, _MM_HINT_T0);
       for (int c = 0; c < CB; ++c) wv[c] = load(reinterpret_cast<const float*>(p0 + c * bstride_bytes));
       for (int m = 0; m < MR; ++m) {
         const vf xv = set1(x[m * a.ldx + s]);
@@ -308,8 +312,8 @@ void tile(const TileArgs& a, const void* wblock, int64_t sstride_bytes, int64_t 
       // weight from memory once per row makes the loop load-bound (~60% of peak at 4 rows).
       const float* x = static_cast<const float*>(a.x);
       vf wv[CB][V];
-      if (a.pf_ahead)
-        for (int c = 0; c < CB; ++c) _mm_prefetch(p0 + c * bstride_bytes + kPrefetchAhead, _MM_HINT_T0);
+      if (a.prefetch)
+        for (int c = 0; c < CB; ++c) _mm_prefetch(p0 + c * bstride_bytes + a.prefetch, _MM_HINT_T0);
       for (int c = 0; c < CB; ++c)
         for (int v = 0; v < V; ++v)
           wv[c][v] = load(reinterpret_cast<const float*>(p0 + c * bstride_bytes) + v * kLanes);
@@ -367,6 +371,8 @@ void tile(const TileArgs& a, const void* wblock, int64_t sstride_bytes, int64_t 
 #if defined(__AVX512F__)
       const uint32_t* x = static_cast<const uint32_t*>(a.x);
       __m512i wv[CB];
+      if (a.prefetch)  // the group's blocks are one contiguous run: its lines a step ahead
+        for (int c = 0; c < CB; ++c) _mm_prefetch(p0 + a.prefetch + c * 64, _MM_HINT_T0);
       for (int c = 0; c < CB; ++c) wv[c] = _mm512_loadu_si512(p0 + c * bstride_bytes);
       for (int m = 0; m < MR; ++m) {
         const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(x[m * a.ldx + s]));
@@ -528,15 +534,25 @@ void run(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
                    blocks_for_rows(static_cast<int>(tail)))
         : static_cast<int>(G);
     // With a few rows a tile issues its loads too slowly for the hardware prefetcher to keep
-    // DRAM busy: prefetch each panel ahead (AVX2 fp32, 2..rows rows; M = 1 keeps the hardware
-    // prefetcher busy by itself and measured slower with it).  Measured on Zen 3, forward +
-    // LM head of SmolLM2 over 4 tokens: ~10% faster.
-    const bool pf_ahead = KIND == Kind::kF32 && !kAvx512 && g_prefetch && M >= 2 && M <= rows;
+    // DRAM busy (the out-of-order window holds fewer steps ahead as each step does more work):
+    // prefetch each panel ahead at 2+ rows (M = 1 keeps the hardware prefetcher busy by itself
+    // and measured slower with it on Zen 3).  AVX2 fp32 (2..rows rows): 1 KiB ahead, forward +
+    // LM head of SmolLM2 over 4 tokens ~10% faster on Zen 3.  AVX-512 fp32 and vdpbf16ps:
+    // kPrefetchSteps steps ahead; on Zen 4 (SmolLM2, same measure, the two interleaved) bf16
+    // 4 / 6 / 8 tokens ~6 / 10 / 13% faster, fp32 ~5 / 6 / 12%; 4x the distance was slower
+    // at 2-4 rows in fp32 (its 4 panels are 4 streams), a quarter of it gained little.
+    const bool pf_rows = g_prefetch && M >= 2;
+    int64_t pf_bytes = 0;
+    if (KIND == Kind::kF32 && !kAvx512 && M <= rows) pf_bytes = kPrefetchAhead;
+    if (KIND == Kind::kF32 && kAvx512) pf_bytes = kPrefetchSteps * 64;
     for (int64_t b = u0 * G; b < b1;) {
       const int cb = static_cast<int>(std::min<int64_t>(cb_full, b1 - b));
       // fp32: block c starts at its panel; bf16: group g holds its cb blocks
       // interleaved, one 64-byte line each per step.
       const int64_t sstride = KIND == Kind::kF32 ? 64 : cb * 64;
+      const int64_t pf = !pf_rows                    ? 0
+                         : KIND == Kind::kBf16Dot ? kPrefetchSteps * sstride
+                                                  : pf_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int mr = static_cast<int>(std::min<int64_t>(rows, M - m0));
         const int step = std::min(cb, tile_blocks<KIND>(mr));
@@ -545,7 +561,7 @@ void run(const TileArgs& a, int64_t M, const char* w, int64_t nblocks) {
         sub.y = a.y + m0 * a.ldy;
         if (a.xscale) sub.xscale = a.xscale + m0;
         if (a.xsum) sub.xsum = a.xsum + m0 * a.ldxs;
-        sub.pf_ahead = pf_ahead;
+        sub.prefetch = pf;
         for (int c = 0; c < cb; c += step) {
           const int n = std::min(step, cb - c);
           const char* wc =
@@ -1307,7 +1323,7 @@ namespace py = pybind11;
 using namespace specdecode;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("set_prefetch", &set_prefetch, "AVX2 fp32 software prefetch on/off (A/B measurements)");
+  m.def("set_prefetch", &set_prefetch, "software prefetch at 2+ rows on/off (A/B measurements)");
   m.def("linear", &linear, "y = x @ W^T (+ bias) with a packed fp32/bf16/int8 weight", py::arg("x"),
         py::arg("w"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(),
         py::arg("bf16_activations") = false);

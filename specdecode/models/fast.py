@@ -103,6 +103,7 @@ class FastPath:
             self.eps,
             self.bf16_activations,
             list(capture_layers),
+            _EMPTY,
         )
         return ModelOutput(out[0], list(out[1:]))
 

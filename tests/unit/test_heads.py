@@ -202,6 +202,82 @@ def test_eagle3_variants_draft_as_they_train(target, variant):
         head.set_variant(norm_before_fc=True, fc_norm=True)
 
 
+def _eagle3(target, variant: dict) -> EagleHead:
+    from specdecode.models.heads import Eagle3Head
+
+    torch.manual_seed(1)
+    head = Eagle3Head(CFG, 7, (0, 1))
+    head.set_variant(**variant)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    head.attach(target.embed_tokens, torch.tensor([0, 3, 5, 8, 13, 21, 34]))
+    return head.eval()
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["eagle", "eagle-own-shape", "eagle3", "eagle3-norm_output", "eagle3-norm_before_residual"],
+)
+def test_a_packed_heads_layer_loop_equals_its_eager_layer(target, kind):
+    """On the CPU kernels a head's decoder layer runs as one C++ call (`_FastLayer`): it
+    computes what the eager layer computes on the same packed weights, for catch-up rows of
+    several sequences (padded metadata), a tree level (masks) and one sequence alone (a slot
+    range), and writes the same head cache."""
+    import copy
+
+    from specdecode import kernels
+
+    if not kernels.available():
+        pytest.skip("no CPU kernels here")
+    if kind.startswith("eagle3"):
+        variant = kind.split("-")[1] if "-" in kind else None
+        head = _eagle3(target, {variant: True} if variant else {})
+    else:
+        head = eagle(target, layer=OWN_HEAD_LAYER if "own" in kind else None)
+    fast = copy.deepcopy(head)
+    fast.accelerate(torch.float32)
+    slow = copy.deepcopy(head)
+    slow.accelerate(torch.float32)
+    slow._fast = None  # the eager layer on the same packed projections
+    assert fast._fast is not None
+    caches, outs = [], []
+    torch.manual_seed(3)
+    ids = torch.randint(0, 96, (12,)).tolist()
+    feats = torch.randn(12, head.feature_size)
+    for h in (fast, slow):
+        manager, cache = BlockManager(32, 4), KVCache(h.config, 32, 4)
+        cache.kv.zero_()  # (allocated empty: compare the slots written)
+        a, b, c = SeqBlocks(), SeqBlocks(), SeqBlocks()
+        for blocks, n in ((a, 12), (b, 8), (c, 8)):
+            manager.allocate(blocks, n)
+        got = []
+        with torch.no_grad():
+            # catch-up: 7 entries of a, 3 of b (padded metadata)
+            meta = build_metadata(cache.kv, manager, [a, b], [7, 3])
+            pos = torch.tensor(list(range(7)) + list(range(3)))
+            first = h(torch.tensor(ids[:7] + ids[:3]), torch.cat([feats[:7], feats[:3]]), pos, meta)
+            a.length, b.length = 7, 3
+            got.append(first)
+            # a tree level fed the heads' own outputs: two siblings each, with masks
+            level = torch.stack([first[6], first[6], first[9], first[9]])
+            mask = torch.eye(2, dtype=torch.bool)  # siblings see their ancestors and themselves
+            meta = build_metadata(cache.kv, manager, [a, b], [2, 2], [mask, mask])
+            got.append(
+                h(torch.tensor(ids[7:9] + ids[3:5]), level, torch.tensor([7, 7, 3, 3]), meta)
+            )
+            # one sequence alone: its context in consecutive slots (kv_range), causal
+            meta = build_metadata(cache.kv, manager, [c], [5])
+            assert meta.kv_range is not None
+            got.append(h(torch.tensor(ids[:5]), feats[:5], torch.arange(5), meta))
+            got.append(h.logits(got[-1]))
+        outs.append(got)
+        caches.append(cache.kv.clone())
+    for x, y in zip(*outs, strict=True):
+        torch.testing.assert_close(x, y, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(caches[0], caches[1], atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle-own-layer-shape"])
 def test_head_checkpoint_round_trip(target, tmp_path, kind):
     vocab = torch.tensor([1, 2, 3, 50, 60])
