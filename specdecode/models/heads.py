@@ -61,7 +61,10 @@ class VocabProjection(nn.Module):
     def pack(self, dtype: torch.dtype) -> None:
         from specdecode import kernels
 
-        self.packed = kernels.pack(self.weight, dtype=dtype)
+        # bf16 activations with bf16 weights where the CPU has vdpbf16ps, as `_PackedLinear`
+        self.packed = kernels.pack(
+            self.weight, dtype=dtype, bf16_activations=dtype == torch.bfloat16
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and not torch.is_grad_enabled():
@@ -109,14 +112,18 @@ class MedusaHeads(nn.Module):
 
 
 class _PackedLinear(nn.Module):
-    """An inference-only stand-in for nn.Linear on the CPU small-M kernels."""
+    """An inference-only stand-in for nn.Linear on the CPU small-M kernels. bf16 weights take
+    bf16 activations where the CPU multiplies bf16 pairs (vdpbf16ps: half the compute of a tree
+    level's rows; a head only proposes, so its rounding never touches exactness)."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
         super().__init__()
         from specdecode import kernels
 
         bias = linear.bias.detach().float() if linear.bias is not None else None
-        self.p = kernels.pack(linear.weight.detach(), bias, dtype=dtype)
+        self.p = kernels.pack(
+            linear.weight.detach(), bias, dtype=dtype, bf16_activations=dtype == torch.bfloat16
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from specdecode import kernels
@@ -281,6 +288,7 @@ class _FastLayer:
         layer = head.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
         qkv = attn.qkv_proj.p
+        self.bf16_activations = qkv.bf16_activations  # as `_PackedLinear` packed them all
 
         def f32(t: torch.Tensor) -> torch.Tensor:
             return t.detach().float().contiguous()
@@ -325,7 +333,7 @@ class _FastLayer:
             self.weights,
             self.dims,
             self.eps,
-            False,  # the head's packs take fp32 activations (`_PackedLinear`)
+            self.bf16_activations,
             [1],
             x.float(),
         )
