@@ -66,6 +66,7 @@ _BF16_FLAG = "avx512_bf16"
 _VNNI_FLAG = "avx512_vnni"
 _AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 AMX_ENV = "SPECDECODE_AMX"  # "0": keep bf16 projections on vdpbf16ps where AMX exists
+PREFETCH_ENV = "SPECDECODE_PREFETCH"  # "0": no software prefetch of the weights at 2+ rows
 _BLOCK = 16  # outputs per packed block, must match the C++ kBlock
 
 _lock = threading.Lock()
@@ -158,6 +159,8 @@ def load_extension(verbose: bool = False) -> ModuleType | None:
             _ext = _compile(verbose)
             if _ext is not None and os.environ.get(AMX_ENV, "") == "0":
                 _ext.set_amx(False)
+            if _ext is not None and os.environ.get(PREFETCH_ENV, "") == "0":
+                _ext.set_prefetch(False)
         finally:
             _load_attempted = True
     return _ext

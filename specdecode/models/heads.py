@@ -24,6 +24,7 @@ EAGLE `fc.*`, `layers.0.*`), so the loaders of issue 5 map them directly.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -181,8 +182,9 @@ class EagleHead(nn.Module):
         layer.self_attn.o_proj = _PackedLinear(layer.self_attn.o_proj, dtype)
         layer.mlp.gate_up_proj = _PackedLinear(layer.mlp.gate_up_proj, dtype)
         layer.mlp.down_proj = _PackedLinear(layer.mlp.down_proj, dtype)
-        norm = getattr(self, "norm", None)
-        self._fast = _FastLayer(self, norm.weight if norm is not None else None)
+        if os.environ.get(LAYER_LOOP_ENV, "") != "0":
+            norm = getattr(self, "norm", None)
+            self._fast = _FastLayer(self, norm.weight if norm is not None else None)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D] in fp32 for these positions."""
@@ -271,6 +273,9 @@ class EagleHead(nn.Module):
             outs.append(pred)
             x = pred
         return outs
+
+
+LAYER_LOOP_ENV = "SPECDECODE_HEAD_LAYER_LOOP"  # "0": a packed head's layer runs op by op
 
 
 class _FastLayer:

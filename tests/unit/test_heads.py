@@ -243,6 +243,13 @@ def test_a_packed_heads_layer_loop_equals_its_eager_layer(target, kind, dtype):
     slow.accelerate(dtype)
     slow._fast = None  # the eager layer on the same packed projections
     assert fast._fast is not None
+    with pytest.MonkeyPatch.context() as mp:  # the switch for A/B measurements
+        from specdecode.models.heads import LAYER_LOOP_ENV
+
+        mp.setenv(LAYER_LOOP_ENV, "0")
+        off = copy.deepcopy(head)
+        off.accelerate(dtype)
+        assert off._fast is None
     caches, outs = [], []
     torch.manual_seed(3)
     ids = torch.randint(0, 96, (12,)).tolist()
