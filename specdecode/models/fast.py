@@ -80,35 +80,33 @@ class FastPath:
 
         h = model.embed_tokens(input_ids).float()
         cos, sin = self.cos[positions], self.sin[positions]
-        if meta.kv_range is not None:
-            start, end = meta.kv_range
-            slots = index = valid = _EMPTY
-        else:
-            start = end = -1
-            slots, index, valid = meta.kv_slots, meta.query_index, meta.query_valid
-        out = self.ext.forward_layers(
-            h,
-            cos,
-            sin,
-            meta.kv_cache,
-            meta.slot_mapping,
-            start,
-            end,
-            slots,
-            index,
-            valid,
-            meta.mask if meta.mask is not None else _EMPTY,
-            self.weights,
-            self.dims,
-            self.eps,
-            self.bf16_activations,
-            list(capture_layers),
-            _EMPTY,
-        )
+        out = layer_loop(
+            self.ext, h, cos, sin, meta, self.weights, self.dims, self.eps,
+            self.bf16_activations, list(capture_layers),
+        )  # fmt: skip
         return ModelOutput(out[0], list(out[1:]))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return kernels.linear(hidden.float(), self.lm_head)
+
+
+def layer_loop(
+    ext, h, cos, sin, meta: AttentionMetadata, weights, dims, eps, bf16_activations,
+    capture: list[int], attn_in: torch.Tensor = _EMPTY,
+) -> list[torch.Tensor]:  # fmt: skip
+    """One call of the C++ layer loop (`decoder.cpp`'s forward_layers) over the attention
+    layout of `meta`: [final hidden, captured residual streams...]."""
+    if meta.kv_range is not None:
+        start, end = meta.kv_range
+        slots = index = valid = _EMPTY
+    else:
+        start = end = -1
+        slots, index, valid = meta.kv_slots, meta.query_index, meta.query_valid
+    mask = meta.mask if meta.mask is not None else _EMPTY
+    return ext.forward_layers(
+        h, cos, sin, meta.kv_cache, meta.slot_mapping, start, end, slots, index, valid, mask,
+        weights, dims, eps, bf16_activations, capture, attn_in,
+    )  # fmt: skip
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:

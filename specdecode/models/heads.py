@@ -317,31 +317,12 @@ class _FastLayer:
         self.cos, self.sin = (t.contiguous() for t in rope_table(cfg, torch.float32, "cpu"))
 
     def __call__(self, x, residual, positions, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        if meta.kv_range is not None:
-            start, end = meta.kv_range
-            slots = index = valid = torch.empty(0)
-        else:
-            start = end = -1
-            slots, index, valid = meta.kv_slots, meta.query_index, meta.query_valid
-        out = self.ext.forward_layers(
-            residual.float(),
-            self.cos[positions],
-            self.sin[positions],
-            meta.kv_cache,
-            meta.slot_mapping,
-            start,
-            end,
-            slots,
-            index,
-            valid,
-            meta.mask if meta.mask is not None else torch.empty(0),
-            self.weights,
-            self.dims,
-            self.eps,
-            self.bf16_activations,
-            [1],
-            x.float(),
-        )
+        from specdecode.models.fast import layer_loop
+
+        out = layer_loop(
+            self.ext, residual.float(), self.cos[positions], self.sin[positions], meta,
+            self.weights, self.dims, self.eps, self.bf16_activations, [1], x.float(),
+        )  # fmt: skip
         return out[0], out[1]
 
 

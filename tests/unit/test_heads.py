@@ -138,6 +138,19 @@ def test_eagle_cached_forward_equals_dense_and_unrolled(target, layer):
         torch.testing.assert_close(step2[0], unrolled[2][0, 5], atol=3e-5, rtol=3e-5)
 
 
+def _eagle3(target, variant: dict) -> EagleHead:
+    from specdecode.models.heads import Eagle3Head
+
+    torch.manual_seed(1)
+    head = Eagle3Head(CFG, 7, (0, 1))
+    head.set_variant(**variant)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    head.attach(target.embed_tokens, torch.tensor([0, 3, 5, 8, 13, 21, 34]))
+    return head.eval()
+
+
 VARIANTS3 = [
     {},
     {"norm_before_fc": True},
@@ -154,14 +167,7 @@ def test_eagle3_variants_draft_as_they_train(target, variant):
     (training-time test) forward; each variant changes what the head computes."""
     from specdecode.models.heads import Eagle3Head
 
-    torch.manual_seed(1)
-    head = Eagle3Head(CFG, 7, (0, 1))
-    head.set_variant(**variant)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-    head.attach(target.embed_tokens, torch.tensor([0, 3, 5, 8, 13, 21, 34]))
-    head.eval()
+    head = _eagle3(target, variant)
     assert head.variant == {**dict.fromkeys(head.variant, False), **variant}
     t = 8
     ids = torch.randint(0, 96, (1, t + 3))
@@ -200,19 +206,6 @@ def test_eagle3_variants_draft_as_they_train(target, variant):
                 torch.testing.assert_close(head.forward_dense(x, feats), want)
     with pytest.raises(ValueError, match="exclude"):
         head.set_variant(norm_before_fc=True, fc_norm=True)
-
-
-def _eagle3(target, variant: dict) -> EagleHead:
-    from specdecode.models.heads import Eagle3Head
-
-    torch.manual_seed(1)
-    head = Eagle3Head(CFG, 7, (0, 1))
-    head.set_variant(**variant)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-    head.attach(target.embed_tokens, torch.tensor([0, 3, 5, 8, 13, 21, 34]))
-    return head.eval()
 
 
 @pytest.mark.parametrize(
