@@ -155,6 +155,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_probs = sorted_logits.softmax(-1)
         # Drop a token when the tokens ranked above it already reach top_p (keeps at least one).
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop_sorted[..., 0] = False  # (a top_p below fp32's smallest normal compares as 0)
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)

@@ -4,9 +4,10 @@ that would change the output but are not supported are refused with a clear mess
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specdecode.errors import InvalidRequestError
 from specdecode.sampling import SamplingParams
@@ -46,6 +47,20 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI marks most fields nullable ("or null"; vLLM declares them Optional with a
+        default): a JSON null in a field that takes no None means its default."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or _allows_none(fields[k].annotation)
+        }
 
     @field_validator("stop")
     @classmethod
@@ -217,3 +232,11 @@ class CompletionRequest(_Request):
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
+
+
+def _allows_none(annotation: Any) -> bool:
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    if get_origin(annotation) in (Union, types.UnionType):
+        return any(_allows_none(a) for a in get_args(annotation))
+    return False

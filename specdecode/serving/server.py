@@ -125,6 +125,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             raise bad_request(f"the request body is not valid JSON: {e.msg}") from e
         except RecursionError as e:
             raise bad_request("the request body is nested too deeply") from e
+        except ValueError as e:  # e.g. an integer literal past Python's 4300 digits
+            raise bad_request(f"the request body is not valid JSON: {e}") from e
         if not isinstance(raw, dict):
             raise bad_request("the request body must be a JSON object")
         try:
@@ -193,7 +195,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             text = core.render_chat(messages, "/v1/completions")
         except InvalidRequestError as e:
             raise bad_request(str(e), e.param) from e
-        ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+        ids = encode(text, "messages", add_special_tokens=False)
         max_tokens = check_length(len(ids), req.requested_max_tokens(), "messages")
         params = req.sampling_params(max_tokens, req.requested_logprobs())
         jobs = [(ids, choice_params(params, j)) for j in range(req.n)]
@@ -208,7 +210,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         logprobs = req.requested_logprobs()
         jobs, prompt_tokens = [], 0
         for p in prompts:
-            ids = list(tokenizer(p).input_ids) if isinstance(p, str) else list(p)
+            ids = encode(p, "prompt") if isinstance(p, str) else list(p)
             if not ids:
                 raise bad_request("the prompt is empty", "prompt")
             max_tokens = check_length(len(ids), req.requested_max_tokens(), "prompt")
@@ -216,6 +218,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             jobs += [(ids, choice_params(params, j)) for j in range(req.n)]
             prompt_tokens += len(ids)
         return await respond(request, req, jobs, prompt_tokens, chat=False)
+
+    def encode(text: str, param: str, **kwargs) -> list[int]:
+        try:
+            return list(tokenizer(text, **kwargs).input_ids)
+        except (TypeError, UnicodeEncodeError) as e:  # a lone surrogate ("\ud800") is valid JSON
+            raise bad_request(f"the {param} is not valid Unicode text", param) from e
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -247,6 +255,14 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             for h in handles:
                 h.abort()
             raise APIError(503, str(e), "internal_error") from e
+        except RecursionError as e:  # a schema nested past the event loop's stack
+            for h in handles:
+                h.abort()
+            raise bad_request("the structured output schema is nested too deeply") from e
+        except BaseException:
+            for h in handles:  # the choices added so far do not run on for nobody
+                h.abort()
+            raise
         # usage: a prompt's tokens count once, however many choices it has, and so do its
         # tokens found in the prefix cache (read when the response ends: found on admission)
         n = req.n
@@ -362,7 +378,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         return {
             "tokens": [s for s, _, _ in pieces],
             "token_logprobs": [lp for _, lp, _ in pieces],
-            "top_logprobs": [dict(top) for _, _, top in pieces],
+            # the sampled token is always among them (OpenAI's legacy API and vLLM: up to
+            # logprobs + 1 entries)
+            "top_logprobs": [{**dict(top), s: lp} for s, lp, top in pieces],
             "text_offset": offsets,
         }
 

@@ -234,6 +234,8 @@ BAD = [
     (body(logit_bias={"5": 101}), 400),
     (body(logit_bias={"10000000": 1}), 400),  # not a token of the vocabulary
     (body(seed=2**64), 400),  # not a 64-bit integer (a negative int64 is one: see below)
+    (body(max_tokens=1)[:-1] + b', "seed": 1' + b"1" * 5000 + b"}", 400),  # past int() digits
+    (body(messages=[{"role": "user", "content": "ab\ud800cd"}]), 400),  # a lone surrogate
 ]
 
 
@@ -280,6 +282,31 @@ def test_bad_input_is_a_4xx_and_the_server_keeps_serving(served, client, payload
     assert err["message"] and err["type"] and err["code"] == status
     ok = client.chat.completions.create(model=MODEL, messages=chat_messages("hi"), max_tokens=3)
     assert ok.choices[0].message.content is not None
+
+
+def test_null_fields_take_their_defaults(served, client):
+    """OpenAI marks n, stream, logprobs, echo... nullable: a JSON null means the default."""
+    nulls = {k: None for k in ("n", "stream", "logprobs", "ignore_eos", "top_logprobs")}
+    got, data = raw(served.port, "POST", "/v1/chat/completions", body(max_tokens=3, **nulls))
+    assert got == 200, data
+    assert len(json.loads(data)["choices"]) == 1
+    req = {"prompt": "abc", "max_tokens": 3, "echo": None, "n": None, "stream": None}
+    got, data = raw(served.port, "POST", "/v1/completions", json.dumps(req).encode())
+    assert got == 200, data
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(client):
+    """The legacy API lists the sampled token among each position's top logprobs (up to
+    logprobs + 1 entries), as OpenAI and vLLM do; logprobs 0 lists only it."""
+    for n in (0, 1):
+        r = client.completions.create(
+            model=MODEL, prompt="abcabc", max_tokens=8, temperature=1, seed=3, logprobs=n
+        )
+        lp = r.choices[0].logprobs
+        for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert top[tok] == pytest.approx(value) and len(top) <= n + 1
+            if n == 0:
+                assert len(top) == 1
 
 
 def test_bad_completion_prompts_and_routes(served):

@@ -52,6 +52,9 @@ def test_top_p_keeps_at_least_one_token():
     logits = torch.tensor([[5.0, 0.0, 0.0]])
     p = warp(logits, SamplingParams(temperature=1.0, top_p=0.01))
     assert p[0, 0] == 1 and p[0, 1:].sum() == 0
+    # a top_p below fp32's range compares as 0 against the cumulative sum: the top token stays
+    p = warp(torch.tensor([[0.0, 5.0, 0.0]]), SamplingParams(temperature=1.0, top_p=1e-46))
+    assert p.tolist() == [[0.0, 1.0, 0.0]]
 
 
 def test_seeded_sampling_is_reproducible():
