@@ -122,18 +122,19 @@ def apply(
                 rows[r, ids] = repeat(rows[r, ids])
     pres, freq = params.presence_penalty, params.frequency_penalty
     if pres or freq:
-        if hist.counts:
+        # Each row subtracts freq * count + pres once, from the counts of the output and its
+        # path together: the same arithmetic, bit for bit, as the plain row decoding that
+        # position would compute once the path is output (two subtractions round differently).
+        plain = [r for r, extra in enumerate(histories) if not extra]
+        if hist.counts and plain:
             ids, n = at(list(hist.counts), list(hist.counts.values()))
-            rows[:, ids] -= freq * n + pres
-        for r, extra in enumerate(histories):  # the path's own occurrences on top
-            if not extra:
-                continue
-            path = Counter(extra)
-            delta = [
-                freq * m + (pres if tok not in hist.counts else 0.0) for tok, m in path.items()
-            ]
-            ids, delta = at(list(path), delta)
-            rows[r, ids] -= delta
+            sel = torch.tensor(plain, device=device)[:, None]
+            rows[sel, ids[None]] -= freq * n + pres
+        for r, extra in enumerate(histories):
+            if extra:
+                counts = hist.counts + Counter(extra)
+                ids, n = at(list(counts), list(counts.values()))
+                rows[r, ids] -= freq * n + pres
 
 
 def mask_stops(rows: torch.Tensor, seq: Sequence, depths: list[int], stop_ids: set[int]) -> None:

@@ -63,6 +63,11 @@ def test_every_tree_row_is_processed_as_if_decoded_alone(kw):
     for r in range(len(parents)):
         want = reference(logits[r], params, prompt, output + hist[r])
         torch.testing.assert_close(got[r], want)
+        # and bit for bit what the plain row computes once the path is output (a rounding
+        # apart would flip near-ties between speculative and plain decoding)
+        alone = logits[r : r + 1].clone()
+        apply(alone, Sequence(list(prompt), params, output_token_ids=output + hist[r]), [[]])
+        assert torch.equal(got[r], alone[0]), r
     assert not torch.equal(got, logits)
 
 
