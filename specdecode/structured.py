@@ -154,6 +154,10 @@ class GrammarCompiler:
         return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
 
 
+# A request whose grammar allows no token of the model's vocabulary next ends with this error.
+DEAD_END = "the grammar cannot be continued with this model's vocabulary"
+
+
 def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[n, ceil(V/32)] int32 (bit j of word w: token 32w + j allowed) -> [n, V] bool."""
     bits = torch.arange(32, dtype=torch.int32)

@@ -305,9 +305,14 @@ class LLMEngine:
                 continue
             before = len(seq.output_token_ids)
             if seq.error is None:
+                dead_end = False
                 if seq.matcher is not None:
-                    tokens = self._accept_grammar(seq, tokens)
+                    tokens, dead_end = self._accept_grammar(seq, tokens)
                 self.output.append(seq, tokens, self.runner.logprobs.get(i))
+                if dead_end and seq.finish_reason is None:
+                    from specdecode.structured import DEAD_END
+
+                    seq.error = DEAD_END  # where plain decoding ends, one step later
             if seq.matcher is not None and seq.error is None:
                 self._advance_grammar(seq)
             if seq.error is not None and seq.finish_reason is None:
@@ -492,19 +497,29 @@ class LLMEngine:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         return max(0, min(k, room))
 
-    @staticmethod
-    def _accept_grammar(seq: Sequence, tokens: list[int]) -> list[int]:
-        """Feed the step's tokens to the request's grammar; the ones it takes. A step that
-        accepted the grammar's stop token (a draft node) keeps nothing after it: plain
-        decoding would have ended there, and the bonus token drawn past it is unconstrained
-        (only visible with ignore_eos, where the stop token does not end the request)."""
+    def _accept_grammar(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], bool]:
+        """Feed the step's tokens to the request's grammar; the ones it takes, and whether it
+        stopped at a dead end. A step that accepted the grammar's stop token (a draft node)
+        keeps nothing after it: plain decoding would have ended there, and the bonus token
+        drawn past it is unconstrained (only visible with ignore_eos, where the stop token does
+        not end the request). An accepted draft node after which the grammar allows no token
+        of the vocabulary (its row could not be masked) keeps nothing after it either: plain
+        decoding would emit up to it and then end with the dead end's error."""
+        from specdecode.structured import bitmask_to_bool
+
         m = seq.matcher
         for j, tok in enumerate(tokens):
             if m.is_terminated():
-                return tokens[:j]
-            if not m.accept_token(tok):  # p and q were masked: this cannot happen
+                return tokens[:j], False
+            if not m.accept_token(tok):
+                compiler = self.grammar_compiler()
+                bitmask = compiler.new_bitmask(1)
+                m.fill_next_token_bitmask(bitmask, 0)
+                if j > 0 and not bitmask_to_bool(bitmask, compiler.vocab_size).any():
+                    return tokens[:j], True
+                # p and q were masked: this cannot happen
                 raise RuntimeError(f"the grammar refused token {tok} it had allowed")
-        return tokens
+        return tokens, False
 
     def _advance_grammar(self, seq: Sequence) -> None:
         """Append the tokens the request's grammar forces after the step's (jump-ahead)."""

@@ -308,7 +308,9 @@ class ModelRunner:
             row[: allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
             row[allowed.shape[0] :] = float("-inf")  # padded vocabulary rows
         elif root:  # nothing the grammar allows is a token of this vocabulary
-            seq.error = "the grammar cannot be continued with this model's vocabulary"
+            from specdecode.structured import DEAD_END
+
+            seq.error = DEAD_END
 
     def _keep_accepted(self, seqs, result: VerifyResult) -> None:
         for seq, acc in zip(seqs, result.accepted, strict=True):

@@ -109,6 +109,27 @@ def test_a_grammar_the_vocabulary_cannot_write_ends_with_an_error(plain):
     assert out.finish_reason == "error"
 
 
+def test_a_draft_into_a_dead_end_ends_as_plain_decoding_does(plain, tiny_llama_dir):
+    """A draft the grammar allows but after which it allows no token of the vocabulary (here
+    'c', which only 'é' may follow): accepted, it ends the request with the dead end's error
+    and the tokens plain decoding emits, instead of failing the whole step."""
+    p = SamplingParams(
+        temperature=0, max_tokens=10, structured_output={"regex": "a[abd]*(c\u00e9)?d"},
+        logit_bias={ord("c"): 50.0},
+    )  # fmt: skip
+    want = plain.generate(["acccc"], p)[0].outputs[0]
+    assert want.finish_reason == "error" and want.token_ids == [ord("a"), ord("c")]
+    spec = LLM(
+        str(tiny_llama_dir), speculative_policy="static",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    )  # fmt: skip
+    got = spec.generate(["acccc", "abcabc"], [p, params({"regex": REGEX})])
+    assert (got[0].outputs[0].token_ids, got[0].outputs[0].finish_reason) == (
+        want.token_ids, "error"
+    )  # fmt: skip
+    assert re.fullmatch(REGEX, got[1].outputs[0].text)  # its batch neighbour is unharmed
+
+
 def test_constrained_sampled_distribution_unchanged(sharp_llama_dir, tmp_path):
     """Sampled drafts from a softer draft model (q != p), pruned to the grammar and verified
     with masked p and q: each constrained token is distributed as without speculation
