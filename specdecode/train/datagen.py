@@ -253,21 +253,25 @@ def generate(
     # every position's features are stored: none may come from a cached prefix
     engine.manager.prefix_caching = caching and recorder is None
     waiting: dict[int, list] = {}  # shard -> [(conversation id, prompt ids, Sequence)]
-    for i in todo:
-        waiting[i] = []
-        for cid, messages in conversations[i * shard_size : (i + 1) * shard_size]:
-            first = next((m for m in messages if m["role"] == "user"), None)
-            if first is None:  # (a chat of only a system turn)
-                continue
-            p = llm._chat_ids([first])
-            if len(p) > max_prompt_tokens:
-                continue
-            params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=_seed(cid))
-            waiting[i].append((cid, p, engine.add_request(p, params, request_id=cid)))
     written = []
     bar = tqdm(total=len(todo), desc=f"generating (rank {rank}/{world})", unit="shard")
     tokens = 0
     try:
+        for i in todo:
+            waiting[i] = []
+            for cid, messages in conversations[i * shard_size : (i + 1) * shard_size]:
+                first = next((m for m in messages if m["role"] == "user"), None)
+                if first is None:  # (a chat of only a system turn)
+                    continue
+                p = llm._chat_ids([first])
+                # too long, or no room for an answer in the model's context: skipped (its id
+                # stays in the shard's slice, so a resumed run skips it too)
+                if len(p) > max_prompt_tokens or len(p) >= engine.max_model_len:
+                    continue
+                params = SamplingParams(
+                    temperature=temperature, max_tokens=max_tokens, seed=_seed(cid)
+                )
+                waiting[i].append((cid, p, engine.add_request(p, params, request_id=cid)))
         while waiting:
             for seq in engine.step():
                 tokens += len(seq.output_token_ids) if seq.finished else 0

@@ -210,6 +210,16 @@ class _Trainer:
         self._collate_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         self.hidden = target.config.hidden_size
         self.feature_layers, self.train, self.held_sets = load_examples(data, cfg.eval_examples)
+        # the features are the target's layer inputs and its final state, H each: data made
+        # by another model (another hidden size or depth) would train a head on nonsense
+        width = (len(self.feature_layers) + 1) * self.hidden
+        held = [e for _, exs in self.held_sets for e in exs]
+        if any(e.features.shape[-1] != width for e in self.train + held):
+            raise DataError(
+                f"the data's features are not this target's (layers {list(self.feature_layers)}"
+                f" and the final state, {width} wide for hidden size {self.hidden}): train with "
+                "the --model that generated the data"
+            )
         self.held = [e for _, exs in self.held_sets for e in exs]
         # continuing: the earlier head (loaded once) keeps its own draft vocabulary
         self.init_head = None

@@ -703,6 +703,29 @@ def test_training_continues_a_head_shaped_unlike_the_target(heads, tiny_llama_di
     assert load_head(tmp_path / "next", target).config == load_head(tmp_path / "own", target).config
 
 
+def test_data_of_another_target_is_refused_and_long_prompts_are_skipped(heads, plain, tmp_path):
+    """Features made by another model (here hidden size 64, the target 32) are refused before
+    training; a prompt that leaves no room for an answer in the context is skipped by data
+    generation (it stopped the whole run)."""
+    from helpers import HEAD_TARGET_CONFIG
+
+    from specdecode.models.llama import LlamaModel
+
+    root, _ = heads
+    other = LlamaModel(HEAD_TARGET_CONFIG).eval().requires_grad_(False)
+    cfg = HeadTrainConfig(steps=1, batch_tokens=256, warmup=1, eval_examples=8)
+    with pytest.raises(DataError, match="not this target's"):
+        train_medusa(other, root / "data", tmp_path / "m", cfg, [2])
+    long = "z" * (plain.engine.max_model_len + 10)
+    convs = [(f"s{i}", [{"role": "user", "content": c}]) for i, c in enumerate(["hi", long, "yo"])]
+    [shard] = generate(
+        plain, convs, tmp_path / "d", shard_size=4, max_tokens=4, feature_layers=(0,)
+    )
+    from specdecode.train.datagen import iter_examples
+
+    assert [e.conversation_id for e in iter_examples(shard.parent)] == ["s0", "s2"]
+
+
 def test_heads_train_on_a_qwen3_target_and_export(tmp_path):
     """A Qwen3 target's heads are Llama layers (its q/k norms left out): they train, draft
     token-identically to plain decoding, and export to vLLM."""
