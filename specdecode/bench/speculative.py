@@ -33,6 +33,9 @@ def run_speculative(args: argparse.Namespace) -> dict:
     for cfg in json.loads(args.compare) if getattr(args, "compare", None) else []:
         other = LLM(args.model, share_model_with=llm, **{**kwargs, "speculative_config": cfg})
         methods.append((_label(other.engine.spec_config), other))
+    # plain decoding on an engine of its own (the same weights, no drafter): on a method's
+    # engine with its policy off, a head's feature capture and catch-up would still run
+    base = LLM(args.model, share_model_with=llm, **{**kwargs, "speculative_config": None})
     engine = llm.engine
     hf = _HFReference(llm, engine.spec_config) if not args.skip_transformers else None
     temps = [float(t) for t in args.temperatures.split(",")]
@@ -42,7 +45,7 @@ def run_speculative(args: argparse.Namespace) -> dict:
         for temp in temps:
             # every prompt runs plain, then each method, before the next prompt: slow drifts of
             # the machine (seen here: +-20% over minutes) hit all of them alike
-            plain, measured = _measure_interleaved(llm, methods, prompts, temp, args.max_tokens)
+            plain, measured = _measure_interleaved(base, methods, prompts, temp, args.max_tokens)
             for (label, m), got in zip(methods, measured, strict=True):
                 row = {"workload": name, "temperature": temp, "prompts": len(prompts)}
                 row["method"] = label
@@ -105,9 +108,8 @@ def _label(cfg) -> str:
 
 
 def _measure_interleaved(llm, methods, prompts, temp: float, max_tokens: int):
-    """Plain decoding (on `llm` with speculation off) and every method, prompt by prompt:
+    """Plain decoding (on `llm`, which has no drafter) and every method, prompt by prompt:
     ((tok/s, decode tok/s) plain, [(tok/s, decode tok/s, SpecDecodeStats) per method])."""
-    engine = llm.engine
     plain: list = []
     parts: list[list] = [[] for _ in methods]
     # A drafter that learns from finished answers (suffix decoding) starts each cell empty and
@@ -117,20 +119,14 @@ def _measure_interleaved(llm, methods, prompts, temp: float, max_tokens: int):
         _learning(m.engine, False)
         if m.engine.drafter is not None:
             m.engine.drafter.clear_history()
-    policy = engine.controller.policy
-    engine.set_policy("off")
     _measure_one(llm, prompts[0], 0, temp, 8)  # one short request each first: one-off costs
-    engine.set_policy(policy)  # stay out of the figures
     for _, m in methods:
         _measure_one(m, prompts[0], 0, temp, 8)
     before = [_copy_stats(m.engine) for _, m in methods]
     branch_before = [_branch_stats(m.engine) for _, m in methods]
     decisions_before = [_decisions(m.engine) for _, m in methods]
     for i, ids in enumerate(prompts):
-        policy = engine.controller.policy
-        engine.set_policy("off")
         plain.append(_measure_one(llm, ids, i, temp, max_tokens))
-        engine.set_policy(policy)
         for j, (_, m) in enumerate(methods):
             _learning(m.engine, True)
             parts[j].append(_measure_one(m, ids, i, temp, max_tokens))

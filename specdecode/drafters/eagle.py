@@ -149,8 +149,8 @@ class EagleDrafter(Drafter):
             st.seen = start + f.shape[0]
             if st.proposed:
                 st.routine, st.proposed = f.shape[0], False
-            if not st.broken:
-                st.pending.append(f[:, self._cols])
+            if not st.broken:  # a copy: a view would keep the whole step's features alive
+                st.pending.append(f[:, self._cols].clone())
 
     def _chain_start(self, seq: Sequence) -> bytes:
         """Entry j pairs the feature at position j (which depends on tokens 0..j) with token

@@ -298,6 +298,7 @@ class LLMEngine:
             for observe in self.feature_observers:
                 observe(batch.seqs, feats)
         updated = []
+        released = 0.0  # seconds of finishing requests: not the forward's cost
         for i, (seq, tokens) in enumerate(zip(batch.seqs, new_tokens, strict=True)):
             self.manager.truncate(seq.blocks, seq.blocks.length)  # unused lookahead slots
             if tokens is None:
@@ -329,14 +330,16 @@ class LLMEngine:
             ctrl.resolve_shadows(seq)
             self.manager.register(seq.blocks, seq.token_ids, seq.num_tokens)
             if seq.finish_reason is not None:
-                self._finish(seq)
+                t = time.perf_counter()
+                self._finish(seq)  # (a drafter's release: a head's catch-up, a corpus update)
+                released += time.perf_counter() - t
             updated.append(seq)
         t5 = time.perf_counter()
         self.num_steps += 1
         if all(n == 1 for n in batch.num_new):  # decode and verify steps only: a prefill
             # chunk's tokens cost far less each and would skew the curve drafts are priced on
             # (lite drafts' lookups are part of the step: they are priced as verification)
-            seconds = (t1 - t0) + (t3 - t2) + (t5 - t4) + self._lite_time
+            seconds = (t1 - t0) + (t3 - t2) + (t5 - t4 - released) + self._lite_time
             ctrl.record_step(self.runner.num_fed_tokens, seconds)
         if spec:
             # catch-up of the requests the drafter really ran for (a lookup branch may have
@@ -492,7 +495,7 @@ class LLMEngine:
 
     def draft_room(self, seq: Sequence, k: int) -> int:
         """Draft depth worth proposing: none past the context, none past max_tokens."""
-        room = self.max_model_len - seq.num_tokens
+        room = self.max_model_len - seq.num_tokens - 1  # (the step's own token takes one)
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         return max(0, min(k, room))

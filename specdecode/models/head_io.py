@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.config import ModelConfig
-from specdecode.errors import InvalidRequestError, UnsupportedModelError
+from specdecode.errors import CorruptModelError, InvalidRequestError, UnsupportedModelError
 from specdecode.models.heads import Eagle3Head, EagleHead, MedusaHeads, vocab_maps
 from specdecode.models.llama import LlamaModel, unfuse
 
@@ -133,9 +133,15 @@ def _read_config(path: Path) -> dict:
     cfg = path / "config.json"
     if not cfg.is_file():
         raise InvalidRequestError(f"{path} has no config.json: not a head directory")
-    raw = json.loads(cfg.read_text())
+    try:
+        raw = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptModelError(f"{cfg} is not valid JSON: {e}") from None
+    layer = raw.get("transformer_layer_config", {}) if isinstance(raw, dict) else None
+    if not isinstance(layer, dict) or not isinstance(raw.get("specdecode_head", {}), dict):
+        raise CorruptModelError(f"{cfg} is not a head's config (a JSON object of its fields)")
     # speculators nests the layer's shape under transformer_layer_config
-    return {**raw.get("transformer_layer_config", {}), **raw}
+    return {**layer, **raw}
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -174,16 +180,36 @@ def _load_tensors(path: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
         raise InvalidRequestError(f"{path} holds no weights (*.safetensors)")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        if f.suffix == ".safetensors":
-            tensors.update(load_file(str(f)))
-        elif not allow_pickle:
+        if f.suffix != ".safetensors" and not allow_pickle:
             raise InvalidRequestError(
                 f"{f.name} is a pickle checkpoint, which can run code; convert it to safetensors "
                 "or pass --allow-pickle"
             )
-        else:
-            tensors.update(torch.load(str(f), map_location="cpu", weights_only=True))
+        try:
+            if f.suffix == ".safetensors":
+                tensors.update(load_file(str(f)))
+            else:
+                tensors.update(torch.load(str(f), map_location="cpu", weights_only=True))
+        except Exception as e:  # safetensors' and torch's errors for a truncated or bad file
+            raise CorruptModelError(f"{f} cannot be read ({type(e).__name__}: {e})") from None
     return tensors
+
+
+def _check_vocab(path: Path, vocab_ids: torch.Tensor, vocab_size: int, rows: int | None) -> None:
+    """A draft vocabulary (vocab_ids, token_map, d2t + arange) is distinct target ids, one per
+    row of the head's own projection where it has one."""
+    ok = (
+        vocab_ids.dim() == 1
+        and vocab_ids.unique().numel() == vocab_ids.numel()
+        and bool(((vocab_ids >= 0) & (vocab_ids < vocab_size)).all())
+        and (rows is None or vocab_ids.numel() == rows)
+    )
+    if not ok:
+        want = f"{rows} " if rows is not None else ""
+        raise CorruptModelError(
+            f"{path}: the head's draft vocabulary is not {want}distinct token ids below the "
+            f"target's vocabulary size ({vocab_size})"
+        )
 
 
 def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
@@ -224,7 +250,14 @@ def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
         raise InvalidRequestError(f"{path}: not a Medusa, EAGLE or EAGLE-3 head")
     head = head.to(device)
     if vocab_ids is not None:
-        vocab_ids = vocab_ids.long().to(device)
+        vocab_ids = vocab_ids.long()
+        rows = None
+        if kind == "eagle3":
+            rows = head.lm_head.out_features
+        elif kind == "medusa" and head.own_projections is not None:
+            rows = head.own_projections[0].shape[0]
+        _check_vocab(path, vocab_ids, tc.vocab_size, rows)
+        vocab_ids = vocab_ids.to(device)
     if kind == "medusa":
         head.attach(target.lm_head.weight, vocab_ids)
     elif kind == "eagle3":

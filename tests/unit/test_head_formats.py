@@ -85,6 +85,37 @@ def test_safeailab_eagle3_layout(target, tmp_path):
     _same_eagle(head, loaded)
 
 
+def test_broken_checkpoints_are_clear_errors(target, tmp_path):
+    """A draft vocabulary out of range, repeated or of another size than the LM head, a
+    config.json that is not a JSON object, and a truncated weights file: one-line errors that
+    name the file, not tracebacks at draft time."""
+    from specdecode.errors import CorruptModelError
+
+    vocab = torch.tensor([0, 3, 4, 10, 50, 95])
+    head = _eagle3(target, vocab)
+    good = {k.replace("layers.0.", "midlayer."): v for k, v in _unfused(head, CFG).items()}
+    config = {**LLAMA, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 6}
+    for bad in (vocab + 1000, torch.tensor([0, 3, 3, 10, 50, 95]), vocab[:5]):
+        d = tmp_path / f"d2t{len(list(tmp_path.iterdir()))}"
+        _write(d, config, {**good, "d2t": bad - torch.arange(bad.numel())})
+        with pytest.raises((CorruptModelError, InvalidRequestError)):
+            load_head(d, target)
+    d = tmp_path / "ok"
+    _write(d, config, {**good, "d2t": vocab - torch.arange(6)})
+    assert torch.equal(load_head(d, target).vocab_ids, vocab)
+    (d / "config.json").write_text("[1, 2]")
+    with pytest.raises(CorruptModelError, match="config"):
+        load_head(d, target)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(CorruptModelError, match="not valid JSON"):
+        load_head(d, target)
+    (d / "config.json").write_text(json.dumps(config))
+    weights = d / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CorruptModelError, match="cannot be read"):
+        load_head(d, target)
+
+
 def _speculators_config(draft_vocab: int, **extra) -> dict:
     """A speculators EAGLE-3 config.json for the tiny target's layer shape."""
     return {

@@ -9,6 +9,7 @@ import torch
 from helpers import HEAD_TARGET_CONFIG, OWN_HEAD_LAYER
 
 from specdecode.cache import BlockManager, KVCache, SeqBlocks
+from specdecode.core import Sequence
 from specdecode.drafters.eagle import EagleDrafter, _Node
 from specdecode.models.attention import build_metadata
 from specdecode.models.head_io import load_head, save_head
@@ -346,6 +347,19 @@ def test_select_keeps_the_best_nodes_as_a_level_ordered_tree():
     assert prop.tokens == [99, 10, 12, 16] and prop.shape.is_chain()
     # what a node's children follow (the penalties' history): the drafts from the root to it
     assert [EagleDrafter._path(pool, j) for j in (0, 4, 6)] == [[10], [11, 14], [10, 12, 16]]
+
+
+def test_features_waiting_for_a_head_hold_only_their_own_rows(target):
+    """A request not drafting keeps its features until it drafts: a copy of its rows, not a
+    view of the whole step's feature tensor (every other request's prefill with it)."""
+    drafter = EagleDrafter(eagle(target), kv_memory_gb=0.001, block_size=4)
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=4))
+    seq.blocks.length = 3
+    step = torch.randn(40, 32)  # the step's features: 3 rows of this request, then others'
+    drafter.observe([seq], [step[:3]])
+    (kept,) = drafter._state[seq.seq_id].pending
+    assert torch.equal(kept, step[:3])
+    assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
 
 
 def test_level_mask_sees_fed_ancestors_only():
