@@ -626,6 +626,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             lr=args.lr,
             warmup=args.warmup,
             init=args.init,
+            allow_pickle=args.allow_pickle,
             eval_examples=args.eval_examples,
             max_minutes=args.max_minutes,
             checkpoint_minutes=args.checkpoint_minutes or None,
@@ -692,7 +693,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     name = hub or str(loaded.path)
     head = Path(args.head)
     kind = head_kind(head) or "eagle3"
-    config = export_head(head, loaded.model, args.format, Path(args.out), name)
+    config = export_head(head, loaded.model, args.format, Path(args.out), name, args.allow_pickle)
     ours = json.loads((head / "config.json").read_text()).get("specdecode_head") or {}
     print(f"wrote {args.out}; serve it with:")
     heads = config.get("num_heads")

@@ -63,12 +63,17 @@ def _llama_layer(tensors: dict[str, torch.Tensor], fmt: str, hidden: int) -> Non
 
 
 def export_head(
-    head_dir: Path, target: LlamaModel, fmt: str, out: Path, target_name: str | None = None
+    head_dir: Path,
+    target: LlamaModel,
+    fmt: str,
+    out: Path,
+    target_name: str | None = None,
+    allow_pickle: bool = False,
 ) -> dict:
     """Write `head_dir` (any layout `load_head` reads) as `fmt` into `out`; return the config."""
     if fmt not in FORMATS:
         raise InvalidRequestError(f"unknown export format {fmt!r}; choose from {FORMATS}")
-    head = load_head(head_dir, target)
+    head = load_head(head_dir, target, allow_pickle)
     c = target.config
     if isinstance(head, Eagle3Head):
         tensors, config = _eagle3(head, target, fmt, target_name)

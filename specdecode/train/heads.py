@@ -64,6 +64,7 @@ class HeadTrainConfig:
     variant: str = ""
     # continue from this head (same kind and draft vocabulary) instead of a fresh start
     init: str | None = None
+    allow_pickle: bool = False  # `init` may be a pickle checkpoint (*.bin: it can run code)
     # stop after this many minutes if `steps` are not done by then; the learning-rate schedule
     # follows whichever ends first (cosine over the larger of steps or time done)
     max_minutes: float | None = None
@@ -226,7 +227,7 @@ class _Trainer:
         if cfg.init:
             from specdecode.models.head_io import load_head
 
-            self.init_head = load_head(Path(cfg.init), target)
+            self.init_head = load_head(Path(cfg.init), target, cfg.allow_pickle)
             self.vocab_ids = self.init_head.vocab_ids
             if self.vocab_ids is not None:
                 self.vocab_ids = self.vocab_ids.cpu()
@@ -856,10 +857,12 @@ def _continue_from(head, tr: _Trainer, vocab: torch.Tensor | None) -> None:
     """Load the weights of the earlier run of the same head (`--init`; training continues
     from them)."""
     prev = tr.init_head
-    prev_vocab = None if prev.vocab_ids is None else prev.vocab_ids.cpu()
-    same_vocab = (prev_vocab is None and vocab is None) or (
-        prev_vocab is not None and vocab is not None and torch.equal(prev_vocab, vocab.cpu())
-    )
+    full = torch.arange(tr.target.config.vocab_size)  # no draft vocabulary: all of them
+
+    def ids(v: torch.Tensor | None) -> torch.Tensor:
+        return full if v is None else v.cpu()
+
+    same_vocab = torch.equal(ids(prev.vocab_ids), ids(vocab))
     if type(prev) is not type(head) or not same_vocab:
         raise DataError(f"{tr.cfg.init} is not a head of this kind with this draft vocabulary")
     if getattr(prev, "own_projections", None) is not None:

@@ -726,6 +726,19 @@ def test_data_of_another_target_is_refused_and_long_prompts_are_skipped(heads, p
     assert [e.conversation_id for e in iter_examples(shard.parent)] == ["s0", "s2"]
 
 
+def test_a_full_vocabulary_eagle3_head_continues_training(heads, tiny_llama_dir, tmp_path):
+    """An EAGLE-3 head over the whole vocabulary is saved without d2t (as vLLM wants it); a
+    run continued from it (--init) has the same vocabulary (it was refused as another)."""
+    from specdecode.models.loader import load_model
+
+    root, _ = heads
+    target = load_model(tiny_llama_dir).model.requires_grad_(False)
+    cfg = HeadTrainConfig(draft_vocab=0, steps=1, batch_tokens=256, warmup=1, eval_examples=8)
+    train_eagle3(target, root / "data", tmp_path / "full", cfg, [2])
+    cfg = HeadTrainConfig(**{**cfg.__dict__, "init": str(tmp_path / "full")})
+    assert train_eagle3(target, root / "data", tmp_path / "next", cfg, [2])["steps_done"] == 1
+
+
 def test_heads_train_on_a_qwen3_target_and_export(tmp_path):
     """A Qwen3 target's heads are Llama layers (its q/k norms left out): they train, draft
     token-identically to plain decoding, and export to vLLM."""

@@ -217,6 +217,11 @@ def test_pickle_checkpoints_need_permission(target, tmp_path):
         load_head(tmp_path, target)
     head.attach(target.embed_tokens, target.lm_head.weight, None)
     _same_eagle(head, load_head(tmp_path, target, allow_pickle=True))
+    # export takes the permission too (it read the head without it)
+    with pytest.raises(InvalidRequestError, match="pickle"):
+        export_head(tmp_path, target, "vllm", tmp_path / "out")
+    export_head(tmp_path, target, "vllm", tmp_path / "out", allow_pickle=True)
+    _same_eagle(head, load_head(tmp_path / "out", target))
 
 
 @pytest.mark.parametrize("layout", ["fasterdecoding", "vllm"])
