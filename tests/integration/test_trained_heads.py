@@ -727,15 +727,19 @@ def test_data_of_another_target_is_refused_and_long_prompts_are_skipped(heads, p
 
 
 def test_a_full_vocabulary_eagle3_head_continues_training(heads, tiny_llama_dir, tmp_path):
-    """An EAGLE-3 head over the whole vocabulary is saved without d2t (as vLLM wants it); a
-    run continued from it (--init) has the same vocabulary (it was refused as another)."""
+    """An EAGLE-3 head over the whole vocabulary is exported without d2t (as vLLM wants it);
+    a run continued from that export (--init) has the same vocabulary (it was refused as
+    another)."""
     from specdecode.models.loader import load_model
 
     root, _ = heads
     target = load_model(tiny_llama_dir).model.requires_grad_(False)
     cfg = HeadTrainConfig(draft_vocab=0, steps=1, batch_tokens=256, warmup=1, eval_examples=8)
     train_eagle3(target, root / "data", tmp_path / "full", cfg, [2])
-    cfg = HeadTrainConfig(**{**cfg.__dict__, "init": str(tmp_path / "full")})
+    from specdecode.export import export_head
+
+    export_head(tmp_path / "full", target, "vllm", tmp_path / "vllm")  # no d2t: all ids
+    cfg = HeadTrainConfig(**{**cfg.__dict__, "init": str(tmp_path / "vllm")})
     assert train_eagle3(target, root / "data", tmp_path / "next", cfg, [2])["steps_done"] == 1
 
 
