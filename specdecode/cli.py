@@ -267,9 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip conversations already answered in this shard directory (repeatable), so a "
         "second data set adds new prompts only",
     )
-    dgen.add_argument("--num-conversations", type=int, default=512)
-    dgen.add_argument("--shard-size", type=int, default=64)
-    dgen.add_argument("--max-tokens", type=int, default=256)
+    dgen.add_argument("--num-conversations", type=_at_least_one, default=512)
+    dgen.add_argument("--shard-size", type=_at_least_one, default=64)
+    dgen.add_argument("--max-tokens", type=_at_least_one, default=256)
     dgen.add_argument("--temperature", type=float, default=0.0)
     dgen.add_argument(
         "--max-prompt-tokens",

@@ -394,3 +394,12 @@ def test_bench_arguments_are_checked_before_anything_runs(args, message):
     r = run(*args)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert message in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+@pytest.mark.parametrize("flag", ["--shard-size", "--num-conversations", "--max-tokens"])
+def test_data_generate_refuses_counts_below_one(flag, capsys):
+    from specdecode.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["data", "generate", "--out", "d", flag, "0"])
+    assert "must be at least 1" in capsys.readouterr().err
