@@ -588,12 +588,19 @@ def train_medusa(
 ) -> dict:
     torch.manual_seed(cfg.seed)
     tr = _Trainer(target, data, cfg, eos_ids)
-    heads = MedusaHeads(tr.hidden, cfg.num_heads).to(tr.device)
+    # a continued head keeps its own number of heads and blocks (as EAGLE keeps its layer's
+    # shape); --num-heads shapes new ones
+    init = tr.init_head
+    if isinstance(init, MedusaHeads):
+        shape = (init.num_heads, len(init.medusa_head[0]))
+    else:
+        shape = (cfg.num_heads, 1)
+    heads = MedusaHeads(tr.hidden, *shape).to(tr.device)
     heads.attach(tr.lm_rows, None)  # rows already restricted
     heads.vocab_ids = tr.vocab_ids
     if cfg.init:
         _continue_from(heads, tr, tr.vocab_ids)
-    k = cfg.num_heads
+    k = heads.num_heads
 
     def outputs(batch: _Batch, top1: bool = False):
         """Per head j: (logits [N, Vd] at its trained positions, soft targets [N, Vd], the

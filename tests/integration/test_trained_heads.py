@@ -301,6 +301,7 @@ def test_wrong_head_kind_and_missing_head_are_clear_errors(tiny_llama_dir, heads
 
 def test_training_continues_from_a_head(heads, tiny_llama_dir, tmp_path):
     """--init loads an earlier run: the new run starts where the old one ended."""
+    from specdecode.models.head_io import load_head
     from specdecode.models.loader import load_model
 
     root, history = heads
@@ -326,6 +327,11 @@ def test_training_continues_from_a_head(heads, tiny_llama_dir, tmp_path):
     cfg = HeadTrainConfig(draft_vocab=64, steps=1, batch_tokens=512, warmup=1, eval_examples=8,
                           init=str(tmp_path / "sg"))  # fmt: skip
     assert train_eagle(target, root / "data", tmp_path / "e3", cfg, [2])["steps_done"] == 1
+    # a Medusa head keeps its own number of heads (a default --num-heads of 4 asked for a 5th)
+    cfg = HeadTrainConfig(draft_vocab=64, steps=1, batch_tokens=512, warmup=1, eval_examples=8,
+                          num_heads=5, init=str(root / "medusa"))  # fmt: skip
+    got = train_medusa(target, root / "data", tmp_path / "m", cfg, [2])
+    assert got["steps_done"] == 1 and load_head(tmp_path / "m", target).num_heads == 4
 
 
 def test_training_stops_at_its_time_budget(heads, tiny_llama_dir, tmp_path):
