@@ -864,12 +864,10 @@ def _continue_from(head, tr: _Trainer, vocab: torch.Tensor | None) -> None:
     """Load the weights of the earlier run of the same head (`--init`; training continues
     from them)."""
     prev = tr.init_head
-    full = torch.arange(tr.target.config.vocab_size)  # no draft vocabulary: all of them
-
-    def ids(v: torch.Tensor | None) -> torch.Tensor:
-        return full if v is None else v.cpu()
-
-    same_vocab = torch.equal(ids(prev.vocab_ids), ids(vocab))
+    a, b = prev.vocab_ids, vocab
+    if (a is None) != (b is None):  # no draft vocabulary means all of the target's ids
+        a, b = (torch.arange(tr.target.config.vocab_size) if v is None else v for v in (a, b))
+    same_vocab = a is None or torch.equal(a.cpu(), b.cpu())
     if type(prev) is not type(head) or not same_vocab:
         raise DataError(f"{tr.cfg.init} is not a head of this kind with this draft vocabulary")
     if getattr(prev, "own_projections", None) is not None:
