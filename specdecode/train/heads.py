@@ -488,18 +488,30 @@ class _Trainer:
             "param_groups": opt_state["param_groups"],
             "param_shapes": [list(p.shape) for p in params],
             "train_examples": len(self.train),
+            "train_ids": self._train_ids(),
         }
         (out_dir / STATE_FILE).parent.mkdir(exist_ok=True)
         write_safetensors(tensors, out_dir / STATE_FILE, {"state": json.dumps(state)})
+
+    def _train_ids(self) -> str:
+        """A digest of the training conversations in their order: the saved data order indexes
+        them, so a resume needs the very same list."""
+        import hashlib
+
+        ids = "\n".join(e.conversation_id for e in self.train)
+        return hashlib.sha256(ids.encode()).hexdigest()
 
     def _load_state(self, out_dir: Path, params, opt, kind: str):
         """Restore what `_save_state` wrote: (steps done, skipped, seconds, `before` metrics)."""
         from safetensors import safe_open
 
         path = out_dir / STATE_FILE
-        with safe_open(str(path), "pt") as f:
-            state = json.loads(f.metadata()["state"])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+        try:
+            with safe_open(str(path), "pt") as f:
+                state = json.loads(f.metadata()["state"])
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+        except Exception as e:  # a truncated or foreign file
+            raise DataError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
         head_cfg = json.loads((out_dir / "config.json").read_text())
         head_steps = head_cfg.get("specdecode_head", {}).get("training", {}).get("steps_done")
         if head_steps != state["steps_done"]:  # killed between the two writes: the state
@@ -510,10 +522,13 @@ class _Trainer:
         shapes = [list(p.shape) for p in params]
         if state["kind"] != kind or state["param_shapes"] != shapes:
             raise DataError(f"{path} was saved by another kind or shape of head")
-        if state["train_examples"] != len(self.train):
+        same = state.get("train_ids", self._train_ids()) == self._train_ids()  # (older: count)
+        if state["train_examples"] != len(self.train) or not same:
             raise DataError(
                 f"{path} was trained on {state['train_examples']} examples, this --data has "
-                f"{len(self.train)}: resume with the same data (--init trains on other data)"
+                f"{len(self.train)}"
+                + ("" if same else " (other ones, or in another order)")
+                + ": resume with the same data, in the same order (--init trains on other data)"
             )
         per_param: dict[int, dict] = {}
         for key, v in tensors.items():

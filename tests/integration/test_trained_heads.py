@@ -474,6 +474,19 @@ def test_a_killed_run_resumes_where_it_stopped(
     generate(plain, convs, other, shard_size=16, max_tokens=8, feature_layers=(0, 1))
     with pytest.raises(DataError, match="same data"):
         train(target, [root / "data", other], tmp_path / "cut", again, [2])
+    if kind == "medusa" and stop == "kill":  # (once)
+        # as many examples, other conversations: the saved order would index other data
+        same_size = [
+            (f"x{i}", [{"role": "user", "content": f"say {i % 7} {i % 5} {i}"}]) for i in range(40)
+        ]  # (train_tiny_heads' prompts under other ids)
+        generate(plain, same_size, tmp_path / "x", shard_size=16, max_tokens=24,
+                 feature_layers=(0, 1))  # fmt: skip
+        with pytest.raises(DataError, match="other ones, or in another order"):
+            train(target, tmp_path / "x", tmp_path / "cut", again, [2])
+        state = tmp_path / "cut" / STATE_FILE
+        state.write_bytes(state.read_bytes()[:64])
+        with pytest.raises(DataError, match="cannot be read"):
+            train(target, root / "data", tmp_path / "cut", again, [2])
 
 
 def test_train_resume_from_the_command_line(heads, tiny_llama_dir, tmp_path, capsys):
