@@ -31,13 +31,7 @@ class FastPath:
     def __init__(self, model, weight_dtype: torch.dtype) -> None:
         self.ext = kernels.load_extension()
         cfg = model.config
-        self.dims = [
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.intermediate_size,
-        ]
+        self.dims = layer_dims(cfg)
         self.eps = cfg.rms_norm_eps
         # bf16 weights on a CPU with vdpbf16ps: round the projections' inputs to bf16 (as a
         # bf16 model does anyway) and multiply pairs natively, ~2x less compute per row
@@ -46,18 +40,8 @@ class FastPath:
         self._keep: list[kernels.PackedLinear] = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = self._pack(attn.qkv_proj, weight_dtype)
-            self.weights += [
-                _f32(layer.input_layernorm.weight),
-                qkv.weight,
-                qkv.bias if qkv.bias is not None else _EMPTY,
-                self._pack(attn.o_proj, weight_dtype).weight,
-                _f32(layer.post_attention_layernorm.weight),
-                self._pack(mlp.gate_up_proj, weight_dtype).weight,
-                self._pack(mlp.down_proj, weight_dtype).weight,
-                _f32(attn.q_norm.weight) if attn.q_norm is not None else _EMPTY,
-                _f32(attn.k_norm.weight) if attn.k_norm is not None else _EMPTY,
-            ]
+            packs = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            self.weights += layer_weights(layer, *(self._pack(p, weight_dtype) for p in packs))
         self.weights.append(_f32(model.norm.weight))
         self.lm_head = kernels.pack(
             model.lm_head.weight.detach(),
@@ -88,6 +72,29 @@ class FastPath:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return kernels.linear(hidden.float(), self.lm_head)
+
+
+def layer_dims(cfg) -> list[int]:
+    """A layer's sizes as the C++ loop reads them (`Dims` in decoder.cpp)."""
+    return [cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size]
+
+
+def layer_weights(layer, qkv, o, gate_up, down, input_norm: bool = True) -> list[torch.Tensor]:
+    """One decoder layer's entries in the C++ loop's order (kPerLayer in decoder.cpp), its
+    projections packed (`kernels.PackedLinear`); without `input_norm` the layer's attention
+    input is given to the loop (an EAGLE head's)."""
+    attn = layer.self_attn
+    return [
+        _f32(layer.input_layernorm.weight) if input_norm else _EMPTY,
+        qkv.weight,
+        qkv.bias if qkv.bias is not None else _EMPTY,
+        o.weight,
+        _f32(layer.post_attention_layernorm.weight),
+        gate_up.weight,
+        down.weight,
+        _f32(attn.q_norm.weight) if attn.q_norm is not None else _EMPTY,
+        _f32(attn.k_norm.weight) if attn.k_norm is not None else _EMPTY,
+    ]
 
 
 def layer_loop(

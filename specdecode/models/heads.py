@@ -186,11 +186,16 @@ class EagleHead(nn.Module):
             norm = getattr(self, "norm", None)
             self._fast = _FastLayer(self, norm.weight if norm is not None else None)
 
+    def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [max_pos, D] in fp32 on `device` (built once)."""
+        if self._rope is None or self._rope[0].device != device:
+            self._rope = rope_table(self.config, torch.float32, device)
+        return self._rope
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D] in fp32 for these positions."""
-        if self._rope is None or self._rope[0].device != positions.device:
-            self._rope = rope_table(self.config, torch.float32, positions.device)
-        return self._rope[0][positions].unsqueeze(-2), self._rope[1][positions].unsqueeze(-2)
+        cos, sin = self.rope_tables(positions.device)
+        return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -287,34 +292,20 @@ class _FastLayer:
 
     def __init__(self, head: EagleHead, norm_weight: torch.Tensor | None) -> None:
         from specdecode import kernels
+        from specdecode.models.fast import layer_dims, layer_weights
 
         self.ext = kernels.load_extension()
         cfg = head.config
         layer = head.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = attn.qkv_proj.p
-        self.bf16_activations = qkv.bf16_activations  # as `_PackedLinear` packed them all
-
-        def f32(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().float().contiguous()
-
-        empty = torch.empty(0)
-        self.weights = [
-            empty,  # the input norm: the attention input is given
-            qkv.weight,
-            qkv.bias if qkv.bias is not None else empty,
-            attn.o_proj.p.weight,
-            f32(layer.post_attention_layernorm.weight),
-            mlp.gate_up_proj.p.weight,
-            mlp.down_proj.p.weight,
-            f32(attn.q_norm.weight) if attn.q_norm is not None else empty,
-            f32(attn.k_norm.weight) if attn.k_norm is not None else empty,
-            f32(norm_weight) if norm_weight is not None else torch.ones(cfg.hidden_size),
-        ]
-        self.dims = [cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                     cfg.intermediate_size]  # fmt: skip
+        packs = [m.p for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        self.bf16_activations = packs[0].bf16_activations  # as `_PackedLinear` packed them all
+        self.weights = layer_weights(layer, *packs, input_norm=False)
+        final = norm_weight if norm_weight is not None else torch.ones(cfg.hidden_size)
+        self.weights.append(final.detach().float().contiguous())
+        self.dims = layer_dims(cfg)
         self.eps = cfg.rms_norm_eps
-        self.cos, self.sin = (t.contiguous() for t in rope_table(cfg, torch.float32, "cpu"))
+        self.cos, self.sin = head.rope_tables(torch.device("cpu"))  # (the eager path's)
 
     def __call__(self, x, residual, positions, meta) -> tuple[torch.Tensor, torch.Tensor]:
         from specdecode.models.fast import layer_loop

@@ -247,21 +247,15 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         try:
             for i, (ids, params) in enumerate(jobs):
                 handles.append(engine.add(ids, params, f"{request_id}-{i}"))
-        except InvalidRequestError as e:
-            for h in handles:
-                h.abort()
-            raise bad_request(str(e), e.param) from e
-        except EngineStoppedError as e:
-            for h in handles:
-                h.abort()
-            raise APIError(503, str(e), "internal_error") from e
-        except RecursionError as e:  # a schema nested past the event loop's stack
-            for h in handles:
-                h.abort()
-            raise bad_request("the structured output schema is nested too deeply") from e
-        except BaseException:
+        except BaseException as e:
             for h in handles:  # the choices added so far do not run on for nobody
                 h.abort()
+            if isinstance(e, InvalidRequestError):
+                raise bad_request(str(e), e.param) from e
+            if isinstance(e, EngineStoppedError):
+                raise APIError(503, str(e), "internal_error") from e
+            if isinstance(e, RecursionError):  # a schema nested past the event loop's stack
+                raise bad_request("the structured output schema is nested too deeply") from e
             raise
         # usage: a prompt's tokens count once, however many choices it has, and so do its
         # tokens found in the prefix cache (read when the response ends: found on admission)

@@ -214,14 +214,13 @@ class _Trainer:
         # the features are the target's layer inputs and its final state, H each: data made
         # by another model (another hidden size or depth) would train a head on nonsense
         width = (len(self.feature_layers) + 1) * self.hidden
-        held = [e for _, exs in self.held_sets for e in exs]
-        if any(e.features.shape[-1] != width for e in self.train + held):
+        self.held = [e for _, exs in self.held_sets for e in exs]
+        if any(e.features.shape[-1] != width for e in self.train + self.held):
             raise DataError(
                 f"the data's features are not this target's (layers {list(self.feature_layers)}"
                 f" and the final state, {width} wide for hidden size {self.hidden}): train with "
                 "the --model that generated the data"
             )
-        self.held = [e for _, exs in self.held_sets for e in exs]
         # continuing: the earlier head (loaded once) keeps its own draft vocabulary
         self.init_head = None
         if cfg.init:
@@ -522,7 +521,8 @@ class _Trainer:
         shapes = [list(p.shape) for p in params]
         if state["kind"] != kind or state["param_shapes"] != shapes:
             raise DataError(f"{path} was saved by another kind or shape of head")
-        same = state.get("train_ids", self._train_ids()) == self._train_ids()  # (older: count)
+        ids = self._train_ids()
+        same = state.get("train_ids", ids) == ids  # (states written before it: the count only)
         if state["train_examples"] != len(self.train) or not same:
             raise DataError(
                 f"{path} was trained on {state['train_examples']} examples, this --data has "
