@@ -65,6 +65,9 @@ class Drafter(ABC):
     #: > 0 when the shadow is a drafter in its own right, verified alone up to this depth
     #: (lite drafts: a head's lookup branch without the head; see the controller).
     lite_depth: int = 0
+    #: True when proposals are often shorter than their budget or empty (lookup drafters):
+    #: the controller then learns what a budget feeds and yields instead of pricing k nodes.
+    variable_size: bool = False
     #: Target features this drafter reads (see `ModelRunner.feature_layers`); None: none.
     feature_layers: tuple[int, ...] | None = None
     #: Whether finished requests' answers are added to what it drafts from (a suffix corpus);
@@ -73,6 +76,11 @@ class Drafter(ABC):
 
     def max_nodes(self, k: int) -> int:
         """Cache slots a proposal of depth at most k may need (beyond the root)."""
+        return k
+
+    def depth_room(self, seq: Sequence, k: int) -> int:
+        """The deepest draft, at most k, this drafter can propose for `seq` (its own limits:
+        a draft model's context); the controller plans no deeper."""
         return k
 
     def expected_nodes(self, k: int) -> float:

@@ -145,12 +145,16 @@ class DraftModelDrafter(Drafter):
         """Budgets cut to the draft model's own context, which may be shorter than the
         target's: the drafts of a request at position t are fed at t .. t + k - 2, and a
         request past that context is verified without drafts (lossless, just slower)."""
+        return [self.depth_room(s, k) for s, k in zip(seqs, budgets, strict=True)]
+
+    def depth_room(self, seq: Sequence, k: int) -> int:
         limit = self.model.config.max_position_embeddings
-        for s in seqs:  # past it for good (a request only grows): its draft cache is freed
-            st = self._state.get(s.seq_id)
-            if s.num_tokens >= limit and st is not None and st.blocks.block_table:
-                self.manager.free(st.blocks)
-        return [max(0, min(k, limit - s.num_tokens)) for s, k in zip(seqs, budgets, strict=True)]
+        st = self._state.get(seq.seq_id)
+        # past it for good (a request only grows): its draft cache is freed now, since the
+        # engine plans no drafts for it from here and `propose` does not see it again
+        if seq.num_tokens >= limit and st is not None and st.blocks.block_table:
+            self.manager.free(st.blocks)
+        return max(0, min(k, limit - seq.num_tokens))
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:

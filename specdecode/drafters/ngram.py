@@ -37,6 +37,7 @@ def lookup(context: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
 
 class NgramDrafter(Drafter):
     samples_drafts = False
+    variable_size = True
     stateless = True
 
     def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5) -> None:

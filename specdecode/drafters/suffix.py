@@ -279,6 +279,7 @@ def frequency_tree(cont: np.ndarray, min_prob: float, size: int):
 
 class SuffixDrafter(Drafter):
     samples_drafts = False
+    variable_size = True
     stateless = True  # proposals read the corpus, never change what it holds
 
     def __init__(

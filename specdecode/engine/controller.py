@@ -40,6 +40,13 @@ Policies (`--speculative-policy`):
   may verify it, with its own acceptance estimates (from its shadows and its verifications)
   and no drafting time, where it beats the head's plan by `min_gain`. The plan marks such a
   request with a negative depth (-k: lite drafts of depth k).
+  Lookup drafters (n-gram, suffix decoding: `variable_size`) propose up to k tokens, often
+  fewer or none. For them a(d) is the yield of depth d: the chance that a draft at depth d
+  exists and is accepted once d-1 were, so an empty proposal counts as a miss at depth 1; and
+  the nodes a depth-k budget feeds are learnt the same way (the chance that a proposal holds
+  a j-th node once it holds j-1, per request, shrunk towards the workload's and that towards
+  k nodes). Priced at k nodes, a 16-token suffix budget that feeds 0.8 nodes on average kept
+  the budget at 3.
 """
 
 from __future__ import annotations
@@ -281,6 +288,7 @@ class GoodputController:
         min_gain: float = 0.1,
         catch_up_horizon: float = 0.5,
         lite_depth: int = 0,
+        variable_size: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise InvalidRequestError(
@@ -307,6 +315,11 @@ class GoodputController:
         self.catch_up_horizon = catch_up_horizon
         # depth of the drafter's lite mode (its shadow verified alone; 0: none), see above
         self.lite_depth = lite_depth
+        # proposals may be shorter than their budget: acceptance counts their yield, and the
+        # nodes they feed are learnt (`record_proposal`)
+        self.variable_size = variable_size
+        self._size_requests: dict[int, AcceptanceCounts] = {}
+        self._size_workloads: dict[str, AcceptanceCounts] = {}
         self._probe_credit = 0.0  # seconds of probing earned and not yet spent
         self._probe_charged: float | None = None  # the predicted cost of this step's probe
         self._probe_wait = 0  # steps before asking again whether a probe could pay
@@ -353,6 +366,33 @@ class GoodputController:
             rates.append(own.rate(d, prior, 4.0) if own else prior)
         return rates
 
+    def expected_sizes(self, seq: Sequence) -> list[float]:
+        """Draft nodes a budget of depth k feeds, for k = 0..max_depth: `nodes_for_depth`, or
+        for a variable-size drafter what `seq`'s proposals held (shrunk towards its workload's,
+        and that towards the full budget: an unmeasured depth is priced at its k nodes)."""
+        full = [0.0] + [float(self.nodes_for_depth(k)) for k in range(1, self.max_depth + 1)]
+        if not self.variable_size:
+            return full
+        wl = self._size_workloads.get(workload_key(seq))
+        own = self._size_requests.get(seq.seq_id)
+        out, run, total = [0.0], 1.0, 0.0
+        for d in range(self.max_depth):
+            prior = wl.rate(d, 1.0, 2.0) if wl else 1.0
+            run *= own.rate(d, prior, 4.0) if own else prior
+            total += run
+            out.append(min(total, full[d + 1]))
+        return out
+
+    def record_proposal(self, seq: Sequence, budget: int, nodes: int) -> None:
+        """A variable-size drafter proposed `nodes` draft nodes for `seq` under `budget`."""
+        if not self.variable_size or budget <= 0:
+            return
+        own = self._size_requests.setdefault(seq.seq_id, AcceptanceCounts(decay=0.9))
+        own.record(budget, min(nodes, budget))
+        key = workload_key(seq)
+        wl = self._size_workloads.setdefault(key, AcceptanceCounts(decay=0.995))
+        wl.record(budget, min(nodes, budget))
+
     @staticmethod
     def expected_tokens(rates: list[float], k: int) -> float:
         total, run = 1.0, 1.0
@@ -368,19 +408,22 @@ class GoodputController:
         plan: list[int],
         catch_up: list[float] | None = None,
         lite_rates: list[list[float]] | None = None,
+        sizes: list[list[float]] | None = None,
     ) -> float:
         """Expected tokens per second of `plan` (negative depths: lite drafts, priced with
-        `lite_rates`, one node a level and no drafting time)."""
-        return self._rate(*self._totals(base_tokens, rates, plan, catch_up, lite_rates))
+        `lite_rates`, one node a level and no drafting time; `sizes`: each request's nodes by
+        depth, `expected_sizes`, else `nodes_for_depth`)."""
+        return self._rate(*self._totals(base_tokens, rates, plan, catch_up, lite_rates, sizes))
 
-    def _totals(self, base_tokens, rates, plan, catch_up=None, lite_rates=None):
+    def _totals(self, base_tokens, rates, plan, catch_up=None, lite_rates=None, sizes=None):
         """What `goodput` prices `plan` on: (expected tokens, tokens fed, draft levels run,
         catch-up seconds)."""
         tokens, fed = 0.0, base_tokens
         for i, k in enumerate(plan):
             if k >= 0:
                 tokens += self.expected_tokens(rates[i], k)
-                fed += self.nodes_for_depth(k) if k else 0
+                if k:
+                    fed += sizes[i][k] if sizes is not None else self.nodes_for_depth(k)
             else:
                 tokens += self.expected_tokens((lite_rates or rates)[i], -k)
                 fed += -k
@@ -537,15 +580,25 @@ class GoodputController:
         drafting = self._rate(n * (1 + k), fed, 0)  # depth 0: no drafting time
         return drafting >= self._rate(n, base_tokens, 0) * (1 + self.min_gain)
 
-    def add_shadow(self, seq: Sequence, tokens: list[int], children: list[list[int]]) -> None:
-        """A draft tree proposed for `seq` but not verified: scored when its tokens are known."""
+    def add_shadow(
+        self, seq: Sequence, tokens: list[int], children: list[list[int]], budget: int = 0
+    ) -> None:
+        """A draft tree proposed for `seq` under `budget` but not verified: scored when its
+        tokens are known (a variable-size drafter's empty proposal at once: it yields none)."""
         depth, node, stack = 0, 0, [(0, 0)]
         while stack:  # the tree's depth
             node, d = stack.pop()
             depth = max(depth, d)
             stack += [(c, d + 1) for c in children[node]]
+        counted = depth  # the depth its outcome is recorded at
+        if self.variable_size and budget > 0:
+            self.record_proposal(seq, budget, len(tokens) - 1)
+            counted = budget
+            if not depth and not self.needs_probes:
+                self._record(seq, budget, 0)
         if depth:
-            self._shadows[seq.seq_id] = (len(seq.output_token_ids), tokens, children, depth)
+            start = len(seq.output_token_ids)
+            self._shadows[seq.seq_id] = (start, tokens, children, depth, counted)
 
     def resolve_shadows(self, seq: Sequence) -> None:
         """Score `seq`'s shadow draft once the tokens it guessed are known: the accepted length
@@ -553,7 +606,7 @@ class GoodputController:
         shadow = self._shadows.get(seq.seq_id)
         if shadow is None:
             return
-        start, tokens, children, depth = shadow
+        start, tokens, children, depth, counted = shadow
         produced = seq.output_token_ids[start:]
         if len(produced) < depth and seq.finish_reason is None:
             return
@@ -566,7 +619,7 @@ class GoodputController:
             node, accepted = nxt, accepted + 1
         if accepted == depth or len(produced) > accepted:  # else it ended undecided
             if not self.needs_probes:  # the shadow is what the drafter would have drafted
-                self._record(seq, depth, accepted)
+                self._record(seq, counted, accepted)
             elif self.lite_depth:  # it is what the lite mode would have drafted
                 self._record(seq, depth, accepted, lite=True)
             if self.needs_probes and accepted >= 2 and seq.seq_id in self._idle_steps:
@@ -587,6 +640,7 @@ class GoodputController:
                 k = 0  # a compute-bound batch: not even free drafts, all accepted, would pay
             return [k] * len(seqs)
         rates = [self.acceptance(s) for s in seqs]
+        sizes = [self.expected_sizes(s) for s in seqs]
         cost = self._catch_up_costs(seqs, rates, catch_up)
         plan = [0] * len(seqs)
 
@@ -599,8 +653,8 @@ class GoodputController:
             reach = 1.0  # expected tokens level k adds: the chance all k drafts are accepted
             for a in rates[i][:k]:
                 reach *= a
-            extra = self.nodes_for_depth(k) - (self.nodes_for_depth(k - 1) if k > 1 else 0)
-            return (-reach / max(1, extra), i, k, reach, extra)
+            extra = sizes[i][k] - sizes[i][k - 1]
+            return (-reach / max(1.0, extra), i, k, reach, extra)
 
         heap = [o for i in range(len(seqs)) if (o := offer(i, 1)) is not None]
         heapq.heapify(heap)
@@ -630,19 +684,19 @@ class GoodputController:
         # all of them together would win: weigh every uniform depth too.
         for k in range(1, self.max_depth + 1):
             uniform = [k] * len(seqs)
-            g = self.goodput(base_tokens, rates, uniform, cost)
+            g = self.goodput(base_tokens, rates, uniform, cost, sizes=sizes)
             if g > best:
                 best, plan = g, uniform
         if any(plan) and best < plain * (1 + self.min_gain):
             plan, best = [0] * len(seqs), plain  # too close to call: plain decoding
         previous = [self._last_plan.get(s.seq_id, p) for s, p in zip(seqs, plan, strict=True)]
         if previous != plan:
-            kept = self.goodput(base_tokens, rates, previous, cost)
+            kept = self.goodput(base_tokens, rates, previous, cost, sizes=sizes)
             # hysteresis, except that a drafting plan no longer predicted to beat plain ends
             if (kept >= plain or not any(previous)) and best < kept * (1 + self.hysteresis):
                 plan, best = previous, kept
         if self.lite_depth and not all(plan):
-            plan, best = self._add_lite(seqs, base_tokens, rates, cost, plan, best)
+            plan, best = self._add_lite(seqs, base_tokens, rates, cost, plan, best, sizes)
         self.last_predicted_gain = best / plain if plain > 0 else 1.0
         return plan
 
@@ -654,6 +708,7 @@ class GoodputController:
         cost: list[float],
         plan: list[int],
         best: float,
+        sizes: list[list[float]],
     ) -> tuple[list[int], float]:
         """Lite drafts for the requests `plan` keeps plain, best first: each takes the depth
         that raises the step's goodput most (lite drafts cost verification only), and the lot
@@ -662,7 +717,7 @@ class GoodputController:
         idle = [i for i, k in enumerate(plan) if k == 0]
         lite = {i: self.acceptance(seqs[i], lite=True) for i in idle}
         idle.sort(key=lambda i: -lite[i][0])
-        tokens, fed, depth, paid = self._totals(base_tokens, rates, plan, cost)
+        tokens, fed, depth, paid = self._totals(base_tokens, rates, plan, cost, sizes=sizes)
         out, g_best = list(plan), best
         for i in idle:
             take, run, add = 0, 1.0, 0.0
@@ -710,6 +765,7 @@ class GoodputController:
     def release(self, seq: Sequence) -> None:
         self._requests.pop(seq.seq_id, None)
         self._lite_requests.pop(seq.seq_id, None)
+        self._size_requests.pop(seq.seq_id, None)
         self._last_plan.pop(seq.seq_id, None)
         self._idle_steps.pop(seq.seq_id, None)
         self._shadow_idle.pop(seq.seq_id, None)

@@ -105,9 +105,6 @@ class LLMEngine:
 
             self.drafter = build_drafter(self.spec_config, self)
             self.scheduler.on_preempt.append(self.drafter.preempt)
-            if self.drafter.feature_layers is not None:
-                self.runner.feature_layers = self.drafter.feature_layers
-                self.feature_observers.append(self.drafter.observe)
         self.spec_stats = SpecDecodeStats()
         # Prefix caching: a request computes only what no earlier one did (a cached prefix has
         # no target features: an EAGLE head attends from where they begin)
@@ -125,11 +122,14 @@ class LLMEngine:
             ),
             needs_probes=bool(self.drafter and not self.drafter.stateless),
             lite_depth=self.drafter.lite_depth if self.drafter else 0,
+            variable_size=bool(self.drafter and self.drafter.variable_size),
         )
-        # A request must fit the KV cache alone, its draft slots included: otherwise it would be
-        # preempted and recomputed forever. The context is what the cache can hold, if less.
-        lookahead = self.drafter.max_nodes(depth) if self.drafter else 0
-        fits = self.manager.capacity_tokens - lookahead - 1
+        self._feed_drafter(self.controller.policy != "off")
+        # A request must fit the KV cache alone: otherwise it would be preempted and recomputed
+        # forever. The context is what the cache can hold, if less. Its draft slots are not
+        # reserved: drafts give way to tokens (the scheduler's `draft_slots`), so a request
+        # that fills the cache decodes on without them, as on a plain engine.
+        fits = self.manager.capacity_tokens - 1
         if fits < 2:
             raise InvalidRequestError("the KV cache is too small; raise --kv-cache-memory-gb")
         if fits < self.max_model_len:
@@ -155,6 +155,27 @@ class LLMEngine:
         if policy not in ("adaptive", "static", "off"):
             raise InvalidRequestError(f"unknown speculative policy {policy!r}")
         self.controller.policy = policy
+        self._feed_drafter(policy != "off")
+
+    def _feed_drafter(self, on: bool) -> None:
+        """Capture the target features a drafter reads (EAGLE, Medusa) while it may draft.
+        Under policy `off` nothing is captured and the drafter hears nothing, so plain decoding
+        on a drafter's engine costs what it does on a plain engine (a head's feature copies, and
+        with prefix caching its run over each finished request's history, would otherwise go
+        on). Switched back, a request admitted under `off` drafts from the features it then
+        gets (as after a cached prefix); one whose drafter had begun before has a gap in its
+        features and drafts no more (lossless, just slower)."""
+        d = self.drafter
+        if d is None or d.feature_layers is None:
+            return
+        reading = d.observe in self.feature_observers
+        if on and not reading:
+            self.feature_observers.append(d.observe)
+            self.runner.feature_layers = d.feature_layers
+        elif not on and reading:
+            self.feature_observers.remove(d.observe)
+            if not self.feature_observers:  # (data generation may be recording its own)
+                self.runner.feature_layers = None
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -235,7 +256,7 @@ class LLMEngine:
         """Requests any part of the engine still holds state for (0 when idle: nothing leaks)."""
         ids = set(self.runner._seeds) | set(self.runner._generators)
         ids |= set(self.controller._requests) | set(self.controller._last_plan)
-        ids |= set(self.controller._lite_requests)
+        ids |= set(self.controller._lite_requests) | set(self.controller._size_requests)
         if self.drafter:
             ids |= self.drafter.tracked_ids()
         return len(ids) + len(self.scheduler.waiting) + len(self.scheduler.running)
@@ -283,8 +304,14 @@ class LLMEngine:
         verified = {}  # batch row -> (drafts, depth, accepted): counted once appended
         for i in spec:
             depth, accepted = max(proposals[i].shape.depths), len(self.runner.accepted_nodes[i])
-            ctrl.record_verification(batch.seqs[i], depth, accepted, lite=i in self._lite)
+            lite = i in self._lite
+            # a variable-size drafter's outcome counts against its budget (see the controller)
+            counted = self._budget_of.get(i, depth) if not lite else depth
+            ctrl.record_verification(batch.seqs[i], counted, accepted, lite=lite)
             verified[i] = (proposals[i].num_drafts, depth, accepted)
+        for i, budget in self._budget_of.items():  # proposed nothing (or nothing the grammar
+            if proposals[i] is None:  # allows): a miss at depth 1
+                ctrl.record_verification(batch.seqs[i], budget, 0)
         # the depth each drafted for (its drafting time), read before a request finishes and
         # the drafter drops its state; lite drafts cost no drafting time
         depths = [
@@ -360,6 +387,7 @@ class LLMEngine:
         self._lite_time = 0.0  # lite drafts' lookups: part of the step's time instead
         self._lite: set[int] = set()  # batch rows verifying lite drafts
         self._catch_up: dict[int, int] = {}  # seq_id -> tokens to catch up, drafting requests
+        self._budget_of: dict[int, int] = {}  # batch row -> budget, variable-size drafters
         if not self.drafter or k == 0:
             return proposals
         decoding = [
@@ -376,7 +404,10 @@ class LLMEngine:
         decode_tokens = sum(1 for n in batch.num_new if n == 1)
         catch_up = [self.drafter.catch_up_tokens(s) for s in seqs]
         slots = [batch.draft_slots[s.seq_id] for s in seqs]
-        caps = [self._fit(self.draft_room(s, k), n) for s, n in zip(seqs, slots, strict=True)]
+        caps = [  # (the drafter's own limits too: a draft model's context)
+            self._fit(self.drafter.depth_room(s, self.draft_room(s, k)), n)
+            for s, n in zip(seqs, slots, strict=True)
+        ]
         plan = self.controller.plan(seqs, decode_tokens, len(batch), catch_up, caps)
         budgets = [max(b, 0) for b in plan]  # (the plan is within caps; lite rows draft none)
         # a lite draft is a chain: a node a level
@@ -394,7 +425,7 @@ class LLMEngine:
             depth = self.drafter.lite_depth or k  # a lite mode's shadow is its lite draft
             drafts = self.drafter.shadow(shadows, [depth] * len(shadows))
             for seq, prop in zip(shadows, drafts, strict=True):
-                self.controller.add_shadow(seq, prop.tokens, prop.shape.children)
+                self.controller.add_shadow(seq, prop.tokens, prop.shape.children, depth)
         drafted: list[tuple[int, DraftProposal]] = []
         if lite:  # the drafter's shadow, verified (see GoodputController)
             t_lite = time.perf_counter()
@@ -404,8 +435,13 @@ class LLMEngine:
             self._lite_time = time.perf_counter() - t_lite
         self._shadow_time = time.perf_counter() - t0  # not the real drafts' cost
         if any(budgets):  # (a lite row's budget is 0: its own proposal is empty)
-            own = zip(decoding, self.drafter.propose(seqs, budgets), strict=True)
+            own = list(zip(decoding, self.drafter.propose(seqs, budgets), strict=True))
             drafted += [(i, p) for i, p in own if i not in self._lite]
+            if self.drafter.variable_size:  # what the budgets fed: the controller learns it
+                for (i, p), s, b in zip(own, seqs, budgets, strict=True):
+                    if b > 0:
+                        self.controller.record_proposal(s, b, p.num_drafts)
+                        self._budget_of[i] = b
         for i, prop in drafted:
             if prop.num_drafts and batch.seqs[i].matcher is not None:
                 prop = self._prune(i, batch.seqs[i], prop)

@@ -22,10 +22,12 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from specdecode.errors import DataError, InvalidRequestError
 
@@ -74,13 +76,31 @@ def write_shard(
     write_safetensors(tensors, path, {k: str(v) for k, v in meta.items()})
 
 
+@contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """A shard that cannot be read (truncated, not a shard, fields missing) is a DataError
+    naming it, not a traceback from deep in safetensors."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        raise DataError(
+            f"{path}: not a readable data shard ({type(e).__name__}: {e}); delete it and rerun "
+            "`specdecode data generate` with the same flags (it regenerates missing shards)"
+        ) from e
+
+
 def read_shard(path: Path, features: bool = True) -> list[Example]:
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
+    with _readable(path), safe_open(str(path), framework="pt") as f:
         ids, mask, offsets = (f.get_tensor(k) for k in ("input_ids", "loss_mask", "offsets"))
         conv_ids = json.loads(f.metadata()["conversation_ids"])
         feats = f.get_tensor("features") if features and "features" in f.keys() else None
+        rows = len(ids) - len(conv_ids)  # (features: one row fewer than tokens per example)
+        if len(offsets) != len(conv_ids) + 1 or not int(offsets[-1]) == len(ids) == len(mask):
+            raise ValueError("its offsets do not match its tokens")
+        if feats is not None and feats.shape[0] != rows:
+            raise ValueError(f"{feats.shape[0]} feature rows for {rows}")
     out = []
     for i, cid in enumerate(conv_ids):
         a, b = int(offsets[i]), int(offsets[i + 1])
@@ -101,8 +121,10 @@ def _metadata(path: Path) -> dict:
     """A shard's metadata (the header only, no tensor read)."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata())
+    with _readable(path), safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+        json.loads(meta["conversation_ids"])
+        return meta
 
 
 def shard_metadata(data_dir: Path) -> dict:
@@ -128,7 +150,11 @@ def _shard_done(path: Path, want: list[str], feature_layers: str | None = None) 
     range that does not match (another shard size or conversation list in the same place)."""
     if not path.exists():
         return False
-    meta = _metadata(path)
+    try:
+        meta = _metadata(path)
+    except DataError as e:  # (damaged after it was written: writes are atomic)
+        log.warning("%s: regenerating it", e)
+        return False
     stored = meta.get("feature_layers")
     if stored != feature_layers:
         raise InvalidRequestError(

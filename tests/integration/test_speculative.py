@@ -11,6 +11,7 @@ import torch
 from helpers import assert_seeded_outputs_match, chi_square_pvalue, seeded_params
 
 from specdecode import LLM, SamplingParams
+from specdecode.core import Sequence
 from specdecode.errors import InvalidRequestError
 
 # Repetitive prompts give the n-gram drafter something to match.
@@ -283,6 +284,10 @@ def test_a_draft_model_with_a_shorter_context_stops_drafting_there(
         engine.step()
     assert seq.finish_reason is None
     assert drafter.manager.num_free_blocks == drafter.manager.num_blocks - 1
+    # and the controller plans no drafts there (it would count them as drafting)
+    drafting = engine.controller.num_drafting
+    engine.step()
+    assert engine.controller.last_budgets == [0] and engine.controller.num_drafting == drafting
     list(engine.run_to_completion())
 
 
@@ -767,3 +772,49 @@ def test_a_draft_models_cache_is_prefix_cached_too(plain, tiny_llama_dir, tree):
     assert out.outputs[0].token_ids == want[1] and out.num_cached_tokens == 80
     assert found == [0, 80] and spec.engine.num_tracked() == 0
     assert out.outputs[0].spec["acceptance_by_position"][0] == 1.0
+
+
+def test_a_lookup_engine_tells_the_controller_what_its_budgets_fed(plain, tiny_llama_dir):
+    """n-gram proposals shorter than their budget, or empty, are reported against the budget:
+    every decoding step of a drafting request records one proposal and one verification
+    outcome at depth k, an empty proposal as a miss (see the controller)."""
+    spec = spec_llm(tiny_llama_dir, num_speculative_tokens=4, prompt_lookup_min=1)
+    ctrl = spec.engine.controller
+    assert ctrl.variable_size
+    proposed, verified = [], []
+    record_proposal, record_verification = ctrl.record_proposal, ctrl.record_verification
+    ctrl.record_proposal = lambda s, b, n: (proposed.append((b, n)), record_proposal(s, b, n))
+    ctrl.record_verification = lambda s, d, a, lite=False: (
+        verified.append((d, a)),
+        record_verification(s, d, a, lite),
+    )
+    want = plain.generate(PROMPTS[0], greedy(40))[0].outputs[0].token_ids
+    assert spec.generate(PROMPTS[0], greedy(40))[0].outputs[0].token_ids == want
+    assert proposed and len(proposed) == len(verified)
+    assert {b for b, _ in proposed} <= {1, 2, 3, 4} and {d for d, _ in verified} <= {1, 2, 3, 4}
+    assert [b for b, _ in proposed] == [d for d, _ in verified]
+    empty = sum(1 for _, n in proposed if n == 0)
+    short = sum(1 for b, n in proposed if 0 < n < b)
+    assert empty and short, "the test must exercise empty and short proposals"
+    assert sum(1 for _, a in verified if a == 0) >= empty
+    # a new greedy request starts from what the workload's budgets fed
+    assert ctrl.expected_sizes(Sequence([1], greedy(1)))[4] < 4
+
+
+def test_a_small_cache_cuts_the_context_as_much_as_without_speculation(plain, tiny_llama_dir):
+    """Draft slots give way to tokens, so a KV cache smaller than the context cuts it to what
+    the cache holds, not that less the draft tree: a request fills it, drafting while there is
+    room, with plain decoding's tokens."""
+    memory = 7 * 16 * 512 / 2**30  # 6 blocks of 16 tokens
+    small = LLM(str(tiny_llama_dir), kv_cache_memory_gb=memory)
+    spec = LLM(
+        str(tiny_llama_dir),
+        kv_cache_memory_gb=memory,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1},
+        speculative_policy="static",
+    )
+    assert spec.engine.max_model_len == small.engine.max_model_len == 6 * 16 - 1
+    want = small.generate(PROMPTS[0], greedy(200))[0].outputs[0]
+    got = spec.generate(PROMPTS[0], greedy(200))[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    assert spec.engine.spec_stats.num_accepted_tokens > 0

@@ -53,6 +53,21 @@ def test_resume_after_interruption(llm, tmp_path):
     assert read_shard(shard_path(tmp_path, 1)) == lost
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_shard_is_a_clear_error_and_regenerated_on_resume(llm, tmp_path, damage):
+    generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=8)
+    path = shard_path(tmp_path, 1)
+    good = read_shard(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not a shard" * 9)
+    with pytest.raises(DataError, match="shard-00001.*not a readable data shard"):
+        list(iter_examples(tmp_path))
+    with pytest.raises(DataError, match="shard-00001"):
+        answered_ids(tmp_path)
+    assert generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=8) == [path]
+    assert read_shard(path) == good
+
+
 def test_a_longer_run_over_the_same_directory_fills_the_partial_last_shard(llm, tmp_path):
     """Extending a run (5 -> 6 conversations, shards of 2) regenerates the last shard the first
     run left partly filled; a different shard size over the same directory is refused; a chat

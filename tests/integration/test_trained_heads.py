@@ -543,11 +543,12 @@ def test_an_eagle_heads_catch_up_is_what_it_has_not_run(plain, tiny_llama_dir, h
     assert drafter.catch_up_tokens(seq) == len(ids) - 1
     engine.step()  # drafted: caught up; the root and accepted nodes it brings are routine
     assert drafter.catch_up_tokens(seq) == 0 and recorded == [len(ids) - 1]
-    engine.set_policy("off")
-    for n in range(1, 5):  # kept plain: every committed token is catch-up
+    plan = engine.controller.plan
+    engine.controller.plan = lambda seqs, *a, **kw: [0 for _ in plan(seqs, *a, **kw)]
+    for n in range(1, 5):  # kept plain by the plan: every committed token is catch-up
         engine.step()
         assert drafter.catch_up_tokens(seq) == n
-    engine.set_policy("static")
+    engine.controller.plan = plan
     engine.step()
     assert recorded[-1] == 4
     while not seq.finished:
@@ -872,3 +873,38 @@ def test_eagle3_trains_as_a_speculators_variant(plain, heads, tiny_llama_dir, tm
                             init=str(tmp_path / "v"), variant="fc_norm")  # fmt: skip
     with pytest.raises(DataError, match="keeps its variant"):
         train_eagle3(target, root / "data", tmp_path / "w", again, [2])
+
+
+def test_policy_off_captures_no_features_and_feeds_the_head_nothing(plain, tiny_llama_dir, heads):
+    """Under `off` a head's engine decodes as a plain one: no target features captured, no
+    head state. Switched back, a request admitted under `off` drafts from the features it then
+    gets (as after a cached prefix); one whose head had begun before has a gap in its features
+    and drafts no more. Every output is plain decoding's."""
+    spec = eagle3(tiny_llama_dir, heads, policy="static", topk=1)
+    engine, drafter = spec.engine, spec.engine.drafter
+    assert engine.runner.feature_layers == drafter.feature_layers
+    ids = spec.encode(PROMPTS[0])
+    want = plain.generate({"prompt_token_ids": ids}, greedy(24))[0].outputs[0].token_ids
+
+    def run(first: str, then: str) -> int:
+        engine.set_policy(first)
+        seq = engine.add_request(ids, greedy(24))
+        for _ in range(3):
+            engine.step()
+        if first == "off":
+            assert engine.runner.feature_layers is None and engine.feature_observers == []
+            assert not engine.runner.features and drafter.tracked_ids() == set()
+        else:
+            engine.set_policy("off")
+            engine.step()
+        engine.set_policy(then)
+        drafts = engine.spec_stats.num_drafts
+        while not seq.finished:
+            engine.step()
+        assert seq.output_token_ids == want and engine.num_tracked() == 0
+        return engine.spec_stats.num_drafts - drafts
+
+    assert run("off", "static") > 0
+    assert run("static", "static") == 0
+    engine.set_policy("static")  # (twice: one observer)
+    assert engine.feature_observers.count(drafter.observe) == 1

@@ -537,3 +537,56 @@ def test_a_lite_request_drops_its_pending_shadow():
     seq.output_token_ids += [5, 6, 7]
     c.resolve_shadows(seq)
     assert "greedy" not in c._lite_workloads
+
+
+def test_a_lookup_budget_is_priced_at_the_nodes_its_proposals_feed():
+    """n-gram and suffix lookups often propose fewer tokens than their budget, or none: the
+    controller learns what a budget feeds (per request, shrunk towards the workload) instead
+    of pricing k nodes; a drafter of fixed trees keeps `nodes_for_depth`."""
+    fixed = controller(memory_bound)
+    seq = seqs(1)[0]
+    fixed.record_proposal(seq, 4, 1)  # (ignored: not a variable-size drafter)
+    assert fixed.expected_sizes(seq) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    c = controller(memory_bound, variable_size=True)
+    assert c.expected_sizes(seq) == [0.0, 1.0, 2.0, 3.0, 4.0]  # unmeasured: the full budget
+    for _ in range(40):  # two tokens whatever the budget
+        c.record_proposal(seq, 4, 2)
+    sizes = c.expected_sizes(seq)
+    assert sizes[1] == pytest.approx(1.0) and sizes[2] == pytest.approx(2.0, abs=0.02)
+    assert sizes[4] < 2.1 and sizes == sorted(sizes)
+    for _ in range(40):  # then nothing found
+        c.record_proposal(seq, 4, 0)
+    assert c.expected_sizes(seq)[4] < 0.5
+    other = seqs(1)[0]  # a new request of the workload starts from the workload's sizes
+    assert c.expected_sizes(other)[4] < 2.5
+    # goodput prices the plan at those sizes: fewer nodes fed, a faster step
+    rates = [[0.5] * 4]
+    small = c.goodput(1, rates, [4], sizes=[c.expected_sizes(seq)])
+    assert small > c.goodput(1, rates, [4])
+    c.release(seq)
+    assert seq.seq_id not in c._size_requests
+
+
+def test_an_empty_lookup_counts_as_a_miss_and_a_short_one_against_its_budget():
+    """For a variable-size drafter a(d) is a depth's yield: an empty shadow is a miss at
+    depth 1 at once, and a shadow of 2 tokens under a budget of 4, both right, misses at
+    depth 3 (a budget of 3 would have fed no third token)."""
+    c = controller(memory_bound, variable_size=True, shadow_capable=True)
+    seq = seqs(1)[0]
+    before = c.acceptance(seq)
+    c.add_shadow(seq, [3], [[]], budget=4)
+    assert c.acceptance(seq)[0] < before[0]
+    assert c.expected_sizes(seq)[1] < 1.0  # and the budget fed nothing
+    mid = c.acceptance(seq)
+    c.add_shadow(seq, [3, 7, 8], [[1], [2], []], budget=4)
+    seq.output_token_ids += [7, 8]
+    c.resolve_shadows(seq)  # decided after the tree's depth, not the budget's
+    after = c.acceptance(seq)
+    assert after[0] > mid[0] and after[1] > mid[1] and after[2] < mid[2]
+    # the same shadow for a fixed-size drafter leaves depth 3 unmeasured
+    f = controller(memory_bound, shadow_capable=True)
+    seq2 = seqs(1)[0]
+    f.add_shadow(seq2, [3, 7, 8], [[1], [2], []], budget=4)
+    seq2.output_token_ids += [7, 8]
+    f.resolve_shadows(seq2)
+    assert f.acceptance(seq2)[2] == pytest.approx(0.5)
