@@ -74,8 +74,19 @@ class Drafter(ABC):
     #: benchmarks turn it off where the answers are those of prompts they measure next.
     learning: bool = True
 
+    #: Cache slots each request's proposal may fill this step (seq_id -> slots), set by the
+    #: engine before `propose`: a short cache gives fewer than `max_nodes` (see `fit`).
+    slots: dict[int, int] | None = None
+
     def max_nodes(self, k: int) -> int:
         """Cache slots a proposal of depth at most k may need (beyond the root)."""
+        return k
+
+    def fit(self, k: int, slots: int) -> int:
+        """The deepest draft, at most k levels, whose proposal fits `slots` cache slots (a
+        cache short of blocks gives a request fewer than the full tree's)."""
+        while k > 0 and self.max_nodes(k) > slots:
+            k -= 1
         return k
 
     def depth_room(self, seq: Sequence, k: int) -> int:

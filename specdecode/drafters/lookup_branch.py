@@ -190,6 +190,11 @@ class LookupBranchDrafter(Drafter):
     def max_nodes(self, k: int) -> int:
         return self.head.max_nodes(k) + self.num_tokens
 
+    def fit(self, k: int, slots: int) -> int:
+        """The head's depth that fits `slots`; the branch takes what its tree leaves (`propose`
+        cuts it to `slots`), so a short cache drops the branch's tail before the head's levels."""
+        return self.head.fit(k, slots)
+
     def expected_nodes(self, k: int) -> float:
         """The head's nodes plus the grafted nodes verified per proposal so far (the branch's
         full length is only a bound: on traffic that does not copy it is rarely there)."""
@@ -224,6 +229,8 @@ class LookupBranchDrafter(Drafter):
         for seq, k in zip(seqs, budgets, strict=True):
             self._score(seq)
             n = self.room(seq, self.num_tokens) if k > 0 else 0
+            if self.slots is not None and seq.seq_id in self.slots:  # what the head's tree leaves
+                n = min(n, max(0, self.slots[seq.seq_id] - self.head.max_nodes(k)))
             chain: list[int] = []
             if n > 0:
                 chain = self._lookup(seq, n)

@@ -405,7 +405,7 @@ class LLMEngine:
         catch_up = [self.drafter.catch_up_tokens(s) for s in seqs]
         slots = [batch.draft_slots[s.seq_id] for s in seqs]
         caps = [  # (the drafter's own limits too: a draft model's context)
-            self._fit(self.drafter.depth_room(s, self.draft_room(s, k)), n)
+            self.drafter.fit(self.drafter.depth_room(s, self.draft_room(s, k)), n)
             for s, n in zip(seqs, slots, strict=True)
         ]
         plan = self.controller.plan(seqs, decode_tokens, len(batch), catch_up, caps)
@@ -435,6 +435,7 @@ class LLMEngine:
             self._lite_time = time.perf_counter() - t_lite
         self._shadow_time = time.perf_counter() - t0  # not the real drafts' cost
         if any(budgets):  # (a lite row's budget is 0: its own proposal is empty)
+            self.drafter.slots = {s.seq_id: n for s, n in zip(seqs, slots, strict=True)}
             own = list(zip(decoding, self.drafter.propose(seqs, budgets), strict=True))
             drafted += [(i, p) for i, p in own if i not in self._lite]
             if self.drafter.variable_size:  # what the budgets fed: the controller learns it
@@ -521,13 +522,6 @@ class LLMEngine:
         self.scheduler.finish(seq)
         seq.finish_reason = seq.finish_reason or "abort"
         self._release(seq)
-
-    def _fit(self, k: int, slots: int) -> int:
-        """The deepest draft, at most `k` levels, whose tree fits `slots` cache slots (a cache
-        short of blocks gives a request fewer than the full tree's)."""
-        while k > 0 and self.drafter.max_nodes(k) > slots:
-            k -= 1
-        return k
 
     def draft_room(self, seq: Sequence, k: int) -> int:
         """Draft depth worth proposing: none past the context, none past max_tokens."""

@@ -132,8 +132,8 @@ def test_a_short_cache_gives_smaller_draft_trees(plain, tiny_llama_dir, heads):
     )  # fmt: skip
     engine = small.engine
     assert [engine.drafter.max_nodes(k) for k in range(5)] == [0, 3, 6, 8, 9]
-    fitted, fit = [], engine._fit  # (depth asked, slots held, depth drafted)
-    engine._fit = lambda k, slots: fitted.append((k, slots, fit(k, slots))) or fitted[-1][2]
+    fitted, fit = [], engine.drafter.fit  # (depth asked, slots held, depth drafted)
+    engine.drafter.fit = lambda k, slots: fitted.append((k, slots, fit(k, slots))) or fitted[-1][2]
     sizes, propose = [], engine.drafter.propose
     engine.drafter.propose = lambda seqs, budgets: [
         sizes.append(p.num_drafts) or p for p in propose(seqs, budgets)

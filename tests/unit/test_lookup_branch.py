@@ -102,6 +102,20 @@ def test_no_branch_without_a_budget_and_within_the_room():
     assert drafter.tracked_ids() == set()
 
 
+def test_a_short_cache_cuts_the_branch_before_the_heads_tree():
+    """A request given fewer cache slots than the head's tree and the whole branch keeps the
+    head's depth and a branch cut to what the tree leaves (it drafted nothing before)."""
+    head = _FixedHead()  # a tree of 4 nodes at every depth
+    drafter = LookupBranchDrafter(head, num_tokens=3, prompt_lookup_min=2, prompt_lookup_max=2)
+    assert drafter.fit(3, 7) == 3 and drafter.fit(3, 5) == 3 and drafter.fit(3, 3) == 0
+    seq = _seq([5, 6, 1, 4, 8, 0, 5, 6])  # the branch: 1 -> 4 (the head's nodes), then 8
+    for slots, tokens in ((7, [6, 1, 2, 3, 4, 8]), (6, [6, 1, 2, 3, 4]), (4, [6, 1, 2, 3, 4])):
+        drafter.slots = {seq.seq_id: slots}
+        (prop,) = drafter.propose([seq], [3])
+        assert prop.tokens == tokens and prop.num_drafts <= slots
+    drafter.release(seq)
+
+
 class _Clock:
     """The drafter's clock in these tests: it moves only when a fake head says it drafted, so
     the skip decisions do not depend on how loaded the machine is."""
