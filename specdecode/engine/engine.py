@@ -333,10 +333,19 @@ class LLMEngine:
                 continue
             before = len(seq.output_token_ids)
             if seq.error is None:
-                dead_end = False
+                dead_end, forced, entries = False, [], self.runner.logprobs.get(i)
                 if seq.matcher is not None:
-                    tokens, dead_end = self._accept_grammar(seq, tokens)
-                self.output.append(seq, tokens, self.runner.logprobs.get(i))
+                    tokens, dead_end, forced = self._accept_grammar(seq, tokens)
+                if forced and entries:  # as plain decoding's jump-ahead gives them
+                    entries = list(entries)
+                    for j in forced:
+                        entries[j] = _forced_entry(tokens[j], seq.params.logprobs)
+                self.output.append(seq, tokens, entries)
+                if forced:
+                    emitted = len(seq.output_token_ids) - before
+                    n = sum(1 for j in forced if j < emitted)
+                    seq.num_forced_tokens += n
+                    self.num_forced_tokens += n
                 if dead_end and seq.finish_reason is None:
                     from specdecode.structured import DEAD_END
 
@@ -530,29 +539,39 @@ class LLMEngine:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         return max(0, min(k, room))
 
-    def _accept_grammar(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], bool]:
-        """Feed the step's tokens to the request's grammar; the ones it takes, and whether it
-        stopped at a dead end. A step that accepted the grammar's stop token (a draft node)
+    def _accept_grammar(
+        self, seq: Sequence, tokens: list[int]
+    ) -> tuple[list[int], bool, list[int]]:
+        """Feed the step's tokens to the request's grammar; the ones it takes, whether it
+        stopped at a dead end, and which of them the grammar forced (the only token it allowed
+        there: accepted drafts that plain decoding's jump-ahead would have appended, with its
+        placeholder logprob and counted as forced). A step that accepted the grammar's stop
+        token (a draft node)
         keeps nothing after it: plain decoding would have ended there, and the bonus token
         drawn past it is unconstrained (only visible with ignore_eos, where the stop token does
         not end the request). An accepted draft node after which the grammar allows no token
         of the vocabulary (its row could not be masked) keeps nothing after it either: plain
         decoding would emit up to it and then end with the dead end's error."""
-        from specdecode.structured import bitmask_to_bool
+        from specdecode.structured import bitmask_to_bool, single_allowed
 
         m = seq.matcher
+        compiler = self.grammar_compiler() if len(tokens) > 1 else None
+        forced = []
         for j, tok in enumerate(tokens):
             if m.is_terminated():
-                return tokens[:j], False
+                return tokens[:j], False, forced
+            # (the step's first token never is: the last step's jump-ahead took those)
+            if j > 0 and single_allowed(m, compiler)[0] == tok:
+                forced.append(j)
             if not m.accept_token(tok):
                 compiler = self.grammar_compiler()
                 bitmask = compiler.new_bitmask(1)
                 m.fill_next_token_bitmask(bitmask, 0)
                 if j > 0 and not bitmask_to_bool(bitmask, compiler.vocab_size).any():
-                    return tokens[:j], True
+                    return tokens[:j], True, forced
                 # p and q were masked: this cannot happen
                 raise RuntimeError(f"the grammar refused token {tok} it had allowed")
-        return tokens, False
+        return tokens, False, forced
 
     def _advance_grammar(self, seq: Sequence) -> None:
         """Append the tokens the request's grammar forces after the step's (jump-ahead)."""
@@ -571,7 +590,7 @@ class LLMEngine:
             # no model choice: probability 1 under the grammar (and no forward at its position
             # yet to give a raw figure); an entry all the same, so logprobs stay aligned
             n = seq.params.logprobs
-            entry = None if n is None else [(0.0, [(forced, 0.0)] if n else [])]
+            entry = None if n is None else [_forced_entry(forced, n)]
             self.output.append(seq, [forced], entry)
             if not m.accept_token(forced):
                 raise RuntimeError(f"the grammar refused token {forced} it forced")
@@ -593,6 +612,11 @@ class LLMEngine:
     def run_to_completion(self) -> Iterator[list[Sequence]]:
         while self.has_unfinished():
             yield self.step()
+
+
+def _forced_entry(token: int, n: int | None) -> tuple:
+    """The logprobs entry of a token the grammar forced: probability 1, no model figure."""
+    return (0.0, [(token, 0.0)] if n else [])
 
 
 def _speculative_config(raw) -> SpeculativeConfig | None:

@@ -210,3 +210,30 @@ def test_logprobs_stay_aligned_and_raw_under_a_grammar(plain, tiny_llama_dir, sp
     assert entries[0][0] < 0 and entries[0][1] == free[0].outputs[0].logprobs[0][1]
     forced = [e for t, e in zip(out.token_ids, entries, strict=True) if e == (0.0, [(t, 0.0)])]
     assert len(forced) >= 4  # "cdef" after the digit, at least
+
+
+def test_forced_tokens_inside_accepted_drafts_read_as_plain_decodings(plain, tiny_llama_dir):
+    """A draft the grammar forced (the only token it allowed there) that verification accepts
+    gets plain decoding's jump-ahead entry (logprob 0, no model figure) and is counted as
+    forced: the same logprobs entries and forced count with speculation as without."""
+    spec = LLM(str(tiny_llama_dir), speculative_config=SPEC[0], speculative_policy="static")
+    # two letters chosen, then "xyz" forced: the second letter's step drafts (a step right
+    # after a jump-ahead feeds the forced tokens and drafts nothing), "xyz" among its drafts
+    so = {"regex": r"([a-c]{2}xyz){8}"}
+    sp = SamplingParams(temperature=0, max_tokens=60, structured_output=so, logprobs=2)
+    prompt = "abxyzabxyz"
+    runs = []
+    for llm in (plain, spec):
+        before = llm.engine.num_forced_tokens
+        out = llm.generate(prompt, sp)[0].outputs[0]
+        runs.append((out, llm.engine.num_forced_tokens - before))
+    (want, want_forced), (got, got_forced) = runs
+    assert got.token_ids == want.token_ids and re.fullmatch(so["regex"], got.text)
+
+    def placeholders(out) -> list[bool]:
+        return [e == (0.0, [(t, 0.0)]) for t, e in zip(out.token_ids, out.logprobs, strict=True)]
+
+    placeholder = placeholders(want)
+    assert placeholders(got) == placeholder
+    assert got_forced == want_forced == sum(placeholder) > 0
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
