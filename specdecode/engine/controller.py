@@ -418,19 +418,28 @@ class GoodputController:
     def _totals(self, base_tokens, rates, plan, catch_up=None, lite_rates=None, sizes=None):
         """What `goodput` prices `plan` on: (expected tokens, tokens fed, draft levels run,
         catch-up seconds)."""
-        tokens, fed = 0.0, base_tokens
+        tokens, fed, levels = 0.0, base_tokens, 0.0
         for i, k in enumerate(plan):
             if k >= 0:
                 tokens += self.expected_tokens(rates[i], k)
                 if k:
                     fed += sizes[i][k] if sizes is not None else self.nodes_for_depth(k)
+                    levels += self._levels(sizes, i, k)
             else:
                 tokens += self.expected_tokens((lite_rates or rates)[i], -k)
                 fed += -k
         extra = sum(c for c, k in zip(catch_up, plan, strict=True) if k > 0) if catch_up else 0.0
-        return tokens, fed, sum(k for k in plan if k > 0), extra
+        return tokens, fed, levels, extra
 
-    def _rate(self, tokens: float, fed: int, depth: int, extra: float = 0.0) -> float:
+    def _levels(self, sizes, i: int, k: int) -> float:
+        """Draft levels a budget of k costs to draft: k, or for a variable-size drafter the
+        nodes it is expected to propose (its draft-cost fit counts the depth it really drafted,
+        and a lookup that finds two tokens under a budget of 16 drafted two)."""
+        if not k:
+            return 0.0
+        return sizes[i][k] if self.variable_size and sizes is not None else float(k)
+
+    def _rate(self, tokens: float, fed: float, depth: float, extra: float = 0.0) -> float:
         """Expected tokens per second of a step feeding `fed` tokens with `depth` draft levels
         (and `extra` seconds of catch-up)."""
         t = self.step_cost.predict(fed) + self.draft_cost.predict(depth) + extra
@@ -658,7 +667,7 @@ class GoodputController:
 
         heap = [o for i in range(len(seqs)) if (o := offer(i, 1)) is not None]
         heapq.heapify(heap)
-        tokens, fed, depth, paid = float(len(seqs)), base_tokens, 0, 0.0  # paid: catch-up s
+        tokens, fed, depth, paid = float(len(seqs)), base_tokens, 0.0, 0.0  # paid: catch-up s
         best = plain = self._rate(tokens, fed, depth)
         while heap:
             _, i, k, reach, extra = heapq.heappop(heap)
@@ -666,15 +675,17 @@ class GoodputController:
             # fixed part (the drafter's catch-up), so one level alone can lose where four win.
             add_t, add_f, take, g_take = 0.0, 0, 0, best
             add_x = cost[i] if k == 1 else 0.0  # a request's first level pays its catch-up
+            below = self._levels(sizes, i, k - 1)  # (levels already planned for i)
             for j in range(k, self.max_depth + 1):
                 o = offer(i, j)
                 add_t, add_f = add_t + o[3], add_f + o[4]
-                g = self._rate(tokens + add_t, fed + add_f, depth + j - k + 1, paid + add_x)
+                add_d = self._levels(sizes, i, j) - below
+                g = self._rate(tokens + add_t, fed + add_f, depth + add_d, paid + add_x)
                 if g > g_take:
-                    g_take, take, t_take, f_take = g, j, add_t, add_f
+                    g_take, take, t_take, f_take, d_take = g, j, add_t, add_f, add_d
             if take:
                 best, plan[i] = g_take, take
-                tokens, fed, depth = tokens + t_take, fed + f_take, depth + take - k + 1
+                tokens, fed, depth = tokens + t_take, fed + f_take, depth + d_take
                 paid += add_x
                 nxt = offer(i, take + 1)
                 if nxt is not None:

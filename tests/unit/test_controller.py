@@ -563,8 +563,16 @@ def test_a_lookup_budget_is_priced_at_the_nodes_its_proposals_feed():
     rates = [[0.5] * 4]
     small = c.goodput(1, rates, [4], sizes=[c.expected_sizes(seq)])
     assert small > c.goodput(1, rates, [4])
+    # and its drafting time at the levels it drafts: the draft-cost fit counts the depth a
+    # proposal really had, so a budget of 4 that finds one token costs one level, not four
     c.release(seq)
     assert seq.seq_id not in c._size_requests
+    for _ in range(40):
+        c.record_proposal(seq, 4, 1)
+    one = [c.expected_sizes(seq)]
+    assert c._totals(1, rates, [4], sizes=one)[2] == pytest.approx(one[0][4])
+    assert one[0][4] < 1.05
+    assert fixed._totals(1, rates, [4], sizes=[fixed.expected_sizes(seq)])[2] == 4
 
 
 def test_an_empty_lookup_counts_as_a_miss_and_a_short_one_against_its_budget():
