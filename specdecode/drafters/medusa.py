@@ -41,7 +41,8 @@ class MedusaDrafter(Drafter):
             raise ValueError(f"the tree is {depth} deep but there are only {heads.num_heads} heads")
         self.heads = heads
         self.tree = tree
-        self._last: dict[int, torch.Tensor] = {}  # seq id -> the last committed token's feature
+        # seq id -> (tokens committed, the last committed token's feature)
+        self._last: dict[int, tuple[int, torch.Tensor]] = {}
         self._columns: torch.Tensor | None = None  # a draft vocabulary's, for penalties
 
     @classmethod
@@ -60,7 +61,13 @@ class MedusaDrafter(Drafter):
 
     def observe(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None:
         for seq, f in zip(seqs, features, strict=True):
-            self._last[seq.seq_id] = f[-1]
+            self._last[seq.seq_id] = (seq.blocks.length, f[-1])
+
+    def _fresh(self, seq: Sequence) -> bool:
+        """Whether the feature held for `seq` is its last committed token's (the one before its
+        root): not one from before steps whose features were not captured (policy `off`)."""
+        last = self._last.get(seq.seq_id)
+        return last is not None and last[0] == seq.num_tokens - 1
 
     def tracked_ids(self) -> set[int]:
         return set(self._last)
@@ -72,10 +79,10 @@ class MedusaDrafter(Drafter):
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftProposal]:
         out = [DraftProposal.empty(s.last_token) for s in seqs]
         active = [i for i, (s, k) in enumerate(zip(seqs, budgets, strict=True))
-                  if k > 0 and s.seq_id in self._last]  # fmt: skip
+                  if k > 0 and self._fresh(s)]  # fmt: skip
         if not active:
             return out
-        feats = torch.stack([self._last[seqs[i].seq_id] for i in active])
+        feats = torch.stack([self._last[seqs[i].seq_id][1] for i in active])
         logits = self.heads(feats.float())  # [B, K, Vd]
         if any(has_penalties(seqs[i].params) for i in active):
             # every head under the request's bias and penalties (the candidates of a level

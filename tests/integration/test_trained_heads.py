@@ -908,3 +908,32 @@ def test_policy_off_captures_no_features_and_feeds_the_head_nothing(plain, tiny_
     assert run("static", "static") == 0
     engine.set_policy("static")  # (twice: one observer)
     assert engine.feature_observers.count(drafter.observe) == 1
+
+
+def test_medusa_drafts_from_no_feature_older_than_its_last_token(plain, tiny_llama_dir, heads):
+    """Medusa reads the feature of a request's last committed token. After steps under `off`
+    (nothing captured) the one it holds is older: the first step back drafts nothing, the next
+    drafts from the fresh one; the output is plain decoding's."""
+    root, _ = heads
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={"method": "medusa", "model": str(root / "medusa")},
+        speculative_policy="static",
+    )
+    engine = spec.engine
+    ids = spec.encode(PROMPTS[0])
+    want = plain.generate({"prompt_token_ids": ids}, greedy(24))[0].outputs[0].token_ids
+    seq = engine.add_request(ids, greedy(24))
+    for _ in range(3):
+        engine.step()
+    engine.set_policy("off")
+    engine.step()
+    engine.set_policy("static")
+    drafts = engine.spec_stats.num_drafts
+    engine.step()
+    assert engine.spec_stats.num_drafts == drafts  # the feature it held was a step old
+    engine.step()
+    assert engine.spec_stats.num_drafts > drafts
+    while not seq.finished:
+        engine.step()
+    assert seq.output_token_ids == want and engine.num_tracked() == 0
