@@ -101,7 +101,8 @@ class Drafter(ABC):
 
     def drafted_depth(self, seq: Sequence, proposal: DraftProposal) -> int:
         """The depth this drafter spent drafting time on for `proposal` (its draft-cost model's
-        input): the tree's depth unless part of it cost nothing to draft."""
+        input): the tree's depth unless part of it cost nothing to draft (a variable-size
+        drafter's unit is what the controller prices its budgets in: see `_levels` there)."""
         return max(proposal.shape.depths)
 
     @abstractmethod
@@ -125,7 +126,8 @@ class Drafter(ABC):
         return 0
 
     def observe(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None:
-        """Every step (speculating or not), for drafters with `feature_layers`: `features[i]`
+        """Every step (drafting or not; none under policy `off`, which captures no
+        features), for drafters with `feature_layers`: `features[i]`
         [m, F] are the target's features at the m tokens sequence i committed to the cache
         this step, which sit at positions `seqs[i].blocks.length - m ...`."""
 

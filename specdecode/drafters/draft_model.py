@@ -151,7 +151,7 @@ class DraftModelDrafter(Drafter):
         limit = self.model.config.max_position_embeddings
         st = self._state.get(seq.seq_id)
         # past it for good (a request only grows): its draft cache is freed now, since the
-        # engine plans no drafts for it from here and `propose` does not see it again
+        # engine plans no drafts for it from here (`propose` sees it with a budget of 0 at most)
         if seq.num_tokens >= limit and st is not None and st.blocks.block_table:
             self.manager.free(st.blocks)
         return max(0, min(k, limit - seq.num_tokens))

@@ -144,8 +144,9 @@ class EagleDrafter(Drafter):
                 st = self._state[seq.seq_id] = _HeadState(base=start, seen=start)
                 if start:
                     self._find_entries(seq, st)
-            if start != st.seen:
-                st.broken = True
+            if start != st.seen and not st.broken:  # for good: what it holds is of no use
+                st.broken, st.pending = True, []  # (nor kept at release: `_keep_entries`)
+                self.manager.free(st.blocks)
             st.seen = start + f.shape[0]
             if st.proposed:
                 st.routine, st.proposed = f.shape[0], False

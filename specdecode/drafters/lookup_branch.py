@@ -229,12 +229,12 @@ class LookupBranchDrafter(Drafter):
         for seq, k in zip(seqs, budgets, strict=True):
             self._score(seq)
             n = self.room(seq, self.num_tokens) if k > 0 else 0
-            if self.slots is not None and seq.seq_id in self.slots:  # what the head's tree leaves
-                n = min(n, max(0, self.slots[seq.seq_id] - self.head.max_nodes(k)))
+            limit = self.slots.get(seq.seq_id) if self.slots is not None else None
+            if limit is not None:  # the cache slots this step gives the request
+                n = min(n, limit)
             chain: list[int] = []
             if n > 0:
                 chain = self._lookup(seq, n)
-            chains.append(chain)
             alone: list[int] = []  # the chain's prefix worth verifying without the head's tree
             if chain:
                 st = self._req.get(seq.seq_id)
@@ -255,6 +255,9 @@ class LookupBranchDrafter(Drafter):
                     k = 0
             elif seq.seq_id in self._req:
                 self._req[seq.seq_id].chain = None
+            if k > 0 and limit is not None:  # grafted: what the head's tree leaves
+                chain = chain[: max(0, limit - self.head.max_nodes(k))]
+            chains.append(chain)
             alone_cuts.append(alone)
             head_budgets.append(k)
         # nor is a drafter's first run for a request, or one after steps it missed: its

@@ -309,6 +309,11 @@ class SuffixDrafter(Drafter):
             out.append(DraftProposal(TreeShape(tuple(parents)), [seq.last_token] + tokens))
         return out
 
+    def drafted_depth(self, seq: Sequence, proposal: DraftProposal) -> int:
+        """Its nodes: the unit the controller prices a variable-size budget's drafting in
+        (a budget's expected nodes), and a tree's nodes, not its depth, are what it built."""
+        return proposal.num_drafts
+
     def draft(self, context: np.ndarray, size: int) -> tuple[list[int], list[int]]:
         """(parents, draft tokens) of the better tree of the two sources, at most `size` nodes."""
         parents, tokens, _ = self._best_tree(context, size)

@@ -324,7 +324,8 @@ class GoodputController:
         self._probe_charged: float | None = None  # the predicted cost of this step's probe
         self._probe_wait = 0  # steps before asking again whether a probe could pay
         self.shadow_requests: list[Sequence] = []  # to draft in shadow this step
-        self._shadows: dict[int, tuple] = {}  # seq_id -> (output length, tokens, children, depth)
+        self._shadows: dict[int, tuple] = {}  # seq_id -> (output length, tokens, children,
+        # depth, the depth its outcome is recorded at)
         self.step_cost = StepCostModel()
         self.draft_cost = DraftCostModel()
         self._requests: dict[int, AcceptanceCounts] = {}
@@ -433,8 +434,9 @@ class GoodputController:
 
     def _levels(self, sizes, i: int, k: int) -> float:
         """Draft levels a budget of k costs to draft: k, or for a variable-size drafter the
-        nodes it is expected to propose (its draft-cost fit counts the depth it really drafted,
-        and a lookup that finds two tokens under a budget of 16 drafted two)."""
+        nodes it is expected to propose (its draft-cost fit counts what it really drafted, in
+        nodes, see `Drafter.drafted_depth`: a lookup that finds two tokens under a budget of 16
+        drafted two)."""
         if not k:
             return 0.0
         return sizes[i][k] if self.variable_size and sizes is not None else float(k)

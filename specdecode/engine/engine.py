@@ -163,8 +163,9 @@ class LLMEngine:
         on a drafter's engine costs what it does on a plain engine (a head's feature copies, and
         with prefix caching its run over each finished request's history, would otherwise go
         on). Switched back, a request admitted under `off` drafts from the features it then
-        gets (as after a cached prefix); one whose drafter had begun before has a gap in its
-        features and drafts no more (lossless, just slower)."""
+        gets (an EAGLE head as after a cached prefix); an EAGLE head that had begun before has
+        a gap in its features and drafts no more for that request, and Medusa waits for its
+        last token's feature (lossless, just slower)."""
         d = self.drafter
         if d is None or d.feature_layers is None:
             return
@@ -351,7 +352,11 @@ class LLMEngine:
 
                     seq.error = DEAD_END  # where plain decoding ends, one step later
             if seq.matcher is not None and seq.error is None:
-                self._advance_grammar(seq)
+                # (a forced run that began among this step's drafts counts towards the bound)
+                run = 0
+                while run < len(forced) and forced[-1 - run] == len(tokens) - 1 - run:
+                    run += 1
+                self._advance_grammar(seq, _JUMP_AHEAD - run)
             if seq.error is not None and seq.finish_reason is None:
                 seq.finish_reason = "error"
             self.num_generated_tokens += len(seq.output_token_ids) - before
@@ -573,14 +578,16 @@ class LLMEngine:
                 raise RuntimeError(f"the grammar refused token {tok} it had allowed")
         return tokens, False, forced
 
-    def _advance_grammar(self, seq: Sequence) -> None:
-        """Append the tokens the request's grammar forces after the step's (jump-ahead)."""
+    def _advance_grammar(self, seq: Sequence, bound: int = 0) -> None:
+        """Append the tokens the request's grammar forces after the step's (jump-ahead), at
+        most `bound` (a forced run longer than `_JUMP_AHEAD` goes on with a model step: the
+        token after the bound gets the model's logprob, with speculation or without)."""
         from specdecode.structured import single_allowed
 
         m = seq.matcher
         seq.next_bitmask = None
         compiler = self.grammar_compiler()
-        for _ in range(256):  # jump-ahead, bounded per step
+        for _ in range(bound):  # jump-ahead, bounded per step
             if seq.finish_reason is not None or m.is_terminated():
                 break
             forced, bitmask = single_allowed(m, compiler)
@@ -612,6 +619,9 @@ class LLMEngine:
     def run_to_completion(self) -> Iterator[list[Sequence]]:
         while self.has_unfinished():
             yield self.step()
+
+
+_JUMP_AHEAD = 256  # forced tokens a step appends at most, counted from a run's first
 
 
 def _forced_entry(token: int, n: int | None) -> tuple:

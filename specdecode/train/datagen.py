@@ -153,7 +153,7 @@ def _shard_done(path: Path, want: list[str], feature_layers: str | None = None) 
     try:
         meta = _metadata(path)
     except DataError as e:  # (damaged after it was written: writes are atomic)
-        log.warning("%s: regenerating it", e)
+        log.warning("%s is not a readable data shard (%s): regenerating it", path, e.__cause__)
         return False
     stored = meta.get("feature_layers")
     if stored != feature_layers:

@@ -237,3 +237,27 @@ def test_forced_tokens_inside_accepted_drafts_read_as_plain_decodings(plain, tin
     assert placeholders(got) == placeholder
     assert got_forced == want_forced == sum(placeholder) > 0
     assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_a_forced_run_begun_among_drafts_counts_towards_the_jump_ahead_bound(
+    plain, tiny_llama_dir, monkeypatch
+):
+    """Jump-ahead appends at most `_JUMP_AHEAD` forced tokens a step, counted from a run's
+    first; the token after that comes from a model step (a real logprob). Forced drafts that
+    began the run inside a step count towards it, so that token is the same one with
+    speculation as without (here the bound is 8, the run 30 long)."""
+    monkeypatch.setattr("specdecode.engine.engine._JUMP_AHEAD", 8)
+    spec = LLM(str(tiny_llama_dir), speculative_config=SPEC[0], speculative_policy="static")
+    b = plain.encode("b")[-1]
+    so = {"regex": r"a[bc]x{30}"}
+    sp = SamplingParams(
+        temperature=0, max_tokens=40, structured_output=so, logprobs=1, logit_bias={b: 30.0}
+    )
+    runs = []
+    for llm in (plain, spec):
+        out = llm.generate("abxxxxxxxx", sp)[0].outputs[0]  # lookup drafts "xxxx" after "b"
+        model = [i for i, (t, e) in enumerate(zip(out.token_ids, out.logprobs, strict=True))
+                 if e != (0.0, [(t, 0.0)])]  # fmt: skip
+        runs.append((out.token_ids, model))
+    assert runs[0] == runs[1] and len(runs[0][1]) > 2, runs
+    assert spec.engine.spec_stats.num_accepted_tokens > 0

@@ -188,6 +188,13 @@ def test_the_head_is_skipped_while_lookup_alone_does_as_well_and_still_probed(fi
     head.budgets.clear()
     _run(drafter, _seq([5, 6, 7, 8, 9, 5]), 3, grafted)
     assert [b[0] for b in head.budgets] == [0, 0, 0]
+    # skipped, the head leaves the branch every slot: 4 of them hold the whole chain (beside
+    # the head's 4-node tree it would have had none)
+    short = _seq([5, 6, 7, 8, 9, 5])
+    drafter.slots = {short.seq_id: 4}
+    (prop,) = drafter.propose([short], [3])
+    assert head.budgets[-1] == [0] and prop.tokens == [5, 6, 7, 8, 9]
+    drafter.slots = None
 
     # the head's path wins every step instead: it keeps running
     head2 = _CountingHead()
