@@ -40,20 +40,21 @@ from specdecode.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant", "tool", "developer")
-
 
 @dataclass
 class TrafficRequest:
     line: int
+    params: SamplingParams  # as the server would sample it (its defaults, its checks)
     prompt: str | None = None
     messages: list[dict] | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_tokens: int = 128
-    # the other sampling fields the server honours (top_k, min_p, penalties, logit_bias,
-    # min_tokens): they change what the target emits, and so what drafts it accepts
-    sampling: dict = field(default_factory=dict)
+
+    @property
+    def temperature(self) -> float:
+        return self.params.temperature
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
 
 
 @dataclass
@@ -63,16 +64,19 @@ class Traffic:
 
 
 def read_traffic(path: str | Path, default_max_tokens: int = 128, default_temperature=None):
-    """One request per line: `{"prompt": "..."}`, `{"messages": [...]}` (an OpenAI chat body;
-    `temperature`, `top_p`, `max_tokens` / `max_completion_tokens` and the server's other
-    sampling fields (`SAMPLING_FIELDS`) are honoured) or a bare list
-    of chat messages. Blank lines are ignored. A bad line is reported by number and skipped;
-    the rest is kept."""
+    """One request per line: `{"prompt": "..."}` (a completions body), `{"messages": [...]}` (a
+    chat completions body) or a bare list of chat messages. A line is read as the server reads
+    that body (`serving.protocol`): its defaults (a line with no `temperature` samples at 1.0,
+    as the server does, unless `default_temperature` is given), its checks, and every field
+    that changes the output (sampling, penalties, `logit_bias`, stops, `ignore_eos`,
+    structured output); a line with no `max_tokens` gets `default_max_tokens`. Blank lines are
+    ignored. A bad line is reported by number and skipped; the rest is kept."""
     path = Path(path)
     if not path.is_file():
         raise InvalidRequestError(f"traffic file {str(path)!r} not found")
     good, bad = [], []
-    with open(path, encoding="utf-8", errors="replace") as f:
+    # (utf-8-sig: a byte-order mark some editors write is not part of the first line)
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -87,6 +91,10 @@ def read_traffic(path: str | Path, default_max_tokens: int = 128, default_temper
 
 
 def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature) -> TrafficRequest:
+    from pydantic import ValidationError
+
+    from specdecode.serving.protocol import ChatCompletionRequest, CompletionRequest
+
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -101,63 +109,32 @@ def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature)
         obj = {"messages": obj}
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object or a list of messages, got {type(obj).__name__}")
-    req = TrafficRequest(n, max_tokens=default_max_tokens)
     if "messages" in obj:
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise ValueError("'messages' must be a non-empty list")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or m.get("role") not in ROLES:
-                raise ValueError(f"message {i} needs a 'role' among {', '.join(ROLES)}")
-            if not isinstance(m.get("content"), str):
-                raise ValueError(f"message {i} needs a string 'content'")
-        req.messages = [{"role": m["role"], "content": m["content"]} for m in msgs]
+        kind = ChatCompletionRequest
     elif isinstance(obj.get("prompt"), str) and obj["prompt"]:
-        req.prompt = obj["prompt"]
+        kind = CompletionRequest
     else:
         raise ValueError("needs a non-empty 'prompt' string or a 'messages' list")
-    temp = obj.get("temperature")
-    temp = default_temperature if temp is None else temp  # null: absent, as the server reads it
-    if temp is not None:
-        if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not 0 <= temp <= 2:
-            raise ValueError(f"'temperature' must be a number in [0, 2], got {temp!r}")
-        req.temperature = float(temp)
-    top_p = 1.0 if obj.get("top_p") is None else obj["top_p"]
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"'top_p' must be a number in (0, 1], got {top_p!r}")
-    req.top_p = float(top_p)
-    mt = obj.get("max_completion_tokens")  # the server's reading: it first, if given
-    mt = obj.get("max_tokens") if mt is None else mt
-    if mt is not None:
-        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
-            raise ValueError(f"'max_tokens' must be a positive integer, got {mt!r}")
-        req.max_tokens = mt
-    for name in SAMPLING_FIELDS:
-        if obj.get(name) is not None:
-            req.sampling[name] = obj[name]
-    bias = req.sampling.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict) or not all(
-            isinstance(k, str) and k.strip().isdigit() for k in bias
-        ):
-            raise ValueError("'logit_bias' must map token ids to biases")
-        req.sampling["logit_bias"] = {int(k): v for k, v in bias.items()}
-    try:  # checked as the server checks them
-        SamplingParams(max_tokens=req.max_tokens, **req.sampling)
+    if obj.get("temperature") is None and default_temperature is not None:
+        obj = {**obj, "temperature": default_temperature}
+    if kind is CompletionRequest and obj.get("max_completion_tokens") is not None:
+        obj = {**obj, "max_tokens": obj["max_completion_tokens"]}  # (read first, as in chat)
+    given = obj.get("max_completion_tokens") or obj.get("max_tokens")
+    try:
+        body = kind.model_validate(obj)
+        max_tokens = body.requested_max_tokens() if given is not None else default_max_tokens
+        params = body.sampling_params(max_tokens, None)
+        if kind is ChatCompletionRequest:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise ValueError(f"{where}: {err['msg']}" if where else err["msg"]) from None
     except InvalidRequestError as e:
         raise ValueError(str(e)) from None
-    return req
-
-
-SAMPLING_FIELDS = (
-    "top_k",
-    "min_p",
-    "min_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-)
+    if kind is ChatCompletionRequest:
+        return TrafficRequest(n, params, messages=messages)
+    return TrafficRequest(n, params, prompt=obj["prompt"])
 
 
 # ---- measurement --------------------------------------------------------------------------
@@ -238,26 +215,35 @@ def candidate_configs(model: str | None, given: dict | None, draft_model: str | 
 
 
 def _params(reqs: list[TrafficRequest]) -> list[SamplingParams]:
+    """Each request's parameters, seeded (by its place, unless its line gave a seed) so that
+    every configuration samples the same way."""
+    from dataclasses import replace
+
     return [
-        SamplingParams(
-            temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, seed=i, **r.sampling
-        )
+        replace(r.params, seed=i if r.params.seed is None else r.params.seed)
         for i, r in enumerate(reqs)
     ]
 
 
-def _run(llm, ids: list[list[int]], params: list[SamplingParams], bar) -> tuple[int, float]:
-    """All requests through the engine (it batches up to max_num_seqs); (tokens, seconds)."""
+def _run(
+    llm, ids: list[list[int]], params: list[SamplingParams], bar, batch: int
+) -> tuple[int, float]:
+    """All requests through the engine, `batch` at a time at most (the concurrency advised
+    on, whatever levels the engine may validate at later); (tokens, seconds)."""
     import time
 
     engine = llm.engine
-    seqs = [engine.add_request(p, sp) for p, sp in zip(ids, params, strict=True)]
-    done = 0
-    t0 = time.perf_counter()
-    for _ in engine.run_to_completion():
-        now = sum(s.finished for s in seqs)
-        bar.update(now - done)
-        done = now
+    most, engine.scheduler.max_num_seqs = engine.scheduler.max_num_seqs, batch
+    try:
+        seqs = [engine.add_request(p, sp) for p, sp in zip(ids, params, strict=True)]
+        done = 0
+        t0 = time.perf_counter()
+        for _ in engine.run_to_completion():
+            now = sum(s.finished for s in seqs)
+            bar.update(now - done)
+            done = now
+    finally:
+        engine.scheduler.max_num_seqs = most
     return sum(len(s.output_token_ids) for s in seqs), time.perf_counter() - t0
 
 
@@ -296,7 +282,14 @@ def predict(
     # the drafter's own pass over each prompt (a draft model's prefill, a head's catch-up)
     t_catch_up = c * cost.draft.catch_up_seconds(prompt_tokens) if drafting else 0.0
     steps = max(output_tokens - 1, 0.0) / e  # the first token comes with the prefill
-    cycle = steps * (t_step + t_draft) + c * cost.prefill(n, prompt_tokens) + t_catch_up
+    own_prefill = cost.prefill(n, prompt_tokens)
+    cycle = steps * (t_step + t_draft) + c * own_prefill + t_catch_up
+    # (at least a step: one-token answers are all prefill, whose marginal cost a flat or
+    # noisy curve can put at 0)
+    cycle = max(cycle, t_step)
+    # time per output token after the first, as `bench serve` measures it: the request's own
+    # prefill is before its first token; the other requests' prefills fall between its steps
+    decode = max(cycle - own_prefill - t_catch_up / c, 0.0)
     return {
         "concurrency": c,
         "depth": k,
@@ -306,7 +299,7 @@ def predict(
         "draft_ms": 1000 * t_draft,
         "catch_up_ms": 1000 * t_catch_up,
         "throughput_tok_s": c * output_tokens / cycle,
-        "tpot_ms": 1000 * cycle / output_tokens,
+        "tpot_ms": 1000 * decode / (output_tokens - 1) if output_tokens > 1 else 0.0,
     }
 
 
@@ -334,17 +327,26 @@ def run_advise(args: argparse.Namespace) -> dict:
     from specdecode import LLM
     from specdecode.cli import engine_kwargs, speculative_config
 
+    # the flags first: nothing is loaded or measured for a run that cannot finish
+    if args.concurrency < 1:
+        raise InvalidRequestError("--concurrency must be >= 1")
+    if args.num_requests < 0:
+        raise InvalidRequestError("--num-requests must be >= 0 (0: all)")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise InvalidRequestError(f"--json {args.json!r}: its folder does not exist")
+    levels = sorted({args.concurrency, *_levels(args.validate)})
     traffic = read_traffic(args.traffic, args.max_tokens, args.temperature)
     for bad in traffic.bad_lines:
         print(f"skipped {bad}", flush=True)
-    levels = sorted({args.concurrency, *_levels(args.validate)})
     # the engine flags as every command reads them; each engine below sets its own drafter
     common = {k: v for k, v in engine_kwargs(args).items() if not k.startswith("speculative")}
-    common["max_num_seqs"] = max(levels)
+    common["max_num_seqs"] = max(levels)  # (the validation's closed loops)
     configs = candidate_configs(args.model, speculative_config(args), args.draft_model)
     base = LLM(args.model, speculative_policy="off", **common)
     reqs, ids = [], []
-    for r in traffic.requests[: args.num_requests or None]:
+    for r in traffic.requests:
+        if args.num_requests and len(reqs) == args.num_requests:
+            break
         try:
             p = base._chat_ids(r.messages) if r.messages else base.encode(r.prompt)
             base.engine.make_sequence(p, _params([r])[0])  # validates length and sampling
@@ -356,8 +358,6 @@ def run_advise(args: argparse.Namespace) -> dict:
         ids.append(p)
     if not reqs:
         raise InvalidRequestError("no request of the traffic sample fits this model")
-    if args.concurrency < 1:
-        raise InvalidRequestError("--concurrency must be >= 1")
     params = _params(reqs)
     print(
         f"measuring {len(reqs)} requests plainly and with {', '.join(configs)} on this machine",
@@ -366,7 +366,7 @@ def run_advise(args: argparse.Namespace) -> dict:
     measured: dict[str, Measured] = {}
     llms = {"off": base}
     with tqdm(total=len(reqs) * (1 + len(configs)), desc="advise", unit="req") as bar:
-        n_tok, secs = _run(base, ids, params, bar)
+        n_tok, secs = _run(base, ids, params, bar, args.concurrency)
         # the prefill term needs step times up to C decode tokens plus a mean prompt
         top = max(levels) + sum(len(i) for i in ids) // len(ids)
         base.engine.calibrate(time_budget_s=args.calibration_seconds, upto=top)
@@ -380,7 +380,7 @@ def run_advise(args: argparse.Namespace) -> dict:
                 **common,
             )
             llm.engine.calibrate(time_budget_s=args.calibration_seconds)
-            measured[label] = _measure(llm, label, ids, params, bar)
+            measured[label] = _measure(llm, label, ids, params, bar, args.concurrency)
             llms[label] = llm
     step = _merged_step_model([x.engine for x in llms.values()])
     costs = {m: CostModel(step, llms[m].engine.controller.draft_cost) for m in measured}
@@ -463,12 +463,12 @@ def _given(cfg) -> dict:
     return out
 
 
-def _measure(llm, label: str, ids, params, bar) -> Measured:
+def _measure(llm, label: str, ids, params, bar, batch: int) -> Measured:
     from specdecode.bench.speculative import _copy_stats, _diff_stats
 
     eng = llm.engine
     before, dec0 = _copy_stats(eng), eng.controller.num_decisions
-    n_tok, secs = _run(llm, ids, params, bar)
+    n_tok, secs = _run(llm, ids, params, bar, batch)
     st = _diff_stats(eng, before)
     cfg = eng.spec_config
     return Measured(

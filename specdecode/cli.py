@@ -538,8 +538,8 @@ def cmd_data(args: argparse.Namespace) -> None:
         names = [w.strip() for w in args.workloads.split(",") if w.strip()]
         if not names:
             raise InvalidRequestError("--workloads names none")
-        if not 0 <= args.temperature <= 2:  # what `advise` and the server accept
-            raise InvalidRequestError(f"--temperature must be in [0, 2], got {args.temperature}")
+        if not 0 <= args.temperature <= 100:  # what `advise` and the server accept
+            raise InvalidRequestError(f"--temperature must be in [0, 100], got {args.temperature}")
         if not Path(args.out).resolve().parent.is_dir():
             raise InvalidRequestError(f"--out {args.out!r}: its folder does not exist")
         lines = [

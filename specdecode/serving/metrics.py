@@ -52,7 +52,8 @@ class _EngineCollector:
             "vllm:request_success", "Requests finished.", self.engine.num_finished_requests
         )
         yield counter(
-            "specdecode:request_failures", "Requests failed by an internal error.",
+            "specdecode:request_failures", "Requests ended by an error: an internal failure, "
+            "or a grammar the vocabulary cannot complete (a 400 for that request).",
             self.engine.num_failed_requests,
         )  # fmt: skip
         yield counter(

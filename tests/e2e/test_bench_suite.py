@@ -125,3 +125,12 @@ def test_advise_with_no_usable_line_fails_clearly(roomy, tmp_path):
     assert "no usable request" in r.stderr and "t.jsonl line 1" in r.stderr
     r = run("advise", "--model", str(roomy), "--traffic", str(tmp_path / "missing.jsonl"))
     assert r.returncode == 2 and "not found" in r.stderr
+    # flags that cannot work fail before anything is loaded or measured
+    good = _traffic(tmp_path / "g.jsonl", [{"prompt": "hi"}])
+    for flags, why in (
+        (["--concurrency", "0"], "--concurrency must be >= 1"),
+        (["--num-requests", "-1"], "--num-requests must be >= 0"),
+        (["--json", str(tmp_path / "no" / "such" / "a.json")], "its folder does not exist"),
+    ):
+        r = run("advise", "--model", str(roomy), "--traffic", str(good), *flags)
+        assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr

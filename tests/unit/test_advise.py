@@ -29,7 +29,8 @@ def test_read_traffic_formats_and_bad_lines(tmp_path):
         )
     )
     t = read_traffic(p, default_max_tokens=9)
-    assert [(r.line, r.temperature, r.max_tokens) for r in t.requests] == [(1, 0.7, 5), (2, 0.0, 9)]
+    # no temperature: 1.0, as the server samples such a request (OpenAI's default)
+    assert [(r.line, r.temperature, r.max_tokens) for r in t.requests] == [(1, 0.7, 5), (2, 1.0, 9)]
     assert t.requests[1].messages == [{"role": "user", "content": "hello"}]
     assert [b.split(":")[0] for b in t.bad_lines] == [f"t.jsonl line {n}" for n in (4, 5, 6, 7, 8)]
     assert "role" in t.bad_lines[0] and "max_tokens" in t.bad_lines[1]
@@ -50,7 +51,7 @@ def test_read_traffic_formats_and_bad_lines(tmp_path):
         )
     )
     t = read_traffic(p, default_max_tokens=9)
-    assert [(r.top_p, r.max_tokens) for r in t.requests] == [(1.0, 9), (1.0, 7)]
+    assert [(r.params.top_p, r.max_tokens) for r in t.requests] == [(1.0, 9), (1.0, 7)]
     assert "surrogate" in t.bad_lines[0] and "line 4" in t.bad_lines[1]
     assert "line 5" in t.bad_lines[2]  # max_completion_tokens 0: the server refuses it too
 
@@ -85,6 +86,47 @@ def _measured(accepted, drafted, decisions, tree=False) -> Measured:
         num_drafts=drafted[0], num_draft_tokens=sum(drafted), num_accepted=sum(accepted),
         tok_s=1.0,
     )  # fmt: skip
+
+
+def test_traffic_lines_are_read_as_the_server_reads_their_bodies(tmp_path):
+    """Content-part arrays and null contents, stops, `ignore_eos`, structured output and
+    temperatures past 2 are what the server takes: the advisor measures them so. `--temperature`
+    fills in a line without one; a byte-order mark does not cost the first line."""
+    from specdecode.advise import _params
+
+    p = tmp_path / "t.jsonl"
+    lines = [
+        {"messages": [{"role": "system", "content": None},
+                      {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                   {"type": "text", "text": "b"}]}]},
+        {"messages": [{"role": "user", "content": "x"}], "stop": "\n", "ignore_eos": True,
+         "response_format": {"type": "json_object"}, "temperature": 3, "seed": 5},
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+    ]  # fmt: skip
+    p.write_text("\n".join(json.dumps(x) for x in lines), encoding="utf-8-sig")
+    t = read_traffic(p, default_max_tokens=9)
+    assert [r.line for r in t.requests] == [1, 2] and "text content" in t.bad_lines[0]
+    assert t.requests[0].messages == [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "ab"},
+    ]
+    a, b = _params(t.requests)
+    assert (a.temperature, a.seed, b.temperature, b.seed) == (1.0, 0, 3.0, 5)
+    assert b.stop == ["\n"] and b.ignore_eos and b.structured_output is not None
+    t = read_traffic(p, default_max_tokens=9, default_temperature=0.0)
+    assert [r.temperature for r in t.requests] == [0.0, 3.0]
+
+
+def test_one_token_answers_predict_no_gain_and_no_division_by_zero():
+    step = StepCostModel()
+    for n in (1, 2, 4, 8):
+        step.calibrate(n, 0.010)  # a flat curve: a prefill's marginal cost reads as 0
+    cost = CostModel(step, None)
+    one = predict(cost, 4, prompt_tokens=20, output_tokens=1)
+    assert one["throughput_tok_s"] == pytest.approx(4 / 0.010) and one["tpot_ms"] == 0.0
+    # time per output token counts the steps after the first token, as `bench serve` does
+    many = predict(cost, 1, prompt_tokens=20, output_tokens=11)
+    assert many["tpot_ms"] == pytest.approx(10.0)
 
 
 def test_candidates_for_the_default_model_include_the_lookup_branch():
@@ -273,3 +315,28 @@ def test_a_recommended_config_names_only_what_differs_from_the_defaults():
         "num_speculative_tokens": 5,
         "prompt_lookup_tokens": 8,
     }
+
+
+def test_the_sample_is_measured_at_the_concurrency_advised_on():
+    """The engines are built for the largest validation level; the measurement itself batches
+    at most the concurrency asked about (its acceptance and step times are that batch's)."""
+    from types import SimpleNamespace
+
+    from specdecode.advise import _run
+
+    seen = []
+
+    class Engine:
+        scheduler = SimpleNamespace(max_num_seqs=16)
+
+        def add_request(self, ids, params):
+            return SimpleNamespace(finished=True, output_token_ids=[1, 2])
+
+        def run_to_completion(self):
+            seen.append(self.scheduler.max_num_seqs)
+            yield []
+
+    llm = SimpleNamespace(engine=Engine())
+    bar = SimpleNamespace(update=lambda n: None)
+    assert _run(llm, [[1], [2]], [None, None], bar, 2)[0] == 4
+    assert seen == [2] and llm.engine.scheduler.max_num_seqs == 16
