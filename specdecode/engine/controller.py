@@ -45,8 +45,8 @@ Policies (`--speculative-policy`):
   exists and is accepted once d-1 were, so an empty proposal counts as a miss at depth 1; and
   the nodes a depth-k budget feeds are learnt the same way (the chance that a proposal holds
   a j-th node once it holds j-1, per request, shrunk towards the workload's and that towards
-  k nodes). Priced at k nodes, a 16-token suffix budget that feeds 0.8 nodes on average kept
-  the budget at 3.
+  k nodes); its drafting is priced at those nodes too (`_levels`). Priced at k nodes and k
+  levels, a 16-token suffix budget that fed 0.8 nodes on average was kept at 3.
 """
 
 from __future__ import annotations
@@ -367,11 +367,13 @@ class GoodputController:
             rates.append(own.rate(d, prior, 4.0) if own else prior)
         return rates
 
-    def expected_sizes(self, seq: Sequence) -> list[float]:
-        """Draft nodes a budget of depth k feeds, for k = 0..max_depth: `nodes_for_depth`, or
-        for a variable-size drafter what `seq`'s proposals held (shrunk towards its workload's,
-        and that towards the full budget: an unmeasured depth is priced at its k nodes)."""
-        full = [0.0] + [float(self.nodes_for_depth(k)) for k in range(1, self.max_depth + 1)]
+    def expected_sizes(self, seq: Sequence, full: list[float] | None = None) -> list[float]:
+        """Draft nodes a budget of depth k feeds, for k = 0..max_depth: `nodes_for_depth`
+        (`full`, if already listed), or for a variable-size drafter what `seq`'s proposals held
+        (shrunk towards its workload's, and that towards the full budget: an unmeasured depth
+        is priced at its k nodes)."""
+        if full is None:
+            full = [0.0] + [float(self.nodes_for_depth(k)) for k in range(1, self.max_depth + 1)]
         if not self.variable_size:
             return full
         wl = self._size_workloads.get(workload_key(seq))
@@ -651,7 +653,8 @@ class GoodputController:
                 k = 0  # a compute-bound batch: not even free drafts, all accepted, would pay
             return [k] * len(seqs)
         rates = [self.acceptance(s) for s in seqs]
-        sizes = [self.expected_sizes(s) for s in seqs]
+        full = self.expected_sizes(seqs[0]) if not self.variable_size else None
+        sizes = [full or self.expected_sizes(s) for s in seqs]  # (one list unless they vary)
         cost = self._catch_up_costs(seqs, rates, catch_up)
         plan = [0] * len(seqs)
 

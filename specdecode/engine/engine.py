@@ -551,12 +551,11 @@ class LLMEngine:
         stopped at a dead end, and which of them the grammar forced (the only token it allowed
         there: accepted drafts that plain decoding's jump-ahead would have appended, with its
         placeholder logprob and counted as forced). A step that accepted the grammar's stop
-        token (a draft node)
-        keeps nothing after it: plain decoding would have ended there, and the bonus token
-        drawn past it is unconstrained (only visible with ignore_eos, where the stop token does
-        not end the request). An accepted draft node after which the grammar allows no token
-        of the vocabulary (its row could not be masked) keeps nothing after it either: plain
-        decoding would emit up to it and then end with the dead end's error."""
+        token (a draft node) keeps nothing after it: plain decoding would have ended there, and
+        the bonus token drawn past it is unconstrained (only visible with ignore_eos, where the
+        stop token does not end the request). An accepted draft node after which the grammar
+        allows no token of the vocabulary (its row could not be masked) keeps nothing after it
+        either: plain decoding would emit up to it and then end with the dead end's error."""
         from specdecode.structured import bitmask_to_bool, single_allowed
 
         m = seq.matcher
@@ -578,7 +577,7 @@ class LLMEngine:
                 raise RuntimeError(f"the grammar refused token {tok} it had allowed")
         return tokens, False, forced
 
-    def _advance_grammar(self, seq: Sequence, bound: int = 0) -> None:
+    def _advance_grammar(self, seq: Sequence, bound: int) -> None:
         """Append the tokens the request's grammar forces after the step's (jump-ahead), at
         most `bound` (a forced run longer than `_JUMP_AHEAD` goes on with a model step: the
         token after the bound gets the model's logprob, with speculation or without)."""
