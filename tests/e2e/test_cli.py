@@ -327,7 +327,7 @@ def test_bench_prefix_compares_caching_off_and_on(tiny_llama_dir, tmp_path):
     [
         (["--workloads", "bogus"], "unknown workload 'bogus'"),
         (["--workloads", " , "], "names none"),
-        (["--temperature", "5"], "--temperature"),
+        (["--temperature", "101"], "--temperature"),
         (["--max-tokens", "0"], "max-tokens"),
     ],
 )
