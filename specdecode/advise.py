@@ -157,10 +157,15 @@ class Measured:
     tok_s: float  # measured offline batch throughput on the sample
     # levels the drafter ran, all steps together (0: not recorded, the kept depths stand in)
     drafted_levels: int = 0
+    # nodes a proposal of depth k feeds (`Drafter.expected_nodes`, k = 0..max_depth): how a
+    # tree's size scales with its depth (empty: the measured full-depth size at every depth)
+    nodes_by_depth: list[float] = field(default_factory=list)
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a request-step emits at depth k (1 + accepted). Positions past `max_depth`
-        come from a branch that drafts at any depth (`prompt_lookup_tokens`): always counted."""
+        come from a branch that drafts at any depth (`prompt_lookup_tokens`): always counted.
+        A shallower tree is priced at what the full one accepted up to depth k: a lower bound,
+        as the engine's shallower trees spend their nodes on fewer levels."""
         s = max(1, self.decisions)
         beyond = sum(self.accepted_per_position[self.max_depth :])
         return 1.0 + (sum(self.accepted_per_position[:k]) + beyond) / s
@@ -168,8 +173,12 @@ class Measured:
     def drafts_per_step(self, k: int) -> float:
         """Draft tokens fed per request-step at depth k."""
         s = max(1, self.decisions)
-        if self.tree:  # trees: measured nodes per draft at full depth
-            return self.num_draft_tokens / s
+        if self.tree:  # trees: measured nodes at full depth, scaled to the tree of depth k
+            full = self.num_draft_tokens / s
+            sizes = self.nodes_by_depth
+            if k >= self.max_depth or len(sizes) <= self.max_depth or not sizes[self.max_depth]:
+                return full
+            return full * sizes[k] / sizes[self.max_depth]
         return sum(self.drafted_per_position[:k]) / s
 
     def depth_per_step(self, k: int) -> float:
@@ -484,6 +493,9 @@ def _measure(llm, label: str, ids, params, bar, batch: int) -> Measured:
         num_accepted=st.num_accepted_tokens,
         tok_s=n_tok / secs,
         drafted_levels=st.drafted_levels,
+        nodes_by_depth=[
+            float(eng.drafter.expected_nodes(k)) for k in range(cfg.num_speculative_tokens + 1)
+        ],
     )
 
 
@@ -504,7 +516,7 @@ def advice(
     for label, m in measured.items():
         if m.num_drafts == 0:  # never found anything to draft on this traffic
             continue
-        depths = [m.max_depth] if m.tree else range(1, m.max_depth + 1)
+        depths = range(1, m.max_depth + 1)
         best = max(
             (predict(costs[label], c, prompt_tokens, out_tokens, m, k) for k in depths),
             key=lambda p: p["throughput_tok_s"],

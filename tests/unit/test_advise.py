@@ -217,6 +217,40 @@ def test_drafting_is_priced_on_the_levels_the_drafter_ran():
     assert chain.depth_per_step(9) == pytest.approx(2.0)
 
 
+def test_a_tree_is_priced_at_every_depth_and_a_shallower_one_can_win():
+    """A tree drafter runs at any depth up to its own (the engine's controller plans shallower
+    trees): the advice prices each depth on the nodes its tree holds (`nodes_by_depth`) and on
+    what the full tree accepted up to there, so deep levels that cost more than they accept
+    are cut."""
+    from specdecode import advise
+
+    step = StepCostModel()
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        step.calibrate(n, 0.010 + 0.0005 * n)  # every fed token costs: nodes matter
+    draft = DraftCostModel()
+    for d in (1, 2, 4, 8):
+        draft.observe(d, 0.001 * d)
+    cost = CostModel(step, draft)
+    # 100 steps of a 4-level tree of 16 nodes; depths 3 and 4 almost never accepted
+    tree = _measured([70, 60, 1, 0], [100, 100, 100, 100], 100, tree=True)
+    tree.num_draft_tokens = 1600
+    tree.drafted_levels = 400
+    tree.nodes_by_depth = [0.0, 4.0, 8.0, 12.0, 16.0]
+    assert tree.drafts_per_step(4) == pytest.approx(16.0)
+    assert tree.drafts_per_step(2) == pytest.approx(8.0)
+    assert tree.depth_per_step(2) == pytest.approx(2.0)
+    assert tree.expected_tokens(2) == pytest.approx(2.3)
+    result = advise.advice(1, advise.Traffic([], []), [], {"eagle": tree},
+                           {"off": cost, "eagle": cost}, 20, 50, 10.0, 0.0)  # fmt: skip
+    best = result["options"][0]
+    assert best["depth"] == 2  # deeper levels feed 4 nodes each and accept ~nothing
+    full = predict(cost, 1, 20, 50, tree, 4)["throughput_tok_s"]
+    assert best["throughput_tok_s"] > full
+    # without the sizes (an older measurement) every depth is priced at the full tree's nodes
+    tree.nodes_by_depth = []
+    assert tree.drafts_per_step(2) == pytest.approx(16.0)
+
+
 def _row(method, wl, temp, speedup, acc, tau):
     return dict(
         method=method, workload=wl, temperature=temp, speedup=speedup, acceptance_rate=acc, tau=tau
