@@ -109,3 +109,38 @@ def test_temperature_lists_normalise():
     from specdecode.bench import temperatures
 
     assert temperatures("0, 0.7,") == "0.0,0.7"
+
+
+def test_cpu_engines_also_report_ratios_by_cpu_time():
+    """On a CPU engine each row carries its tokens per CPU second, and the report gives the
+    policies' ratios by CPU time beside the wall-clock ones (a busy host moves wall time far
+    more); a GPU engine's rows say nothing of CPU time."""
+    rows = [
+        {**_row(16, "off", 80.0), "tok_per_cpu_s": 40.0, "cpu_engine": True},
+        {**_row(16, "static", 60.0, drafting=1.0), "tok_per_cpu_s": 36.0, "cpu_engine": True},
+        {**_row(16, "adaptive", 90.0, drafting=0.2), "tok_per_cpu_s": 42.0, "cpu_engine": True},
+        {**_row(16, "off", 100.0, repeat=True), "tok_per_cpu_s": 44.0, "cpu_engine": True},
+    ]
+    summary = summarize(rows)
+    assert summary["cpu_time"] == {
+        "static": {16: pytest.approx(36 / 42)},
+        "adaptive": {16: pytest.approx(1.0)},
+    }
+    assert "by process CPU time" in summary["text"]
+    result = {
+        "rows": rows,
+        "summary": summary,
+        "speculative_config": {"method": "suffix", "num_speculative_tokens": 16},
+        "workload": "code",
+        "temperature": 0.0,
+        "max_tokens": 64,
+        "dtype": "float32",
+    }
+    table = markdown(result).splitlines()
+    assert "CPU time" in next(line for line in table if line.startswith("| concurrency"))
+    cells = next(line for line in table if line.startswith("| 16 |")).split(" | ")
+    assert cells[-2:] == ["0.86x / 1.00x", "22.2% (9.5% CPU) |"]
+    gpu = [{**r, "cpu_engine": False} for r in rows]
+    gpu_summary = summarize(gpu)
+    assert "cpu_time" not in gpu_summary
+    assert "CPU" not in markdown({**result, "rows": gpu, "summary": gpu_summary})
