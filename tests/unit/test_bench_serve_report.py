@@ -113,7 +113,7 @@ def test_temperature_lists_normalise():
 
 def test_cpu_engines_also_report_ratios_by_cpu_time():
     """On a CPU engine each row carries its tokens per CPU second, and the report gives the
-    policies' ratios by CPU time beside the wall-clock ones (a busy host moves wall time far
+    policies' ratios by CPU time beside the wall-clock ones (a busy host often moves wall time
     more); a GPU engine's rows say nothing of CPU time."""
     rows = [
         {**_row(16, "off", 80.0), "tok_per_cpu_s": 40.0, "cpu_engine": True},
