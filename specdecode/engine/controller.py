@@ -103,17 +103,10 @@ class _Curve:
             self._xs = [x for x, _ in self._sorted]
         return self._sorted
 
-    def span(self) -> tuple[float, float]:
-        pts = self.points()
-        return pts[0][0], pts[-1][0]
-
-    def nearest(self, num_tokens: float) -> tuple[float, float]:
-        return min(self.points(), key=lambda p: abs(p[0] - num_tokens))
-
     def __call__(self, num_tokens: float) -> float:
-        if not self._points:
+        pts = self._sorted if self._sorted is not None else self.points()
+        if not pts:
             return 0.0
-        pts = self.points()
         if len(pts) == 1:
             x, y = pts[0]
             return y * num_tokens / x if num_tokens > x else y
@@ -146,26 +139,42 @@ class StepCostModel:
     def __init__(self, smoothing: float = 0.2) -> None:
         self.calibration = _Curve(1.0)
         self.measured = _Curve(smoothing)
+        # what `predict` needs of the curves, kept between observations (the controller asks
+        # a few hundred times a step): the measured span and, for each side of it, the
+        # measured point nearest and the calibrated time there
+        self._frame: tuple | None = None
 
     def calibrate(self, num_tokens: int, seconds: float) -> None:
         self.calibration.observe(num_tokens, seconds)
+        self._frame = None
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds > 0:
             self.measured.observe(num_tokens, seconds)
+            self._frame = None
 
     @property
     def calibrated(self) -> bool:
         return bool(self.calibration) or bool(self.measured)
 
-    def predict(self, num_tokens: int) -> float:
+    def _make_frame(self) -> tuple:
         if not self.measured:
+            return (None,)
+        pts = self.measured.points()
+        lo, hi = pts[0], pts[-1]
+        return (lo[0], hi[0], lo, self.calibration(lo[0]), hi, self.calibration(hi[0]))
+
+    def predict(self, num_tokens: int) -> float:
+        frame = self._frame if self._frame is not None else self._make_frame()
+        self._frame = frame
+        if frame[0] is None:
             return self.calibration(num_tokens)
-        lo, hi = self.measured.span()
+        lo, hi, below, below_base, above, above_base = frame
         if (lo <= num_tokens <= hi and hi > lo) or not self.calibration:
             return self.measured(num_tokens)
-        x, y = self.measured.nearest(num_tokens)
-        base = self.calibration(x)
+        # outside the measured span (or at its one point): the calibrated curve's shape,
+        # scaled to the measured point nearest
+        (_, y), base = (below, below_base) if num_tokens <= lo else (above, above_base)
         return self.calibration(num_tokens) * (y / base) if base > 0 else y
 
 
@@ -263,6 +272,15 @@ class AcceptanceCounts:
         h = self.hits[d] if d < len(self.hits) else 0.0
         return (h + strength * prior) / (t + strength)
 
+    def rates(self, priors: list[float], strength: float) -> list[float]:
+        """`rate` for d = 0..len(priors)-1, each towards its own prior (the same figures, in
+        one pass: the controller asks for every depth of every request each step)."""
+        t, h, m = self.trials, self.hits, len(self.trials)
+        return [
+            ((h[d] if d < m else 0.0) + strength * p) / ((t[d] if d < m else 0.0) + strength)
+            for d, p in enumerate(priors)
+        ]
+
 
 def workload_key(seq: Sequence) -> str:
     """Requests of one temperature class share an acceptance prior."""
@@ -354,20 +372,31 @@ class GoodputController:
             return self._lite_requests, self._lite_workloads
         return self._requests, self._workloads
 
-    def acceptance(self, seq: Sequence, lite: bool = False) -> list[float]:
+    def acceptance(self, seq: Sequence, lite: bool = False, cache=None) -> list[float]:
         """a(d) for d = 1..max_depth (lite: 1..lite_depth, of the lite drafts): the request's
         own counts shrunk towards its workload's, and the workload's towards 0.5 (optimistic
         enough to try)."""
         requests, workloads = self._counts(lite)
-        wl = workloads.get(workload_key(seq))
+        priors = self._priors(workloads, workload_key(seq), lite, 0.5, cache)
         own = requests.get(seq.seq_id)
-        rates = []
-        for d in range(self.lite_depth if lite else self.max_depth):
-            prior = wl.rate(d, 0.5, 2.0) if wl else 0.5
-            rates.append(own.rate(d, prior, 4.0) if own else prior)
-        return rates
+        return own.rates(priors, 4.0) if own else list(priors)
 
-    def expected_sizes(self, seq: Sequence, full: list[float] | None = None) -> list[float]:
+    def _priors(self, workloads, key: str, lite: bool, default: float, cache) -> list[float]:
+        """A workload's rates by depth, shrunk towards `default` (`cache`: a dict kept for
+        one plan, where every request of a workload shares them)."""
+        slot = (id(workloads), key)
+        if cache is not None and slot in cache:
+            return cache[slot]
+        wl = workloads.get(key)
+        n = self.lite_depth if lite else self.max_depth
+        priors = wl.rates([default] * n, 2.0) if wl else [default] * n
+        if cache is not None:
+            cache[slot] = priors
+        return priors
+
+    def expected_sizes(
+        self, seq: Sequence, full: list[float] | None = None, cache=None
+    ) -> list[float]:
         """Draft nodes a budget of depth k feeds, for k = 0..max_depth: `nodes_for_depth`
         (`full`, if already listed), or for a variable-size drafter what `seq`'s proposals held
         (shrunk towards its workload's, and that towards the full budget: an unmeasured depth
@@ -376,12 +405,11 @@ class GoodputController:
             full = [0.0] + [float(self.nodes_for_depth(k)) for k in range(1, self.max_depth + 1)]
         if not self.variable_size:
             return full
-        wl = self._size_workloads.get(workload_key(seq))
+        priors = self._priors(self._size_workloads, workload_key(seq), False, 1.0, cache)
         own = self._size_requests.get(seq.seq_id)
         out, run, total = [0.0], 1.0, 0.0
-        for d in range(self.max_depth):
-            prior = wl.rate(d, 1.0, 2.0) if wl else 1.0
-            run *= own.rate(d, prior, 4.0) if own else prior
+        for d, r in enumerate(own.rates(priors, 4.0) if own else priors):
+            run *= r
             total += run
             out.append(min(total, full[d + 1]))
         return out
@@ -652,40 +680,68 @@ class GoodputController:
             if not self._could_pay_free(base_tokens, len(seqs), k):
                 k = 0  # a compute-bound batch: not even free drafts, all accepted, would pay
             return [k] * len(seqs)
-        rates = [self.acceptance(s) for s in seqs]
-        full = self.expected_sizes(seqs[0]) if not self.variable_size else None
-        sizes = [full or self.expected_sizes(s) for s in seqs]  # (one list unless they vary)
+        cache: dict = {}  # the workloads' priors, shared by their requests
+        rates = [self.acceptance(s, cache=cache) for s in seqs]
+        full = [0.0] + [float(self.nodes_for_depth(k)) for k in range(1, self.max_depth + 1)]
+        sizes = [self.expected_sizes(s, full, cache) for s in seqs] if self.variable_size else None
+        sizes = sizes or [full] * len(seqs)  # (one list unless they vary)
         cost = self._catch_up_costs(seqs, rates, catch_up)
         plan = [0] * len(seqs)
+        # reach[i][k]: the chance that request i's first k drafts are all accepted, i.e. the
+        # expected tokens its level k adds; its running sum is E_i(k) (`expected_tokens`)
+        reach, cum = [], []
+        for r in rates:
+            run, total, row, sums = 1.0, 1.0, [1.0], [1.0]
+            for a in r:
+                run *= a
+                total += run
+                row.append(run)
+                sums.append(total)
+            reach.append(row)
+            cum.append(sums)
+        levels = [
+            [self._levels(sizes, i, k) for k in range(self.max_depth + 1)] for i in range(len(seqs))
+        ]
 
         # Add draft levels best first: each request offers its next level, ranked by expected
         # tokens per fed node (a heap, so levels that add no nodes follow their parent level).
         # Totals are kept as levels are added, so each trial costs O(1), not O(batch).
-        def offer(i: int, k: int) -> tuple[float, int, int, float, int] | None:
+        def offer(i: int, k: int) -> tuple[float, int, int] | None:
             if k > self.max_depth:
                 return None
-            reach = 1.0  # expected tokens level k adds: the chance all k drafts are accepted
-            for a in rates[i][:k]:
-                reach *= a
-            extra = sizes[i][k] - sizes[i][k - 1]
-            return (-reach / max(1.0, extra), i, k, reach, extra)
+            return (-reach[i][k] / max(1.0, sizes[i][k] - sizes[i][k - 1]), i, k)
 
         heap = [o for i in range(len(seqs)) if (o := offer(i, 1)) is not None]
         heapq.heapify(heap)
         tokens, fed, depth, paid = float(len(seqs)), base_tokens, 0.0, 0.0  # paid: catch-up s
-        best = plain = self._rate(tokens, fed, depth)
+        # `_rate`, with the two curves' answers kept for this plan: many trials feed the same
+        # number of tokens (a batch where few draft), or draft the same levels
+        step_s, draft_s = {}, {}
+        step_cost, draft_cost = self.step_cost.predict, self.draft_cost.predict
+
+        def rate(tokens: float, fed: float, depth: float, extra: float = 0.0) -> float:
+            a = step_s.get(fed)
+            if a is None:
+                a = step_s[fed] = step_cost(fed)
+            b = draft_s.get(depth)
+            if b is None:
+                b = draft_s[depth] = draft_cost(depth)
+            t = a + b + extra
+            return tokens / t if t > 0 else 0.0
+
+        best = plain = rate(tokens, fed, depth)
         while heap:
-            _, i, k, reach, extra = heapq.heappop(heap)
+            _, i, k = heapq.heappop(heap)
             # Take this level together with as many deeper ones as pay best: a draft step has a
             # fixed part (the drafter's catch-up), so one level alone can lose where four win.
             add_t, add_f, take, g_take = 0.0, 0, 0, best
             add_x = cost[i] if k == 1 else 0.0  # a request's first level pays its catch-up
-            below = self._levels(sizes, i, k - 1)  # (levels already planned for i)
+            below = levels[i][k - 1]  # (levels already planned for i)
+            row, size, lv = reach[i], sizes[i], levels[i]
             for j in range(k, self.max_depth + 1):
-                o = offer(i, j)
-                add_t, add_f = add_t + o[3], add_f + o[4]
-                add_d = self._levels(sizes, i, j) - below
-                g = self._rate(tokens + add_t, fed + add_f, depth + add_d, paid + add_x)
+                add_t, add_f = add_t + row[j], add_f + (size[j] - size[j - 1])
+                add_d = lv[j] - below
+                g = rate(tokens + add_t, fed + add_f, depth + add_d, paid + add_x)
                 if g > g_take:
                     g_take, take, t_take, f_take, d_take = g, j, add_t, add_f, add_d
             if take:
@@ -697,12 +753,18 @@ class GoodputController:
                     heapq.heappush(heap, nxt)
         # The greedy adds one request at a time, so a fixed part of the draft cost (a draft
         # model runs its forwards whatever the batch) can stop it at the first request where
-        # all of them together would win: weigh every uniform depth too.
-        for k in range(1, self.max_depth + 1):
-            uniform = [k] * len(seqs)
-            g = self.goodput(base_tokens, rates, uniform, cost, sizes=sizes)
+        # all of them together would win: weigh every uniform depth too (the sums `goodput`
+        # forms, from the tables above; one request's were all weighed above).
+        extra = sum(c for c in cost) if cost else 0.0
+        for k in range(1, self.max_depth + 1 if len(seqs) > 1 else 1):
+            u_tokens, u_fed, u_levels = 0.0, base_tokens, 0.0
+            for i in range(len(seqs)):
+                u_tokens += cum[i][k]
+                u_fed += sizes[i][k]
+                u_levels += levels[i][k]
+            g = rate(u_tokens, u_fed, u_levels, extra)
             if g > best:
-                best, plan = g, uniform
+                best, plan = g, [k] * len(seqs)
         if any(plan) and best < plain * (1 + self.min_gain):
             plan, best = [0] * len(seqs), plain  # too close to call: plain decoding
         previous = [self._last_plan.get(s.seq_id, p) for s, p in zip(seqs, plan, strict=True)]

@@ -73,6 +73,19 @@ def test_curves_interpolate_and_prefer_measurements():
         d.observe(x, 0.1 * x)
     assert d.catch_up_seconds(100) == 0.0 and min(d.coefficients()) >= 0.0
 
+    # what predict keeps between observations is dropped by new points: a model asked
+    # after every point answers as one built from the same points and asked once
+    points = [("c", 1, 1.0), ("c", 100, 2.0), ("c", 200, 5.0), ("o", 50, 3.0), ("o", 60, 3.0)]
+    points += [("c", 40, 3.5), ("o", 200, 4.0), ("c", 400, 9.0), ("c", 150, 2.0), ("o", 2, 1.5)]
+    asked = StepCostModel()
+    for n, (kind, x, t) in enumerate(points):
+        (asked.calibrate if kind == "c" else asked.observe)(x, t)
+        fresh = StepCostModel()
+        for kind2, x2, t2 in points[: n + 1]:
+            (fresh.calibrate if kind2 == "c" else fresh.observe)(x2, t2)
+        for x in (1, 30, 55, 150, 300, 800):
+            assert asked.predict(x) == fresh.predict(x), (n, x)
+
 
 def catch_up_controller(step_time, catch_up_s: float, acceptance: float = 0.9) -> GoodputController:
     """Depth-4 chains accepted `acceptance` of the time, drafting 2 ms per level, and a draft
@@ -598,3 +611,35 @@ def test_an_empty_lookup_counts_as_a_miss_and_a_short_one_against_its_budget():
     seq2.output_token_ids += [7, 8]
     f.resolve_shadows(seq2)
     assert f.acceptance(seq2)[2] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("variable", [False, True])
+def test_one_request_gets_the_depth_of_highest_goodput(variable):
+    """For one request the plan is the depth that `goodput` scores best (or none, under the
+    required gain): the planner's running tables agree with the plain formula, whatever the
+    acceptance, proposal sizes, curve and draft costs."""
+    import random
+
+    for trial in range(60):
+        rnd = random.Random(trial)
+        c = GoodputController("adaptive", 8, lambda k: k, variable_size=variable)
+        base, slope = rnd.uniform(0.01, 0.04), rnd.uniform(0.0, 0.004)
+        for n in (1, 2, 4, 8, 16, 32):
+            c.step_cost.calibrate(n, base + slope * n * rnd.uniform(0.9, 1.1))
+        for n in range(1, 12, 2):
+            c.step_cost.observe(n, 1.1 * (base + slope * n))
+        for x in (1, 2, 4, 8):
+            c.record_draft(x, rnd.uniform(0.0, 0.003) + rnd.uniform(0.0, 0.002) * x)
+        s = seqs(1)[0]
+        a = rnd.uniform(0.1, 0.95)
+        for _ in range(rnd.randint(0, 20)):
+            accepted = 0
+            while accepted < 8 and rnd.random() < a:
+                accepted += 1
+            c.record_verification(s, 8, accepted)
+            c.record_proposal(s, 8, rnd.randint(0, 8))
+        rates, sizes = [c.acceptance(s)], [c.expected_sizes(s)]
+        scores = [c.goodput(1, rates, [k], sizes=sizes) for k in range(9)]
+        best = max(range(9), key=lambda k: scores[k])
+        want = best if scores[best] >= scores[0] * (1 + c.min_gain) else 0
+        assert c.plan([s], 1, 1) == [want], (trial, scores)
