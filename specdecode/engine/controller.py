@@ -333,11 +333,16 @@ class GoodputController:
         self.catch_up_horizon = catch_up_horizon
         # depth of the drafter's lite mode (its shadow verified alone; 0: none), see above
         self.lite_depth = lite_depth
+        # shadows are the lite mode's drafts (a head's lookup branch: not what the head drafts)
+        self._lite_shadows = bool(lite_depth) and self.needs_probes
         # proposals may be shorter than their budget: acceptance counts their yield, and the
         # nodes they feed are learnt (`record_proposal`)
         self.variable_size = variable_size
         self._size_requests: dict[int, AcceptanceCounts] = {}
         self._size_workloads: dict[str, AcceptanceCounts] = {}
+        # the same for lite drafts: a lookup, often shorter than its budget or empty
+        self._lite_size_requests: dict[int, AcceptanceCounts] = {}
+        self._lite_size_workloads: dict[str, AcceptanceCounts] = {}
         self._probe_credit = 0.0  # seconds of probing earned and not yet spent
         self._probe_charged: float | None = None  # the predicted cost of this step's probe
         self._probe_wait = 0  # steps before asking again whether a probe could pay
@@ -395,18 +400,22 @@ class GoodputController:
         return priors
 
     def expected_sizes(
-        self, seq: Sequence, full: list[float] | None = None, cache=None
+        self, seq: Sequence, full: list[float] | None = None, cache=None, lite: bool = False
     ) -> list[float]:
         """Draft nodes a budget of depth k feeds, for k = 0..max_depth: `nodes_for_depth`
         (`full`, if already listed), or for a variable-size drafter what `seq`'s proposals held
         (shrunk towards its workload's, and that towards the full budget: an unmeasured depth
-        is priced at its k nodes)."""
-        if full is None:
+        is priced at its k nodes). `lite`: the same for lite drafts (k = 0..lite_depth), a
+        chain of at most k nodes."""
+        if lite:
+            full = [float(k) for k in range(self.lite_depth + 1)]
+        elif full is None:
             full = [0.0] + [float(self.nodes_for_depth(k)) for k in range(1, self.max_depth + 1)]
-        if not self.variable_size:
+        if not (self.variable_size or lite):
             return full
-        priors = self._priors(self._size_workloads, workload_key(seq), False, 1.0, cache)
-        own = self._size_requests.get(seq.seq_id)
+        requests, workloads = self._size_counts(lite)
+        priors = self._priors(workloads, workload_key(seq), lite, 1.0, cache)
+        own = requests.get(seq.seq_id)
         out, run, total = [0.0], 1.0, 0.0
         for d, r in enumerate(own.rates(priors, 4.0) if own else priors):
             run *= r
@@ -414,14 +423,21 @@ class GoodputController:
             out.append(min(total, full[d + 1]))
         return out
 
-    def record_proposal(self, seq: Sequence, budget: int, nodes: int) -> None:
-        """A variable-size drafter proposed `nodes` draft nodes for `seq` under `budget`."""
-        if not self.variable_size or budget <= 0:
+    def _size_counts(self, lite: bool):
+        if lite:
+            return self._lite_size_requests, self._lite_size_workloads
+        return self._size_requests, self._size_workloads
+
+    def record_proposal(self, seq: Sequence, budget: int, nodes: int, lite: bool = False) -> None:
+        """A variable-size drafter (`lite`: the lite mode) proposed `nodes` draft nodes for
+        `seq` under `budget`."""
+        if not (self.variable_size or lite) or budget <= 0:
             return
-        own = self._size_requests.setdefault(seq.seq_id, AcceptanceCounts(decay=0.9))
+        requests, workloads = self._size_counts(lite)
+        own = requests.setdefault(seq.seq_id, AcceptanceCounts(decay=0.9))
         own.record(budget, min(nodes, budget))
         key = workload_key(seq)
-        wl = self._size_workloads.setdefault(key, AcceptanceCounts(decay=0.995))
+        wl = workloads.setdefault(key, AcceptanceCounts(decay=0.995))
         wl.record(budget, min(nodes, budget))
 
     @staticmethod
@@ -440,13 +456,18 @@ class GoodputController:
         catch_up: list[float] | None = None,
         lite_rates: list[list[float]] | None = None,
         sizes: list[list[float]] | None = None,
+        lite_sizes: list[list[float]] | None = None,
     ) -> float:
         """Expected tokens per second of `plan` (negative depths: lite drafts, priced with
-        `lite_rates`, one node a level and no drafting time; `sizes`: each request's nodes by
-        depth, `expected_sizes`, else `nodes_for_depth`)."""
-        return self._rate(*self._totals(base_tokens, rates, plan, catch_up, lite_rates, sizes))
+        `lite_rates` and no drafting time, at `lite_sizes` nodes, else one node a level;
+        `sizes`: each request's nodes by depth, `expected_sizes`, else `nodes_for_depth`)."""
+        return self._rate(
+            *self._totals(base_tokens, rates, plan, catch_up, lite_rates, sizes, lite_sizes)
+        )
 
-    def _totals(self, base_tokens, rates, plan, catch_up=None, lite_rates=None, sizes=None):
+    def _totals(
+        self, base_tokens, rates, plan, catch_up=None, lite_rates=None, sizes=None, lite_sizes=None
+    ):
         """What `goodput` prices `plan` on: (expected tokens, tokens fed, draft levels run,
         catch-up seconds)."""
         tokens, fed, levels = 0.0, base_tokens, 0.0
@@ -458,7 +479,7 @@ class GoodputController:
                     levels += self._levels(sizes, i, k)
             else:
                 tokens += self.expected_tokens((lite_rates or rates)[i], -k)
-                fed += -k
+                fed += lite_sizes[i][-k] if lite_sizes is not None else -k
         extra = sum(c for c, k in zip(catch_up, plan, strict=True) if k > 0) if catch_up else 0.0
         return tokens, fed, levels, extra
 
@@ -637,6 +658,11 @@ class GoodputController:
             counted = budget
             if not depth and not self.needs_probes:
                 self._record(seq, budget, 0)
+        elif self._lite_shadows and budget > 0:  # the lite mode's draft, as for lookups
+            self.record_proposal(seq, budget, len(tokens) - 1, lite=True)
+            counted = budget
+            if not depth:
+                self._record(seq, budget, 0, lite=True)
         if depth:
             start = len(seq.output_token_ids)
             self._shadows[seq.seq_id] = (start, tokens, children, depth, counted)
@@ -662,7 +688,7 @@ class GoodputController:
             if not self.needs_probes:  # the shadow is what the drafter would have drafted
                 self._record(seq, counted, accepted)
             elif self.lite_depth:  # it is what the lite mode would have drafted
-                self._record(seq, depth, accepted, lite=True)
+                self._record(seq, counted, accepted, lite=True)
             if self.needs_probes and accepted >= 2 and seq.seq_id in self._idle_steps:
                 # part of the drafter's drafts, and it would have paid: bring the next real
                 # probe forward
@@ -794,6 +820,7 @@ class GoodputController:
         touches no state."""
         idle = [i for i, k in enumerate(plan) if k == 0]
         lite = {i: self.acceptance(seqs[i], lite=True) for i in idle}
+        nodes = {i: self.expected_sizes(seqs[i], lite=True) for i in idle}
         idle.sort(key=lambda i: -lite[i][0])
         tokens, fed, depth, paid = self._totals(base_tokens, rates, plan, cost, sizes=sizes)
         out, g_best = list(plan), best
@@ -802,11 +829,11 @@ class GoodputController:
             for j in range(1, self.lite_depth + 1):
                 run *= lite[i][j - 1]
                 add += run
-                g = self._rate(tokens + add, fed + j, depth, paid)
+                g = self._rate(tokens + add, fed + nodes[i][j], depth, paid)
                 if g > g_best:
                     g_best, take, t_take = g, j, add
             if take:
-                out[i], tokens, fed = -take, tokens + t_take, fed + take
+                out[i], tokens, fed = -take, tokens + t_take, fed + nodes[i][take]
         if g_best < best * (1 + self.min_gain):
             return plan, best
         return out, g_best
@@ -819,6 +846,11 @@ class GoodputController:
         """A verified draft of `depth` of which `accepted` were kept (lite: a lite draft)."""
         self.num_lite += 1 if lite else 0
         self._record(seq, depth, accepted, lite)
+
+    def record_empty(self, seq: Sequence, budget: int, lite: bool = False) -> None:
+        """A lookup (or lite draft) under `budget` proposed nothing, or nothing the grammar
+        allows: nothing was verified, and it counts as a miss at depth 1 (see the module)."""
+        self._record(seq, budget, 0, lite)
 
     def _record(self, seq: Sequence, depth: int, accepted: int, lite: bool = False) -> None:
         requests, workloads = self._counts(lite)
@@ -844,6 +876,7 @@ class GoodputController:
         self._requests.pop(seq.seq_id, None)
         self._lite_requests.pop(seq.seq_id, None)
         self._size_requests.pop(seq.seq_id, None)
+        self._lite_size_requests.pop(seq.seq_id, None)
         self._last_plan.pop(seq.seq_id, None)
         self._idle_steps.pop(seq.seq_id, None)
         self._shadow_idle.pop(seq.seq_id, None)

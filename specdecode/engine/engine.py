@@ -258,6 +258,7 @@ class LLMEngine:
         ids = set(self.runner._seeds) | set(self.runner._generators)
         ids |= set(self.controller._requests) | set(self.controller._last_plan)
         ids |= set(self.controller._lite_requests) | set(self.controller._size_requests)
+        ids |= set(self.controller._lite_size_requests)
         if self.drafter:
             ids |= self.drafter.tracked_ids()
         return len(ids) + len(self.scheduler.waiting) + len(self.scheduler.running)
@@ -306,13 +307,14 @@ class LLMEngine:
         for i in spec:
             depth, accepted = max(proposals[i].shape.depths), len(self.runner.accepted_nodes[i])
             lite = i in self._lite
-            # a variable-size drafter's outcome counts against its budget (see the controller)
-            counted = self._budget_of.get(i, depth) if not lite else depth
+            # a variable-size drafter's outcome (and a lite draft's) counts against its budget
+            # (see the controller)
+            counted = self._budget_of.get(i, depth)
             ctrl.record_verification(batch.seqs[i], counted, accepted, lite=lite)
             verified[i] = (proposals[i].num_drafts, depth, accepted)
         for i, budget in self._budget_of.items():  # proposed nothing (or nothing the grammar
             if proposals[i] is None:  # allows): a miss at depth 1
-                ctrl.record_verification(batch.seqs[i], budget, 0)
+                ctrl.record_empty(batch.seqs[i], budget, lite=i in self._lite)
         # the depth each drafted for (its drafting time), read before a request finishes and
         # the drafter drops its state; lite drafts cost no drafting time
         depths = [
@@ -401,7 +403,8 @@ class LLMEngine:
         self._lite_time = 0.0  # lite drafts' lookups: part of the step's time instead
         self._lite: set[int] = set()  # batch rows verifying lite drafts
         self._catch_up: dict[int, int] = {}  # seq_id -> tokens to catch up, drafting requests
-        self._budget_of: dict[int, int] = {}  # batch row -> budget, variable-size drafters
+        self._budget_of: dict[int, int] = {}  # batch row -> budget: variable-size drafters,
+        # lite drafts
         if not self.drafter or k == 0:
             return proposals
         decoding = [
@@ -446,6 +449,9 @@ class LLMEngine:
             props = self.drafter.shadow([seqs[j] for j, _ in lite], [b for _, b in lite])
             drafted = [(decoding[j], p) for (j, _), p in zip(lite, props, strict=True)]
             self._lite = {i for i, _ in drafted}
+            for (j, b), p in zip(lite, props, strict=True):  # what the budgets fed, as lookups
+                self.controller.record_proposal(seqs[j], b, p.num_drafts, lite=True)
+                self._budget_of[decoding[j]] = b
             self._lite_time = time.perf_counter() - t_lite
         self._shadow_time = time.perf_counter() - t0  # not the real drafts' cost
         if any(budgets):  # (a lite row's budget is 0: its own proposal is empty)

@@ -783,11 +783,13 @@ def test_a_lookup_engine_tells_the_controller_what_its_budgets_fed(plain, tiny_l
     assert ctrl.variable_size
     proposed, verified = [], []
     record_proposal, record_verification = ctrl.record_proposal, ctrl.record_verification
+    record_empty = ctrl.record_empty
     ctrl.record_proposal = lambda s, b, n: (proposed.append((b, n)), record_proposal(s, b, n))
     ctrl.record_verification = lambda s, d, a, lite=False: (
         verified.append((d, a)),
         record_verification(s, d, a, lite),
     )
+    ctrl.record_empty = lambda s, b, lite=False: (verified.append((b, 0)), record_empty(s, b, lite))
     want = plain.generate(PROMPTS[0], greedy(40))[0].outputs[0].token_ids
     assert spec.generate(PROMPTS[0], greedy(40))[0].outputs[0].token_ids == want
     assert proposed and len(proposed) == len(verified)

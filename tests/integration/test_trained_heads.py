@@ -571,6 +571,16 @@ def test_lite_drafts_verify_the_lookup_alone_and_leave_the_head_alone(plain, tin
     for name in ("propose", "on_verified"):
         real = getattr(drafter.head, name)
         setattr(drafter.head, name, lambda *a, real=real, n=name: (calls.append(n), real(*a))[1])
+    proposed, verified = [], []  # lite budgets: what they fed, and the depth counted
+    record_proposal, record_verification = ctrl.record_proposal, ctrl.record_verification
+    ctrl.record_proposal = lambda s, b, n, lite=False: (
+        proposed.append((b, n, lite)),
+        record_proposal(s, b, n, lite),
+    )
+    ctrl.record_verification = lambda s, d, a, lite=False: (
+        verified.append((d, lite)),
+        record_verification(s, d, a, lite),
+    )
     ids = spec.encode(PROMPTS[1] * 4)
     seq = engine.add_request(ids, greedy(24))
     while len(seq.output_token_ids) < 12:
@@ -584,6 +594,10 @@ def test_lite_drafts_verify_the_lookup_alone_and_leave_the_head_alone(plain, tin
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     assert engine.num_steps < 24  # lite drafts were accepted: fewer steps than tokens
     assert calls == [] and ctrl._workloads == {} and ctrl.num_lite == stats.num_drafts
+    # each lite draft's outcome counts against its budget, and the nodes it fed are learnt
+    assert proposed and all(lite for *_, lite in proposed) and all(lite for _, lite in verified)
+    assert [d for d, _ in verified] == [b for b, n, _ in proposed if n > 0]  # (not the depth)
+    assert any(n < b for b, n, _ in proposed) and ctrl._lite_size_workloads
     assert engine.num_tracked() == 0
 
 

@@ -643,3 +643,45 @@ def test_one_request_gets_the_depth_of_highest_goodput(variable):
         best = max(range(9), key=lambda k: scores[k])
         want = best if scores[best] >= scores[0] * (1 + c.min_gain) else 0
         assert c.plan([s], 1, 1) == [want], (trial, scores)
+
+
+def lite_shadows(c: GoodputController, seq: Sequence, found_every: int, right: int, n: int):
+    """`n` lite shadows under the lite budget (8), the engine's way: one in `found_every` holds
+    an 8-token chain whose first `right` tokens the request really produced, the rest are empty
+    (the lookup found nothing)."""
+    for step in range(n):
+        if step % found_every == 0:
+            guess = [100 + j for j in range(8)]
+            c.add_shadow(seq, [seq.last_token] + guess, [[j + 1] for j in range(8)] + [[]], 8)
+            seq.output_token_ids += guess[:right] + [7] * (9 - right)
+            c.resolve_shadows(seq)
+        else:
+            c.add_shadow(seq, [seq.last_token], [[]], 8)
+            seq.output_token_ids += [7]
+
+
+def test_a_lite_mode_is_priced_at_what_its_lookups_yield():
+    """A lookup branch that rarely finds anything: its empty shadows count as misses against
+    the lite budget and the nodes its budgets feed are learnt, as for lookup drafters. A branch
+    right for two tokens whenever it finds any, one step in ten, does not pay as lite drafts
+    (scored only where it found something, it looked right twice a step and was drafted); one
+    that finds a good match one step in four does, priced at the nodes it really feeds."""
+    c = lite_controller(small_cpu, head_acceptance=0.1, draft_s=0.004)
+    seq = seqs(1)[0]
+    lite_shadows(c, seq, found_every=10, right=2, n=60)
+    lite = c.acceptance(seq, lite=True)
+    assert lite[0] < 0.3  # the yield of depth 1, not the chance a found draft is right
+    assert c.expected_sizes(seq, lite=True)[8] < 3.0  # under 8 nodes for a budget of 8
+    assert c.plan([seq], 1, 1) == [0]
+    good = lite_controller(small_cpu, head_acceptance=0.1, draft_s=0.004)
+    seq = seqs(1)[0]
+    lite_shadows(good, seq, found_every=4, right=8, n=40)
+    plan = good.plan([seq], 1, 1)
+    assert plan[0] < 0
+    rates, lite = [good.acceptance(seq)], [good.acceptance(seq, lite=True)]
+    nodes = [good.expected_sizes(seq, lite=True)]
+    assert nodes[0][-plan[0]] < -plan[0] - 1  # fewer nodes than the lite depth
+    tokens = good.expected_tokens(lite[0], -plan[0])
+    want = tokens / good.step_cost.predict(1 + nodes[0][-plan[0]])
+    assert good.goodput(1, rates, plan, lite_rates=lite, lite_sizes=nodes) == pytest.approx(want)
+    assert good.last_predicted_gain * good.goodput(1, rates, [0]) == pytest.approx(want)
