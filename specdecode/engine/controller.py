@@ -39,7 +39,9 @@ Policies (`--speculative-policy`):
   lookup branch without the head) offers a second, cheaper mode. Requests the plan keeps plain
   may verify it, with its own acceptance estimates (from its shadows and its verifications)
   and no drafting time, where it beats the head's plan by `min_gain`. The plan marks such a
-  request with a negative depth (-k: lite drafts of depth k).
+  request with a negative depth (-k: lite drafts of depth k). A lookup often finds nothing,
+  so lite drafts are priced as lookup drafters are (below): by their yield and the nodes
+  their budgets really feed.
   Lookup drafters (n-gram, suffix decoding: `variable_size`) propose up to k tokens, often
   fewer or none. For them a(d) is the yield of depth d: the chance that a draft at depth d
   exists and is accepted once d-1 were, so an empty proposal counts as a miss at depth 1; and
