@@ -57,6 +57,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when admitted
     admitted: bool = False  # admitted once (a preempted request coming back is not counted)
     penalty_history: Any = None  # what penalties read, kept incrementally (processors.py)
+    lookup_context: Any = None  # prompt + output as one array, grown (drafters/ngram.py)
 
     @property
     def num_tokens(self) -> int:
