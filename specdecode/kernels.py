@@ -147,6 +147,39 @@ def _build_dir() -> Path:
     return cache_dir() / "ext" / f"torch{torch.__version__.split('+')[0]}-{tag}"
 
 
+# Loading holds `lock` in the build folder (torch's cpp_extension), for a moment, or for the
+# build on first use, and another process waits without a word for as long as it is there. A
+# process killed meanwhile (SIGTERM, SIGKILL: no cleanup) leaves it behind, and every later
+# start would hang. A build takes seconds to a few minutes: a lock older than this is stale.
+_STALE_LOCK_S = 900.0
+_SAY_WAITING_S = 5.0  # a lock still there after this long is worth a word
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """Return once the build folder has no lock (waiting while another process builds), or
+    remove a stale one."""
+    lock, start, said = build_dir / "lock", time.monotonic(), False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > _STALE_LOCK_S:
+            log.warning("removing a stale kernel build lock (%.0f min old): %s", age / 60, lock)
+            lock.unlink(missing_ok=True)
+            return
+        if not said and time.monotonic() - start > _SAY_WAITING_S:
+            log.warning(
+                "waiting for another process building the specdecode kernels (%s; removed "
+                "as stale after %.0f min; %s=1 runs without the kernels)",
+                lock,
+                _STALE_LOCK_S / 60,
+                DISABLE_ENV,
+            )
+            said = True
+        time.sleep(0.2)
+
+
 def load_extension(verbose: bool = False) -> ModuleType | None:
     """Compile (first time) and import the extension; None if unavailable."""
     global _ext, _load_attempted
@@ -192,6 +225,7 @@ def _compile(verbose: bool) -> ModuleType | None:
             cflags += ["-mamx-tile", "-mamx-bf16"]
             if "amx_int8" in _cpu_flags() and cpu_has_int8_dot():
                 cflags.append("-mamx-int8")
+        _clear_stale_lock(build_dir)
         if not any(build_dir.glob(f"{_EXT_NAME}*.so")):
             log.info("building specdecode kernels in %s (first use, ~15 s)", build_dir)
         start = time.perf_counter()

@@ -783,7 +783,7 @@ class GoodputController:
         # model runs its forwards whatever the batch) can stop it at the first request where
         # all of them together would win: weigh every uniform depth too (the sums `goodput`
         # forms, from the tables above; one request's were all weighed above).
-        extra = sum(c for c in cost) if cost else 0.0
+        extra = sum(cost)
         for k in range(1, self.max_depth + 1 if len(seqs) > 1 else 1):
             u_tokens, u_fed, u_levels = 0.0, base_tokens, 0.0
             for i in range(len(seqs)):
