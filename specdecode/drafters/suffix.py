@@ -212,18 +212,16 @@ def own_candidates(context: np.ndarray) -> np.ndarray:
 
 def match_lengths(source: np.ndarray, starts: np.ndarray, context: np.ndarray, limit: int):
     """For each candidate (its 2-gram already matched), how many of the context's last tokens
-    precede it in `source`, up to `limit`."""
-    m = np.full(len(starts), KEY, dtype=np.int64)
-    alive = np.ones(len(starts), dtype=bool)
-    for j in range(KEY + 1, min(limit, len(context)) + 1):
-        idx = starts - j
-        ok = alive & (idx >= 0)
-        ok[ok] = source[idx[ok]] == context[-j]
-        alive = ok
-        if not alive.any():
-            break
-        m += alive
-    return m
+    precede it in `source`, up to `limit` (every candidate's next `limit` - 2 tokens back
+    compared at once: a few thousand comparisons, cheaper than a numpy step per token)."""
+    top = min(limit, len(context))
+    if top <= KEY or len(starts) == 0:
+        return np.full(len(starts), KEY, dtype=np.int64)
+    back = np.arange(KEY + 1, top + 1)
+    idx = starts[:, None] - back
+    same = source[np.maximum(idx, 0)] == context[len(context) - back]
+    same &= idx >= 0
+    return KEY + np.logical_and.accumulate(same, axis=1).sum(axis=1)
 
 
 def continuations(source: np.ndarray, starts: np.ndarray, depth: int) -> np.ndarray:
@@ -239,41 +237,39 @@ def frequency_tree(cont: np.ndarray, min_prob: float, size: int):
     """The `size` likeliest continuations of the rows of `cont` as a tree: a node's probability
     is the share of rows that begin with its path (a child's is at most its parent's, so the
     kept set holds every kept node's parent). Returns (parents, tokens, probabilities) in level
-    order, the root (-1, SEP, 1.0) first."""
+    order (within a level, by parent, then token), the root (-1, SEP, 1.0) first.
+
+    With the rows sorted by their paths, a node of depth d is a run of rows that agree on
+    their first d tokens: every level's runs are found at once, not a level at a time."""
     rows = cont.shape[0]
-    parents, tokens, probs = [-1], [SEP], [1.0]
-    if rows == 0 or size < 1:
-        return parents, tokens, probs
-    node = np.zeros(rows, dtype=np.int64)
-    alive = np.ones(rows, dtype=bool)
-    depth_of = [0]
-    for d in range(cont.shape[1]):
-        col = cont[:, d]
-        alive &= col != SEP
-        live = np.flatnonzero(alive)
-        if live.size == 0:
-            break
-        keys = (node[live] << 32) | col[live]
-        uniq, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
-        share = counts / rows
-        keep = share >= min_prob
-        ids = np.full(len(uniq), -1, dtype=np.int64)
-        ids[keep] = np.arange(len(parents), len(parents) + int(keep.sum()))
-        for u in np.flatnonzero(keep):
-            parents.append(int(uniq[u] >> 32))
-            tokens.append(int(uniq[u] & 0xFFFFFFFF))
-            probs.append(float(share[u]))
-            depth_of.append(d + 1)
-        node[live] = ids[inverse]
-        alive[live[ids[inverse] < 0]] = False
-    # the best `size` nodes by probability (ties: shallower, then first found), in level order
-    chosen = sorted(range(1, len(parents)), key=lambda j: (-probs[j], depth_of[j], j))[:size]
-    chosen.sort(key=lambda j: (depth_of[j], j))
-    where = {0: 0} | {j: n + 1 for n, j in enumerate(chosen)}
+    if rows == 0 or size < 1 or cont.shape[1] == 0:
+        return [-1], [SEP], [1.0]
+    depth = cont.shape[1]
+    paths = cont[np.lexsort(cont.T[::-1])]
+    new = np.empty(paths.shape, dtype=bool)  # new[i, d]: row i starts a node of depth d + 1
+    new[0] = True
+    np.not_equal(paths[1:], paths[:-1], out=new[1:])
+    np.logical_or.accumulate(new, axis=1, out=new)
+    runs = np.flatnonzero(new.T)  # level by level, in path order (each level's row 0 starts)
+    share = np.diff(runs, append=depth * rows) / rows
+    token = paths.T.reshape(-1)[runs]
+    kept = (token != SEP) & (share >= min_prob)
+    if not kept.any():
+        return [-1], [SEP], [1.0]
+    up = np.searchsorted(runs, runs - rows, side="right") - 1  # the run one level up
+    ids = np.cumsum(kept)  # node numbers in level order (the root is 0)
+    parent = np.where(up >= 0, ids[np.maximum(up, 0)], 0)
+    k = np.flatnonzero(kept)
+    parent, token, prob = parent[k], token[k], share[k]
+    # the best `size` nodes by probability (ties: the first numbered, so the shallower), in
+    # level order
+    chosen = np.sort(np.argsort(-prob, kind="stable")[:size])
+    where = np.zeros(len(k) + 1, dtype=np.int64)
+    where[chosen + 1] = np.arange(1, len(chosen) + 1)
     return (
-        [-1] + [where[parents[j]] for j in chosen],
-        [SEP] + [tokens[j] for j in chosen],
-        [1.0] + [probs[j] for j in chosen],
+        [-1] + where[parent[chosen]].tolist(),
+        [SEP] + token[chosen].tolist(),
+        [1.0] + prob[chosen].tolist(),
     )
 
 

@@ -54,6 +54,57 @@ def test_match_lengths_extend_backwards_until_a_mismatch():
     assert match_lengths(source, arr([5, 10]), context, limit=3).tolist() == [3, 3]
 
 
+def reference_tree(rows: list[list[int]], min_prob: float, size: int):
+    """frequency_tree by its definition: count every path prefix (up to the first SEP); keep
+    those with a share >= min_prob; number them level by level, by parent then token; take the
+    `size` likeliest (ties: shallower, then first numbered), in that order."""
+    counts: dict[tuple, int] = {}
+    for row in rows:
+        path: tuple = ()
+        for t in row:
+            if t == SEP:
+                break
+            path += (t,)
+            counts[path] = counts.get(path, 0) + 1
+    kept = [p for p, c in counts.items() if c / len(rows) >= min_prob]
+    order = sorted(kept, key=lambda p: (len(p), p))  # by level, then by parent's path, token
+    prob = {p: counts[p] / len(rows) for p in order}
+    chosen = sorted(order, key=lambda p: (-prob[p], len(p), order.index(p)))[:size]
+    chosen.sort(key=order.index)
+    index = {(): 0} | {p: n + 1 for n, p in enumerate(chosen)}
+    return (
+        [-1] + [index[p[:-1]] for p in chosen],
+        [SEP] + [p[-1] for p in chosen],
+        [1.0] + [prob[p] for p in chosen],
+    )
+
+
+def test_frequency_tree_and_match_lengths_match_their_definitions():
+    rnd = np.random.default_rng(0)
+    for _ in range(2000):
+        n, depth, vocab = rnd.integers(1, 30), rnd.integers(1, 7), rnd.integers(1, 5)
+        rows = rnd.integers(0, vocab, size=(n, depth))
+        for r in range(n):  # answers that end (SEP to the end of the row)
+            if rnd.random() < 0.3:
+                rows[r, rnd.integers(0, depth + 1) :] = SEP
+        min_prob, size = float(rnd.choice([0.0, 0.1, 0.25, 0.5])), int(rnd.integers(1, 10))
+        got = frequency_tree(rows, min_prob, size)
+        assert got == reference_tree(rows.tolist(), min_prob, size), (rows.tolist(), min_prob)
+        source = rnd.integers(0, vocab, size=int(rnd.integers(3, 40)))
+        context = rnd.integers(0, vocab, size=int(rnd.integers(3, 20)))
+        starts = np.arange(2, len(source) + 1)  # every position (the 2-gram taken as matched)
+        limit = int(rnd.integers(2, 12))
+        want = []
+        for p in starts.tolist():
+            m = 2
+            while m < min(limit, len(context)) and p - m - 1 >= 0:
+                if source[p - m - 1] != context[-m - 1]:
+                    break
+                m += 1
+            want.append(m)
+        assert match_lengths(source, starts, context, limit).tolist() == want
+
+
 def test_corpus_evicts_oldest_answers_first():
     corpus = SuffixCorpus(max_requests=2, max_tokens=1000)
     for doc in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
