@@ -371,6 +371,7 @@ class GoodputController:
         self.num_drafting = 0  # of which drafted
         self.num_lite = 0  # lite drafts verified (requests x steps)
         self._learning_steps = 0  # plans made before the draft-cost fit had its observations
+        self._hopeful = True  # whether any drafting could pay this step (`_could_pay_at_all`)
 
     # ---- estimates -----------------------------------------------------------------------------
 
@@ -541,6 +542,9 @@ class GoodputController:
         elif self.policy == "static":
             budgets = [self.max_depth] * len(seqs)
         else:
+            self._hopeful = not self.step_cost.calibrated or self._could_pay_at_all(
+                base_tokens, len(seqs)
+            )
             budgets = self._adaptive(seqs, base_tokens, catch_up)
         budgets = [min(k, c) if k > 0 else k for k, c in zip(budgets, caps, strict=True)]
         for s, k in zip(seqs, budgets, strict=True):
@@ -592,7 +596,10 @@ class GoodputController:
             if plan[i] > 0:
                 continue
             pending = s.seq_id in self._shadows
-            if self.shadow_capable and not pending and plan[i] == 0:  # (lite: verified)
+            # (no shadows either where no drafting could pay: what they would learn could not
+            # change a decision; they resume when the batch shrinks)
+            # (lite rows are verified, not shadowed)
+            if self.shadow_capable and not pending and plan[i] == 0 and self._hopeful:
                 if self._shadow_idle.get(s.seq_id, 0) >= self.shadow_interval:
                     self.shadow_requests.append(s)
                     self._shadow_idle[s.seq_id] = 0
@@ -636,6 +643,24 @@ class GoodputController:
             if self.goodput(base_tokens, ones, [k] * len(seqs), cost) >= target:
                 return True
         return False
+
+    def _could_pay_at_all(self, base_tokens: int, n: int) -> bool:
+        """Whether any drafting by `n` decoding requests could beat plain decoding by
+        `min_gain`, every draft accepted and drafting free: x draft nodes in all (lite drafts
+        too) yield at most x tokens, and at most `max(max_depth, lite_depth)` a request, so
+        the step yields at most n + min(x, n * depth) tokens in the time of base + x. The step
+        time is piecewise linear in x (a curve may drop just past a knot, where a point
+        measured below its predecessor), so that bound is monotone between the curves' knots:
+        its ends and both sides of each knot decide."""
+        depth = max(self.max_depth, self.lite_depth)
+        top = n * max(float(self.nodes_for_depth(self.max_depth)), float(self.lite_depth))
+        xs = {1.0, min(top, float(n * depth))}
+        for curve in (self.step_cost.measured, self.step_cost.calibration):
+            for x, _ in curve.points():
+                if 0 < x - base_tokens < top:
+                    xs.update((x - base_tokens, x - base_tokens + 1e-6))
+        target = self._rate(n, base_tokens, 0) * (1 + self.min_gain)
+        return any(self._rate(n + min(x, n * depth), base_tokens + x, 0) >= target for x in xs)
 
     def _could_pay_free(self, base_tokens: int, n: int, k: int) -> bool:
         """Whether `n` requests drafting depth k, every draft accepted and drafting free, would
@@ -708,6 +733,10 @@ class GoodputController:
             if not self._could_pay_free(base_tokens, len(seqs), k):
                 k = 0  # a compute-bound batch: not even free drafts, all accepted, would pay
             return [k] * len(seqs)
+        # A compute-bound batch (and no drafting plan to keep): no estimate could make any plan
+        # pay, so none is weighed (at 128 requests that is most of a plan's time)
+        if not self._hopeful and not any(self._last_plan.get(s.seq_id, 0) for s in seqs):
+            return [0] * len(seqs)
         cache: dict = {}  # the workloads' priors, shared by their requests
         rates = [self.acceptance(s, cache=cache) for s in seqs]
         full = [0.0] + [float(self.nodes_for_depth(k)) for k in range(1, self.max_depth + 1)]

@@ -685,3 +685,50 @@ def test_a_lite_mode_is_priced_at_what_its_lookups_yield():
     want = tokens / good.step_cost.predict(1 + nodes[0][-plan[0]])
     assert good.goodput(1, rates, plan, lite_rates=lite, lite_sizes=nodes) == pytest.approx(want)
     assert good.last_predicted_gain * good.goodput(1, rates, [0]) == pytest.approx(want)
+
+
+def test_where_no_drafting_could_pay_no_plan_is_weighed_and_no_shadow_taken():
+    """A compute-bound step (every fed token costs the same): not even every draft accepted,
+    drafted for free, would beat plain decoding by min_gain, so the planner weighs nothing (no
+    estimate is read) and takes no shadows; where drafting could pay, shadows of the idle
+    requests resume."""
+    c = controller(compute_bound, acceptance=0.05, shadow_capable=True, variable_size=True)
+    batch = seqs(8)
+    read = []
+    acceptance = c.acceptance
+    c.acceptance = lambda *a, **k: (read.append(1), acceptance(*a, **k))[1]
+    for _ in range(3 * c.shadow_interval):
+        assert c.plan(batch, 8, 8) == [0] * 8 and c.shadow_requests == []
+    assert read == []
+    m = controller(memory_bound, acceptance=0.05, shadow_capable=True, variable_size=True)
+    shadows = 0
+    for _ in range(3 * m.shadow_interval):
+        assert m.plan(batch, 8, 8) == [0] * 8  # acceptance too low to draft
+        shadows += len(m.shadow_requests)
+    assert shadows >= 8
+
+
+def test_whether_drafting_could_pay_at_all_is_decided_at_the_curves_knots():
+    """The bound checked at the knots and ends is never below a scan of draft sizes (no step
+    where drafting could pay is called hopeless), and says hopeless where nothing pays."""
+    import random
+
+    rnd = random.Random(0)
+    hopeless = 0
+    for _ in range(300):
+        c = GoodputController("adaptive", rnd.choice([3, 5, 8]), lambda k: 2 * k)
+        for n in sorted(rnd.sample(range(1, 300), 6)):
+            c.step_cost.calibrate(n, 0.01 + 0.001 * n * rnd.uniform(0.2, 3.0))
+        for n in sorted(rnd.sample(range(1, 300), rnd.randint(0, 5))):
+            c.step_cost.observe(n, 0.012 + 0.0012 * n * rnd.uniform(0.2, 3.0))
+        n = rnd.randint(1, 40)
+        depth, top = c.max_depth, n * 2 * c.max_depth
+        target = c._rate(n, n, 0) * (1 + c.min_gain)
+        scan = any(
+            c._rate(n + min(x / 4, n * depth), n + x / 4, 0) >= target
+            for x in range(4, 4 * top + 1)
+        )
+        bound = c._could_pay_at_all(n, n)
+        assert bound or not scan
+        hopeless += not bound
+    assert 10 <= hopeless <= 290  # both cases were tried
