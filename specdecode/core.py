@@ -57,7 +57,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when admitted
     admitted: bool = False  # admitted once (a preempted request coming back is not counted)
     penalty_history: Any = None  # what penalties read, kept incrementally (processors.py)
-    lookup_context: Any = None  # prompt + output as one array, grown (drafters/ngram.py)
+    # prompt + output as one array, grown as the output is (drafters/ngram.py; a copy of a
+    # request would have to drop it)
+    lookup_context: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -403,8 +403,7 @@ class LLMEngine:
         self._lite_time = 0.0  # lite drafts' lookups: part of the step's time instead
         self._lite: set[int] = set()  # batch rows verifying lite drafts
         self._catch_up: dict[int, int] = {}  # seq_id -> tokens to catch up, drafting requests
-        self._budget_of: dict[int, int] = {}  # batch row -> budget: variable-size drafters,
-        # lite drafts
+        self._budget_of: dict[int, int] = {}  # batch row -> budget (lookups, lite drafts)
         if not self.drafter or k == 0:
             return proposals
         decoding = [
