@@ -142,18 +142,22 @@ class StepCostModel:
         self.calibration = _Curve(1.0)
         self.measured = _Curve(smoothing)
         # what `predict` needs of the curves, kept between observations (the controller asks
-        # a few hundred times a step): the measured span and, for each side of it, the
-        # measured point nearest and the calibrated time there
+        # a few hundred times a step, often the same number of tokens): the measured span and,
+        # for each side of it, the measured point nearest and the calibrated time there; and
+        # the answers given
         self._frame: tuple | None = None
+        self._answers: dict[float, float] = {}
 
     def calibrate(self, num_tokens: int, seconds: float) -> None:
         self.calibration.observe(num_tokens, seconds)
         self._frame = None
+        self._answers.clear()
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds > 0:
             self.measured.observe(num_tokens, seconds)
             self._frame = None
+            self._answers.clear()
 
     @property
     def calibrated(self) -> bool:
@@ -166,7 +170,13 @@ class StepCostModel:
         lo, hi = pts[0], pts[-1]
         return (lo[0], hi[0], lo, self.calibration(lo[0]), hi, self.calibration(hi[0]))
 
-    def predict(self, num_tokens: int) -> float:
+    def predict(self, num_tokens: float) -> float:
+        seconds = self._answers.get(num_tokens)
+        if seconds is None:
+            seconds = self._answers[num_tokens] = self._predict(num_tokens)
+        return seconds
+
+    def _predict(self, num_tokens: float) -> float:
         frame = self._frame if self._frame is not None else self._make_frame()
         self._frame = frame
         if frame[0] is None:
@@ -771,21 +781,7 @@ class GoodputController:
         heap = [o for i in range(len(seqs)) if (o := offer(i, 1)) is not None]
         heapq.heapify(heap)
         tokens, fed, depth, paid = float(len(seqs)), base_tokens, 0.0, 0.0  # paid: catch-up s
-        # `_rate`, with the two curves' answers kept for this plan: many trials feed the same
-        # number of tokens (a batch where few draft), or draft the same levels
-        step_s, draft_s = {}, {}
-        step_cost, draft_cost = self.step_cost.predict, self.draft_cost.predict
-
-        def rate(tokens: float, fed: float, depth: float, extra: float = 0.0) -> float:
-            a = step_s.get(fed)
-            if a is None:
-                a = step_s[fed] = step_cost(fed)
-            b = draft_s.get(depth)
-            if b is None:
-                b = draft_s[depth] = draft_cost(depth)
-            t = a + b + extra
-            return tokens / t if t > 0 else 0.0
-
+        rate = self._rate
         best = plain = rate(tokens, fed, depth)
         while heap:
             _, i, k = heapq.heappop(heap)
