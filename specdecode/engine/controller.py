@@ -27,7 +27,9 @@ Policies (`--speculative-policy`):
     (`_MIN_DRAFT_OBSERVATIONS`, two depths) the fit is not used: requests draft where drafting
     could pay at all.
   E_i is concave in k and the cost grows with N, so the plan adds draft levels in the order of
-  their expected tokens per fed token and stops when the next level lowers G.
+  their expected tokens per fed token and stops when the next level lowers G. With many
+  requests, those whose next levels could not raise G are found all at once and skipped
+  (`_hopeless`): the same plan, without trying each.
   Hysteresis: the plan changes only when it beats the previous one (re-scored with today's
   estimates) by `hysteresis`. Requests that are not drafting keep being measured (`_explore`):
   shadow drafts scored against the real output where drafting has no side effects, else a rare
@@ -57,6 +59,11 @@ import bisect
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
+from functools import reduce
+from itertools import accumulate
+from operator import add, mul
+
+import numpy as np
 
 from specdecode.core import Sequence
 from specdecode.errors import InvalidRequestError
@@ -103,6 +110,7 @@ class _Curve:
         if self._sorted is None:
             self._sorted = sorted((x, y) for x, y in self._points.values())
             self._xs = [x for x, _ in self._sorted]
+            self._arrays = (np.array(self._xs), np.array([y for _, y in self._sorted]))
         return self._sorted
 
     def __call__(self, num_tokens: float) -> float:
@@ -120,6 +128,24 @@ class _Curve:
             return y1
         return y0 + max(0.0, (y1 - y0) / (x1 - x0)) * (num_tokens - x0)
 
+    def many(self, num_tokens: np.ndarray) -> np.ndarray:
+        """The curve at each of `num_tokens` (the same figures as calling it on each)."""
+        pts = self._sorted if self._sorted is not None else self.points()
+        x = np.asarray(num_tokens, dtype=np.float64)
+        if not pts:
+            return np.zeros_like(x)
+        if len(pts) == 1:
+            x0, y0 = pts[0]
+            return np.where(x > x0, y0 * x / x0, y0)
+        xs, ys = self._arrays
+        i = np.searchsorted(xs, x, side="left")  # bisect_left
+        hi = np.clip(i, 1, len(pts) - 1)  # the segment (hi - 1, hi); past the end: the last
+        x0, y0, x1, y1 = xs[hi - 1], ys[hi - 1], xs[hi], ys[hi]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            slope = np.maximum(0.0, (y1 - y0) / (x1 - x0))
+        out = np.where(x1 <= x0, y1, y0 + slope * (x - x0))
+        return np.where(i == 0, ys[0], out)
+
 
 # Proposals timed before the draft-cost fit decides: one proposal cannot tell its fixed,
 # per-level and catch-up parts apart (the first also runs a head over the whole prompt), and a
@@ -129,6 +155,11 @@ class _Curve:
 # leaves the fit to its later proposals) and only where drafting could pay at all.
 _MIN_DRAFT_OBSERVATIONS = 4
 _MAX_LEARNING_STEPS = 16
+# The planner screens its offers all at once after this many in a row took nothing, while at
+# least `_SCREEN_MIN` are left (fewer cost less than a screen; fewer requests than that are
+# tabled as lists too): see `_hopeless` and `_tables`
+_SCREEN_AFTER = 8
+_SCREEN_MIN = 24
 
 
 class StepCostModel:
@@ -175,6 +206,28 @@ class StepCostModel:
         if seconds is None:
             seconds = self._answers[num_tokens] = self._predict(num_tokens)
         return seconds
+
+    def predict_many(self, num_tokens: np.ndarray) -> np.ndarray:
+        """`predict` at each of `num_tokens`, in one pass (the same figures)."""
+        frame = self._frame if self._frame is not None else self._make_frame()
+        self._frame = frame
+        x = np.asarray(num_tokens, dtype=np.float64)
+        if frame[0] is None:
+            return self.calibration.many(x)
+        lo, hi, below, below_base, above, above_base = frame
+        if not self.calibration:
+            return self.measured.many(x)
+        inside = (lo <= x) & (x <= hi) if hi > lo else np.zeros(x.shape, dtype=bool)
+        out = self.measured.many(x) if inside.any() else np.zeros_like(x)
+        if inside.all():
+            return out
+        cal = self.calibration.many(x)
+        low = x <= lo
+        y = np.where(low, below[1], above[1])
+        base = np.where(low, below_base, above_base)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scaled = np.where(base > 0, cal * (y / base), y)
+        return np.where(inside, out, scaled)
 
     def _predict(self, num_tokens: float) -> float:
         frame = self._frame if self._frame is not None else self._make_frame()
@@ -224,6 +277,12 @@ class DraftCostModel:
         d0, d1, d2 = self.coefficients()
         return d0 + d1 * depth_sum + d2 * catch_up
 
+    def predict_many(self, depth_sums: np.ndarray) -> np.ndarray:
+        """`predict` at each of `depth_sums` (no catch-up), in one pass."""
+        d0, d1, _ = self.coefficients()
+        x = np.asarray(depth_sums, dtype=np.float64)
+        return np.where(x > 0, d0 + d1 * x, 0.0)
+
     def catch_up_seconds(self, tokens: float) -> float:
         return self.coefficients()[2] * tokens if tokens > 0 else 0.0
 
@@ -233,8 +292,6 @@ def _fit(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]:
     squares (lightly ridged, so a column that never varies stays near 0), then any negative
     slope is dropped and the rest refitted. A model with no intercept falls back to the mean
     time per unit of the first slope."""
-    import numpy as np
-
     a, y = np.asarray(rows, dtype=np.float64), np.asarray(ys, dtype=np.float64)
     cols = list(range(a.shape[1]))
     while True:
@@ -287,11 +344,17 @@ class AcceptanceCounts:
     def rates(self, priors: list[float], strength: float) -> list[float]:
         """`rate` for d = 0..len(priors)-1, each towards its own prior (the same figures, in
         one pass: the controller asks for every depth of every request each step)."""
-        t, h, m = self.trials, self.hits, len(self.trials)
-        return [
-            ((h[d] if d < m else 0.0) + strength * p) / ((t[d] if d < m else 0.0) + strength)
-            for d, p in enumerate(priors)
-        ]
+        t, h, short = self.trials, self.hits, len(priors) - len(self.trials)
+        if short > 0:  # (depths never counted: the prior's share alone)
+            t, h = t + [0.0] * short, h + [0.0] * short
+        pairs = zip(h, t, priors, strict=False)  # (counts past the priors' depths: unused)
+        return [(hd + strength * p) / (td + strength) for hd, td, p in pairs]
+
+
+def _column_sums(rows: list[list[float]], start: float) -> list[float]:
+    """Each column's sum from `start`, added row by row (in the order a loop over the rows
+    adds them: the same figures)."""
+    return reduce(lambda acc, row: list(map(add, acc, row)), rows, [start] * len(rows[0]))
 
 
 def workload_key(seq: Sequence) -> str:
@@ -429,12 +492,8 @@ class GoodputController:
         requests, workloads = self._size_counts(lite)
         priors = self._priors(workloads, workload_key(seq), lite, 1.0, cache)
         own = requests.get(seq.seq_id)
-        out, run, total = [0.0], 1.0, 0.0
-        for d, r in enumerate(own.rates(priors, 4.0) if own else priors):
-            run *= r
-            total += run
-            out.append(min(total, full[d + 1]))
-        return out
+        yields = accumulate(accumulate(own.rates(priors, 4.0) if own else priors, mul))
+        return [0.0, *map(min, yields, full[1:])]
 
     def _size_counts(self, lite: bool):
         if lite:
@@ -511,17 +570,96 @@ class GoodputController:
         t = self.step_cost.predict(fed) + self.draft_cost.predict(depth) + extra
         return tokens / t if t > 0 else 0.0
 
-    def _catch_up_costs(self, seqs: list[Sequence], rates, catch_up: list[int]) -> list[float]:
+    def _rate_many(self, tokens, fed, depth, extra: float = 0.0) -> np.ndarray:
+        """`_rate` at each of a few arrays' entries, in one pass (the same figures)."""
+        t = self.step_cost.predict_many(fed) + self.draft_cost.predict_many(depth) + extra
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(t > 0, tokens / t, 0.0)
+
+    def _tables(self, seqs: list[Sequence], full: list[float], cache: dict, lite=False) -> tuple:
+        """Each request's `acceptance`, `expected_sizes` (at most `full`), the running
+        products of its acceptance (from 1.0: `reach`) and their running sums
+        (`expected_tokens` at each depth), one row each, formed in the order those form them
+        (the same figures); `lite`: of its lite drafts. Many requests at once as arrays
+        (`_SCREEN_MIN`: fewer cost less as lists)."""
+        n, top = len(seqs), self.lite_depth if lite else self.max_depth
+        varies = lite or self.variable_size
+        if n < _SCREEN_MIN:
+            rates = [self.acceptance(s, lite, cache) for s in seqs]
+            sizes = [full] * n  # (one list unless they vary)
+            if varies:
+                sizes = [self.expected_sizes(s, full, cache, lite) for s in seqs]
+            reach = [[1.0, *accumulate(r, mul)] for r in rates]
+            return rates, sizes, reach, [list(accumulate(row)) for row in reach]
+        # (`AcceptanceCounts.rates`, `expected_sizes`: the same operations, row by row)
+        rates = self._shrunk(seqs, False, lite, 0.5, cache)
+        sizes = np.broadcast_to(np.array(full), (n, top + 1))
+        if varies:
+            holds = self._shrunk(seqs, True, lite, 1.0, cache)
+            sizes = np.zeros((n, top + 1))
+            sizes[:, 1:] = np.minimum(np.cumsum(np.cumprod(holds, axis=1), axis=1), full[1:])
+        reach = np.ones((n, top + 1))
+        reach[:, 1:] = np.cumprod(rates, axis=1)
+        cum = np.cumsum(reach, axis=1)
+        return rates.tolist(), sizes.tolist(), reach.tolist(), cum.tolist()
+
+    def _shrunk(self, seqs: list[Sequence], sizes: bool, lite: bool, default: float, cache):
+        """`acceptance` (`sizes`: the chances `expected_sizes` multiplies) of every request,
+        one row each: its decayed counts shrunk towards its workload's priors."""
+        requests, workloads = self._size_counts(lite) if sizes else self._counts(lite)
+        top = self.lite_depth if lite else self.max_depth
+        trials, hits = np.zeros((len(seqs), top)), np.zeros((len(seqs), top))
+        priors = []
+        for i, s in enumerate(seqs):
+            priors.append(self._priors(workloads, workload_key(s), lite, default, cache))
+            own = requests.get(s.seq_id)
+            if own is not None and own.trials:
+                m = min(len(own.trials), top)
+                trials[i, :m], hits[i, :m] = own.trials[:m], own.hits[:m]
+        return (hits + 4.0 * np.array(priors)) / (trials + 4.0)
+
+    def _hopeless(self, heap, reach, sizes, levels, cost, totals, best: float) -> set[int]:
+        """The requests among the greedy's `heap` of offers (request i's next level k) none of
+        whose depths k..max_depth would raise the step's goodput above `best` at `totals`
+        (tokens, fed, draft levels, catch-up seconds): what a pop of each would find, for all
+        at once."""
+        rows = np.array([i for _, i, _ in heap])
+        ks = np.array([k for _, _, k in heap])
+        pick = (np.arange(len(rows)), ks - 1)  # the level already planned
+        prefix = np.cumsum(reach[rows], axis=1)
+        add_t = prefix - prefix[pick][:, None]
+        add_t[np.arange(reach.shape[1])[None, :] < ks[:, None]] = -np.inf  # (planned levels)
+        add_f = sizes[rows] - sizes[rows][pick][:, None]
+        add_d = levels[rows] - levels[rows][pick][:, None]
+        add_x = np.where(ks == 1, cost[rows], 0.0)[:, None]
+        out = self._cannot_win(add_t, add_f, add_d, add_x, totals, best)
+        return set(rows[out].tolist())
+
+    def _cannot_win(self, add_t, add_f, add_d, add_x, totals, best: float) -> np.ndarray:
+        """Rows none of whose columns (tokens, fed, draft levels and catch-up seconds each
+        would add to `totals`) would raise the step's goodput above `best`. A margin keeps it
+        to those that clearly cannot (its sums are formed in another order than the
+        planner's)."""
+        tokens, fed, depth, paid = totals
+        g = self._rate_many(tokens + add_t, fed + add_f, depth + add_d, paid + add_x)
+        return g.max(axis=1) < best * (1 - 1e-9)
+
+    def _catch_up_costs(
+        self, seqs: list[Sequence], expected: list[float], catch_up: list[int]
+    ) -> list[float]:
         """Seconds of catch-up per request, spread over `catch_up_horizon` of the steps it is
-        expected to have left (at full depth; at most 256 tokens ahead): the request may end
-        early or stop drafting, so the catch-up is priced to pay back well before its end."""
+        expected to have left (at `expected` tokens a step, full depth; at most 256 tokens
+        ahead): the request may end early or stop drafting, so the catch-up is priced to pay
+        back well before its end."""
         out = []
-        for s, r, n in zip(seqs, rates, catch_up, strict=True):
+        for s, e, n in zip(seqs, expected, catch_up, strict=True):
+            if n <= 0:
+                out.append(0.0)
+                continue
             left = 256
             if s.params.max_tokens is not None:
                 left = min(left, s.params.max_tokens - len(s.output_token_ids))
-            steps = self.catch_up_horizon * left / self.expected_tokens(r, self.max_depth)
-            steps = max(1.0, steps)
+            steps = max(1.0, self.catch_up_horizon * left / e)
             out.append(self.draft_cost.catch_up_seconds(n) / steps)
         return out
 
@@ -642,7 +780,8 @@ class GoodputController:
         accepted: request i alone at some depth, or every request at one depth (a draft
         model's fixed cost is shared by the batch). Catch-ups are priced as in planning."""
         ones = [[1.0] * self.max_depth for _ in seqs]
-        cost = self._catch_up_costs(seqs, ones, catch_up)
+        full = self.expected_tokens(ones[0], self.max_depth) if seqs else 1.0
+        cost = self._catch_up_costs(seqs, [full] * len(seqs), catch_up)
         plain = self.goodput(base_tokens, ones, [0] * len(seqs))
         target = plain * (1 + self.min_gain)
         alone = [max(k, 0) if j != i else 0 for j, k in enumerate(plan)]  # the head alone
@@ -747,51 +886,51 @@ class GoodputController:
         # pay, so none is weighed (at 128 requests that is most of a plan's time)
         if not self._hopeful and not any(self._last_plan.get(s.seq_id, 0) for s in seqs):
             return [0] * len(seqs)
+        n, top = len(seqs), self.max_depth
         cache: dict = {}  # the workloads' priors, shared by their requests
-        rates = [self.acceptance(s, cache=cache) for s in seqs]
-        full = [0.0] + [float(self.nodes_for_depth(k)) for k in range(1, self.max_depth + 1)]
-        sizes = [self.expected_sizes(s, full, cache) for s in seqs] if self.variable_size else None
-        sizes = sizes or [full] * len(seqs)  # (one list unless they vary)
-        cost = self._catch_up_costs(seqs, rates, catch_up)
-        plan = [0] * len(seqs)
+        full = [0.0] + [float(self.nodes_for_depth(k)) for k in range(1, top + 1)]
         # reach[i][k]: the chance that request i's first k drafts are all accepted, i.e. the
         # expected tokens its level k adds; its running sum is E_i(k) (`expected_tokens`)
-        reach, cum = [], []
-        for r in rates:
-            run, total, row, sums = 1.0, 1.0, [1.0], [1.0]
-            for a in r:
-                run *= a
-                total += run
-                row.append(run)
-                sums.append(total)
-            reach.append(row)
-            cum.append(sums)
-        levels = [
-            [self._levels(sizes, i, k) for k in range(self.max_depth + 1)] for i in range(len(seqs))
-        ]
+        rates, sizes, reach, cum = self._tables(seqs, full, cache)
+        cost = self._catch_up_costs(seqs, [c[top] for c in cum], catch_up)
+        # the levels each depth costs to draft (`_levels`)
+        levels = sizes if self.variable_size else [[float(k) for k in range(top + 1)]] * n
+        plan = [0] * n
 
         # Add draft levels best first: each request offers its next level, ranked by expected
         # tokens per fed node (a heap, so levels that add no nodes follow their parent level).
         # Totals are kept as levels are added, so each trial costs O(1), not O(batch).
         def offer(i: int, k: int) -> tuple[float, int, int] | None:
-            if k > self.max_depth:
+            if k > top:
                 return None
             return (-reach[i][k] / max(1.0, sizes[i][k] - sizes[i][k - 1]), i, k)
 
-        heap = [o for i in range(len(seqs)) if (o := offer(i, 1)) is not None]
+        heap = [o for i in range(n) if (o := offer(i, 1)) is not None]
         heapq.heapify(heap)
-        tokens, fed, depth, paid = float(len(seqs)), base_tokens, 0.0, 0.0  # paid: catch-up s
+        tokens, fed, depth, paid = float(n), base_tokens, 0.0, 0.0  # paid: catch-up s
         rate = self._rate
         best = plain = rate(tokens, fed, depth)
+        arrays = None  # the tables as arrays, for screening
+        # Requests that cannot win at the current totals, found for all of them at once
+        # (`_hopeless`); valid until a level is taken. Screened at the start and again after
+        # a few pops in a row took nothing: a batch where drafting does not pay is
+        # screened once, one where every pop takes is not screened again.
+        hopeless: set[int] | None = None
+        misses = _SCREEN_AFTER
         while heap:
+            if hopeless is None and misses >= _SCREEN_AFTER and len(heap) >= _SCREEN_MIN:
+                arrays = arrays or tuple(np.array(t) for t in (reach, sizes, levels, cost))
+                hopeless = self._hopeless(heap, *arrays, (tokens, fed, depth, paid), best)
             _, i, k = heapq.heappop(heap)
+            if hopeless is not None and i in hopeless:
+                continue
             # Take this level together with as many deeper ones as pay best: a draft step has a
             # fixed part (the drafter's catch-up), so one level alone can lose where four win.
             add_t, add_f, take, g_take = 0.0, 0, 0, best
             add_x = cost[i] if k == 1 else 0.0  # a request's first level pays its catch-up
             below = levels[i][k - 1]  # (levels already planned for i)
             row, size, lv = reach[i], sizes[i], levels[i]
-            for j in range(k, self.max_depth + 1):
+            for j in range(k, top + 1):
                 add_t, add_f = add_t + row[j], add_f + (size[j] - size[j - 1])
                 add_d = lv[j] - below
                 g = rate(tokens + add_t, fed + add_f, depth + add_d, paid + add_x)
@@ -804,20 +943,21 @@ class GoodputController:
                 nxt = offer(i, take + 1)
                 if nxt is not None:
                     heapq.heappush(heap, nxt)
+                hopeless, misses = None, 0
+            else:
+                misses += 1
         # The greedy adds one request at a time, so a fixed part of the draft cost (a draft
         # model runs its forwards whatever the batch) can stop it at the first request where
         # all of them together would win: weigh every uniform depth too (the sums `goodput`
         # forms, from the tables above; one request's were all weighed above).
         extra = sum(cost)
-        for k in range(1, self.max_depth + 1 if len(seqs) > 1 else 1):
-            u_tokens, u_fed, u_levels = 0.0, base_tokens, 0.0
-            for i in range(len(seqs)):
-                u_tokens += cum[i][k]
-                u_fed += sizes[i][k]
-                u_levels += levels[i][k]
-            g = rate(u_tokens, u_fed, u_levels, extra)
-            if g > best:
-                best, plan = g, [k] * len(seqs)
+        if n > 1:
+            u_tokens, u_fed = _column_sums(cum, 0.0), _column_sums(sizes, base_tokens)
+            u_levels = _column_sums(levels, 0.0)
+            for k in range(1, top + 1):
+                g = rate(u_tokens[k], u_fed[k], u_levels[k], extra)
+                if g > best:
+                    best, plan = g, [k] * n
         if any(plan) and best < plain * (1 + self.min_gain):
             plan, best = [0] * len(seqs), plain  # too close to call: plain decoding
         previous = [self._last_plan.get(s.seq_id, p) for s, p in zip(seqs, plan, strict=True)]
@@ -827,7 +967,7 @@ class GoodputController:
             if (kept >= plain or not any(previous)) and best < kept * (1 + self.hysteresis):
                 plan, best = previous, kept
         if self.lite_depth and not all(plan):
-            plan, best = self._add_lite(seqs, base_tokens, rates, cost, plan, best, sizes)
+            plan, best = self._add_lite(seqs, base_tokens, rates, cost, plan, best, sizes, cache)
         self.last_predicted_gain = best / plain if plain > 0 else 1.0
         return plan
 
@@ -840,27 +980,38 @@ class GoodputController:
         plan: list[int],
         best: float,
         sizes: list[list[float]],
+        cache: dict | None = None,
     ) -> tuple[list[int], float]:
         """Lite drafts for the requests `plan` keeps plain, best first: each takes the depth
         that raises the step's goodput most (lite drafts cost verification only), and the lot
         is kept only if it beats `plan` by `min_gain`. No hysteresis: switching them on or off
         touches no state."""
         idle = [i for i, k in enumerate(plan) if k == 0]
-        lite = {i: self.acceptance(seqs[i], lite=True) for i in idle}
-        nodes = {i: self.expected_sizes(seqs[i], lite=True) for i in idle}
-        idle.sort(key=lambda i: -lite[i][0])
+        full = [float(k) for k in range(self.lite_depth + 1)]
+        lite, nodes, reach, _ = self._tables([seqs[i] for i in idle], full, cache or {}, True)
+        adds = [list(accumulate(row[1:])) for row in reach]  # the tokens each depth adds
+        order = sorted(range(len(idle)), key=lambda r: -lite[r][0])
         tokens, fed, depth, paid = self._totals(base_tokens, rates, plan, cost, sizes=sizes)
         out, g_best = list(plan), best
-        for i in idle:
-            take, run, add = 0, 1.0, 0.0
+        hopeless, misses = None, _SCREEN_AFTER  # as in `_adaptive`
+        for done, r in enumerate(order):
+            left = len(order) - done
+            if hopeless is None and misses >= _SCREEN_AFTER and left >= _SCREEN_MIN:
+                add_f = np.array(nodes)[:, 1:]
+                totals = (tokens, fed, depth, paid)
+                hopeless = self._cannot_win(np.array(adds), add_f, 0.0, 0.0, totals, g_best)
+            if hopeless is not None and hopeless[r]:
+                continue
+            take = 0
             for j in range(1, self.lite_depth + 1):
-                run *= lite[i][j - 1]
-                add += run
-                g = self._rate(tokens + add, fed + nodes[i][j], depth, paid)
+                g = self._rate(tokens + adds[r][j - 1], fed + nodes[r][j], depth, paid)
                 if g > g_best:
-                    g_best, take, t_take = g, j, add
+                    g_best, take, t_take = g, j, adds[r][j - 1]
             if take:
-                out[i], tokens, fed = -take, tokens + t_take, fed + nodes[i][take]
+                out[idle[r]], tokens, fed = -take, tokens + t_take, fed + nodes[r][take]
+                hopeless, misses = None, 0
+            else:
+                misses += 1
         if g_best < best * (1 + self.min_gain):
             return plan, best
         return out, g_best

@@ -226,10 +226,11 @@ def test_hysteresis_does_not_keep_a_drafting_plan_that_loses():
 def test_catch_up_is_priced_over_part_of_the_remaining_steps():
     c = catch_up_controller(memory_bound, catch_up_s=0.001)
     seq = Sequence([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=100))
-    rates = [c.acceptance(seq)]
-    half = c._catch_up_costs([seq], rates, [100])[0]
+    expected = [c.expected_tokens(c.acceptance(seq), c.max_depth)]
+    half = c._catch_up_costs([seq], expected, [100])[0]
+    assert half > 0
     c.catch_up_horizon = 1.0
-    assert c._catch_up_costs([seq], rates, [100])[0] == pytest.approx(half / 2)
+    assert c._catch_up_costs([seq], expected, [100])[0] == pytest.approx(half / 2)
 
 
 def test_idle_requests_are_probed():
@@ -732,3 +733,96 @@ def test_whether_drafting_could_pay_at_all_is_decided_at_the_curves_knots():
         assert bound or not scan
         hopeless += not bound
     assert 10 <= hopeless <= 290  # both cases were tried
+
+
+def test_the_step_cost_curve_answers_many_sizes_as_it_answers_each():
+    """`predict_many` (what the planner screens with) gives `predict`'s figures exactly: inside
+    and outside the measured span, on flat, falling and single-point curves."""
+    import random
+
+    import numpy as np
+
+    rnd = random.Random(1)
+    for _ in range(200):
+        m = StepCostModel()
+        for n in rnd.sample(range(1, 400), rnd.randint(0, 6)):
+            m.calibrate(n, rnd.choice([0.02, rnd.uniform(0.001, 0.05)]))
+        for n in rnd.sample(range(1, 400), rnd.randint(0 if m.calibrated else 1, 4)):
+            m.observe(n, rnd.uniform(0.001, 0.05))
+        xs = [rnd.uniform(0, 500) for _ in range(20)] + [float(x) for x in range(0, 420, 7)]
+        assert m.predict_many(np.array(xs)).tolist() == [m.predict(x) for x in xs]
+
+
+def planning_state(seed: int, n: int, lite: int = 0, variable: bool = False):
+    """A controller with random curves, draft costs and per-request histories, and `n` requests
+    (some with catch-up, some with a previous plan): what `_adaptive` weighs."""
+    import random
+
+    rnd = random.Random(seed)
+    top = rnd.choice([3, 5, 16])
+    c = GoodputController(
+        "adaptive",
+        top,
+        rnd.choice([lambda k: k, lambda k: 1 + 3 * k if k else 0]),
+        shadow_capable=variable,
+        variable_size=variable,
+        lite_depth=lite,
+    )
+    a, b, knee = rnd.uniform(0.001, 0.05), rnd.uniform(1e-5, 1e-3), rnd.choice([8, 64, 512])
+    for x in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        c.step_cost.calibrate(x, a + b * max(0, x - knee))
+    for _ in range(rnd.randint(0, 20)):
+        x = rnd.randint(1, 600)
+        c.step_cost.observe(x, (a + b * max(0, x - knee)) * rnd.uniform(0.8, 1.5))
+    d0, d1, d2 = rnd.uniform(0, a / 10), rnd.uniform(0, a / 100), rnd.uniform(0, 1e-5)
+    for _ in range(8):
+        x, cu = rnd.randint(1, 4 * top), rnd.choice([0, rnd.randint(1, 200)])
+        c.record_draft(x, d0 + d1 * x + d2 * cu, cu)
+    batch = [
+        Sequence([1, 2, 3], SamplingParams(temperature=rnd.choice([0.0, 1.0]), max_tokens=300))
+        for _ in range(n)
+    ]
+    for s in batch:
+        rate = rnd.random()
+        for _ in range(rnd.randint(0, 30)):
+            d = rnd.randint(1, top)
+            got = next((j for j in range(d) if rnd.random() > rate), d)
+            c.record_proposal(s, d, rnd.randint(0, d))
+            c.record_verification(s, d, got)
+            if lite:
+                c.record_proposal(s, lite, rnd.randint(0, lite), lite=True)
+                c.record_verification(s, lite, rnd.randint(0, lite), lite=True)
+        if rnd.random() < 0.2:
+            c._last_plan[s.seq_id] = rnd.randint(0, top)
+    return c, batch, [rnd.choice([0, 0, rnd.randint(1, 300)]) for _ in batch]
+
+
+def test_screening_and_array_tables_leave_the_plans_unchanged(monkeypatch):
+    """Many requests are planned from arrays and screened all at once (`_cannot_win`); the
+    plans, and the gains predicted, are those of the request-by-request planner, on random
+    states where some requests draft, some verify lite drafts and many do neither."""
+    import specdecode.engine.controller as module
+
+    screened, kinds = [], set()
+    cannot_win = GoodputController._cannot_win
+
+    def spy(self, *a):
+        out = cannot_win(self, *a)
+        screened.append(int(out.sum()))
+        return out
+
+    monkeypatch.setattr(GoodputController, "_cannot_win", spy)
+    for seed in range(80):
+        args = (seed, 24 + seed % 3 * 20, 6 * (seed % 2), seed % 4 < 2)
+        c, batch, catch_up = planning_state(*args)
+        fast = c._adaptive(batch, len(batch), catch_up), c.last_predicted_gain
+        full = [0.0] + [float(c.nodes_for_depth(k)) for k in range(1, c.max_depth + 1)]
+        wants = [(full, False)] + ([([float(k) for k in range(7)], True)] if args[2] else [])
+        tables = [c._tables(batch, f, {}, lite) for f, lite in wants]
+        with monkeypatch.context() as m:
+            m.setattr(module, "_SCREEN_MIN", 10**9)  # lists, and no screening
+            c, batch, catch_up = planning_state(*args)
+            assert (c._adaptive(batch, len(batch), catch_up), c.last_predicted_gain) == fast
+            assert [c._tables(batch, f, {}, lite) for f, lite in wants] == tables
+        kinds |= {k > 0 for k in fast[0]} | {"lite" for k in fast[0] if k < 0}
+    assert {True, False, "lite"} <= kinds and sum(screened) > 100, (kinds, screened)
