@@ -22,7 +22,7 @@ def test_suite_runs_every_workload_method_and_level(roomy, tmp_path):
         "--draft-model", str(roomy), "--temperatures", "0,1", "--num-prompts", "1",
         "--max-tokens", "6", "--max-prompt-tokens", "96", "--concurrency", "1,2",
         "--min-requests", "2", "--references", "transformers,llamacpp", "--out", str(out),
-        "--report", str(report), timeout=600,
+        "--report", str(report), timeout=1200,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     result = json.loads((out / "suite.json").read_text())

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 
-def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "specdecode.cli", *args],
         capture_output=True,

@@ -303,6 +303,8 @@ def test_a_preempted_seeded_draft_stream_goes_on(tiny_llama_dir, other_draft_dir
     spec = LLM(str(tiny_llama_dir), speculative_config=cfg, speculative_policy="static")
     engine = spec.engine
     drafter = engine.drafter.head if branch else engine.drafter
+    if branch:  # the draft model every step, whatever the step times
+        engine.drafter.step_time = None
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
     seq = engine.add_request([5, 6, 7, 8], params)
     while engine.spec_stats.num_draft_tokens < 6:
@@ -339,6 +341,7 @@ def test_draft_model_with_a_lookup_branch_greedy_equals_plain(
         "prompt_lookup_method": source,
     }
     spec = LLM(str(tiny_llama_dir), speculative_config=cfg, speculative_policy="static")
+    spec.engine.drafter.step_time = None  # the whole branch every step, whatever the step times
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(40))]
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(40))] == want
     assert spec.generate(PROMPTS[0], greedy(40))[0].outputs[0].token_ids == want[0]
@@ -406,12 +409,15 @@ def test_draft_model_with_a_lookup_branch_keeps_the_distribution(sharp_llama_dir
     }
     spec = LLM(str(sharp_llama_dir), speculative_config=cfg)
     engine, ctrl = spec.engine, spec.engine.controller
+    engine.drafter.step_time = None  # the draft model whenever planned, whatever the step times
     plan, step = ctrl.plan, [0]
     cycle = [-3, 3, 0, 2, -2]
 
-    def mixed(seqs, *a):
+    def mixed(seqs, *a):  # (and no shadows beside: whether one is taken depends on timing)
         step[0] += 1
-        return [cycle[(step[0] + j) % len(cycle)] for j, _ in enumerate(plan(seqs, *a))]
+        budgets = plan(seqs, *a)
+        ctrl.shadow_requests = []
+        return [cycle[(step[0] + j) % len(cycle)] for j, _ in enumerate(budgets)]
 
     ctrl.plan = mixed
     calls = []  # per verification: the rules its rows took
@@ -546,8 +552,17 @@ def test_an_engine_switched_to_adaptive_calibrates_and_drafts(plain, tiny_llama_
     ctrl = spec.engine.controller
     assert ctrl.step_cost.measured and not ctrl.step_cost.calibration
     spec.engine.set_policy("adaptive")
+    calibrate, timed = spec.engine.calibrate, []
+
+    def calibrated(*a, **kw):  # timed, then a memory-bound shape, whatever this machine's
+        calibrate(*a, **kw)
+        timed.append(bool(ctrl.step_cost.calibration))
+        for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+            ctrl.step_cost.calibrate(n, 0.01)
+
+    spec.engine.calibrate = calibrated
     spec.generate(PROMPTS, greedy(40))
-    assert ctrl.step_cost.calibration
+    assert timed == [True]
     assert ctrl.num_drafting > 0 and spec.engine.spec_stats.num_accepted_tokens > 0
 
 

@@ -48,32 +48,64 @@ def test_the_table_reads_ratios_noise_and_lite_drafts():
     assert four.split(" | ")[1:] == ["30.0", "30.0", "-", "1.00x", "33.3 / 33.3", "0%", "0.0% |"]
 
 
-def test_a_level_is_timed_while_every_client_is_busy():
+def test_a_level_is_timed_while_every_client_is_busy(monkeypatch):
     """Two clients, four requests (2, 4, 2 and 20 tokens): the window runs from the first
     completion (tick 2, when the third request is sent) to the last send (tick 4), both
     clients busy (2 tokens per tick), not over the whole run with its drain (28 tokens in 24
-    ticks)."""
+    ticks). The engine steps every running request together on a clock of its own, so the
+    figures do not depend on how busy this machine is."""
     import asyncio
     from types import SimpleNamespace
 
     from specdecode.bench.serve import _level
 
-    tick = 0.02
-    lengths = [2, 4, 2, 20]
+    tick, lengths = 0.02, [2, 4, 2, 20]
+
+    class Clock:  # `time` for the level: it moves a tick per engine step
+        now, waiting = 0.0, []
+
+        def perf_counter(self):
+            return self.now
+
+        process_time = perf_counter
+
+        async def step(self):
+            done = asyncio.get_running_loop().create_future()
+            self.waiting.append(done)
+            await done
+
+    clock = Clock()
+    monkeypatch.setattr("specdecode.bench.serve.time", clock)
 
     class Engine:
         async def generate(self, ids, params):
             for k in range(1, params + 1):
-                await asyncio.sleep(tick)
+                await clock.step()
                 yield SimpleNamespace(error=None, token_ids=[k], num_output_tokens=k)
 
-    row = asyncio.run(_level(Engine(), lambda i: ([1], lengths[i]), 2, 4))
-    whole = row["output_tokens"] / row["seconds"]
-    assert row["output_tokens"] == 28 and whole * tick < 1.3
-    assert row["throughput_tok_s"] * tick > 1.5 and row["throughput_tok_s"] > 1.3 * whole
-    assert row["steady_seconds"] < row["seconds"] / 5
+    async def run(concurrency, n):
+        async def steps():  # every request waiting: one step for all of them
+            while True:
+                for _ in range(20):
+                    await asyncio.sleep(0)
+                if clock.waiting:
+                    clock.now += tick
+                    ready, clock.waiting = clock.waiting, []
+                    for done in ready:
+                        done.set_result(None)
+
+        stepping = asyncio.create_task(steps())
+        try:
+            return await _level(Engine(), lambda i: ([1], lengths[i]), concurrency, n)
+        finally:
+            stepping.cancel()
+
+    row = asyncio.run(run(2, 4))
+    assert row["output_tokens"] == 28 and row["seconds"] == pytest.approx(24 * tick)
+    assert row["steady_seconds"] == pytest.approx(2 * tick)
+    assert row["throughput_tok_s"] == pytest.approx(2 / tick)
     with pytest.raises(ValueError, match=">= 1"):
-        asyncio.run(_level(Engine(), lambda i: ([1], 1), 0, 1))
+        asyncio.run(run(0, 1))
 
 
 def test_the_steady_window_leaves_out_the_start_and_the_drain():

@@ -29,7 +29,7 @@ def test_a_live_lock_is_waited_for_and_one_that_outlives_a_build_removed(
     threading.Timer(0.5, lock.unlink).start()  # another process's load, done in 0.5 s
     start = time.monotonic()
     kernels._clear_stale_lock(tmp_path)
-    assert 0.4 < time.monotonic() - start < 3.0 and not lock.exists()
+    assert 0.4 < time.monotonic() - start < 10.0 and not lock.exists()
     # a fresh lock whose process was killed: waited for until it is too old to be a build
     monkeypatch.setattr(kernels, "_STALE_LOCK_S", 1.0)
     monkeypatch.setattr(kernels, "_SAY_WAITING_S", 0.3)
