@@ -62,7 +62,9 @@ def test_fast_path_logits_match_transformers(hf, chat_ids):
         ref = hf(x).logits[0].double()
         exact = copy.deepcopy(hf).double()(x).logits[0]
     hf_error = (ref - exact).abs().max()
-    assert (ours.double() - exact).abs().max() <= 3 * hf_error
+    # (and at least 5e-4: where transformers' own error happens to be tiny, a CPU whose kernels
+    # sum in yet another order is not a bug)
+    assert (ours.double() - exact).abs().max() <= max(3 * hf_error, 5e-4)
     s = r.new_seq()  # decoding one token at a time gives the same logits
     r.feed([s], [chat_ids[:-3]])
     steps = [r.feed([s], [[t]])[0] for t in chat_ids[-3:]]
