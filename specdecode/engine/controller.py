@@ -780,8 +780,7 @@ class GoodputController:
         accepted: request i alone at some depth, or every request at one depth (a draft
         model's fixed cost is shared by the batch). Catch-ups are priced as in planning."""
         ones = [[1.0] * self.max_depth for _ in seqs]
-        full = self.expected_tokens(ones[0], self.max_depth) if seqs else 1.0
-        cost = self._catch_up_costs(seqs, [full] * len(seqs), catch_up)
+        cost = self._catch_up_costs(seqs, [self.max_depth + 1.0] * len(seqs), catch_up)
         plain = self.goodput(base_tokens, ones, [0] * len(seqs))
         target = plain * (1 + self.min_gain)
         alone = [max(k, 0) if j != i else 0 for j, k in enumerate(plan)]  # the head alone
@@ -993,13 +992,13 @@ class GoodputController:
         order = sorted(range(len(idle)), key=lambda r: -lite[r][0])
         tokens, fed, depth, paid = self._totals(base_tokens, rates, plan, cost, sizes=sizes)
         out, g_best = list(plan), best
-        hopeless, misses = None, _SCREEN_AFTER  # as in `_adaptive`
+        hopeless, misses, arrays = None, _SCREEN_AFTER, None  # as in `_adaptive`
         for done, r in enumerate(order):
             left = len(order) - done
             if hopeless is None and misses >= _SCREEN_AFTER and left >= _SCREEN_MIN:
-                add_f = np.array(nodes)[:, 1:]
+                arrays = arrays or (np.array(adds), np.array(nodes)[:, 1:])
                 totals = (tokens, fed, depth, paid)
-                hopeless = self._cannot_win(np.array(adds), add_f, 0.0, 0.0, totals, g_best)
+                hopeless = self._cannot_win(*arrays, 0.0, 0.0, totals, g_best)
             if hopeless is not None and hopeless[r]:
                 continue
             take = 0
