@@ -160,6 +160,9 @@ _MAX_LEARNING_STEPS = 16
 # tabled as lists too): see `_hopeless` and `_tables`
 _SCREEN_AFTER = 8
 _SCREEN_MIN = 24
+# A request's own counts against its workload's prior: the prior weighs as this many trials
+# (`acceptance`, `expected_sizes` and their tables, `_shrunk`)
+_OWN_STRENGTH = 4.0
 
 
 class StepCostModel:
@@ -460,7 +463,7 @@ class GoodputController:
         requests, workloads = self._counts(lite)
         priors = self._priors(workloads, workload_key(seq), lite, 0.5, cache)
         own = requests.get(seq.seq_id)
-        return own.rates(priors, 4.0) if own else list(priors)
+        return own.rates(priors, _OWN_STRENGTH) if own else list(priors)
 
     def _priors(self, workloads, key: str, lite: bool, default: float, cache) -> list[float]:
         """A workload's rates by depth, shrunk towards `default` (`cache`: a dict kept for
@@ -492,7 +495,8 @@ class GoodputController:
         requests, workloads = self._size_counts(lite)
         priors = self._priors(workloads, workload_key(seq), lite, 1.0, cache)
         own = requests.get(seq.seq_id)
-        yields = accumulate(accumulate(own.rates(priors, 4.0) if own else priors, mul))
+        rates = own.rates(priors, _OWN_STRENGTH) if own else priors
+        yields = accumulate(accumulate(rates, mul))
         return [0.0, *map(min, yields, full[1:])]
 
     def _size_counts(self, lite: bool):
@@ -616,7 +620,7 @@ class GoodputController:
             if own is not None and own.trials:
                 m = min(len(own.trials), top)
                 trials[i, :m], hits[i, :m] = own.trials[:m], own.hits[:m]
-        return (hits + 4.0 * np.array(priors)) / (trials + 4.0)
+        return (hits + _OWN_STRENGTH * np.array(priors)) / (trials + _OWN_STRENGTH)
 
     def _hopeless(self, heap, reach, sizes, levels, cost, totals, best: float) -> set[int]:
         """The requests among the greedy's `heap` of offers (request i's next level k) none of
