@@ -73,7 +73,8 @@ def read_traffic(path: str | Path, default_max_tokens: int = 128, default_temper
     ignored. A bad line is reported by number and skipped; the rest is kept."""
     path = Path(path)
     if not path.is_file():
-        raise InvalidRequestError(f"traffic file {str(path)!r} not found")
+        what = "is a folder, not a file" if path.is_dir() else "not found"
+        raise InvalidRequestError(f"traffic file {str(path)!r} {what}")
     good, bad = [], []
     # (utf-8-sig: a byte-order mark some editors write is not part of the first line)
     with open(path, encoding="utf-8-sig", errors="replace") as f:
@@ -682,13 +683,17 @@ def validate(llms, result, measured, costs, ids, params, levels, prompt_tokens, 
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from specdecode.argtypes import integer, number, output_file
+
     p.add_argument("--traffic", required=True, help="JSONL: one prompt or chat per line")
-    p.add_argument("--concurrency", type=int, default=1, help="expected requests in flight")
+    p.add_argument("--concurrency", type=integer(1), default=1, help="expected requests in flight")
     p.add_argument("--draft-model", default=None, help="also try this draft model")
-    p.add_argument("--num-requests", type=int, default=32, help="requests used (0: all)")
-    p.add_argument("--max-tokens", type=int, default=128, help="when a line does not say")
-    p.add_argument("--temperature", type=float, default=None, help="when a line does not say")
-    p.add_argument("--min-gain", type=float, default=0.05, help="recommend only above this")
-    p.add_argument("--calibration-seconds", type=float, default=10.0)
+    p.add_argument("--num-requests", type=integer(0), default=32, help="requests used (0: all)")
+    p.add_argument("--max-tokens", type=integer(1), default=128, help="when a line does not say")
+    p.add_argument(
+        "--temperature", type=number(0, 100), default=None, help="when a line does not say"
+    )
+    p.add_argument("--min-gain", type=number(0), default=0.05, help="recommend only above this")
+    p.add_argument("--calibration-seconds", type=number(above=0), default=10.0)
     p.add_argument("--validate", default=None, help="measure at these levels too, e.g. 1,8")
-    p.add_argument("--json", default=None, help="write the advice as JSON here")
+    p.add_argument("--json", type=output_file, default=None, help="write the advice as JSON here")

@@ -8,19 +8,22 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
+from specdecode.argtypes import integer, number, output_dir, output_file
 from specdecode.data import SOURCES
 from specdecode.errors import DataError, InvalidRequestError, SpecDecodeError
 
+_at_least_one = integer(1)
+_DEVICES = ("auto", "cpu", "cuda")
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+
+def _device(text: str) -> str:
+    """auto, cpu, cuda or cuda:N (whether CUDA is there is checked where it is used)."""
+    base, _, index = text.partition(":")
+    if base not in _DEVICES or (index and (base != "cuda" or not index.isdigit())):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -30,9 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="model directory, .gguf file, or omit for the embedded SmolLM2-135M-Instruct",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="cpu, cuda, or auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    p.add_argument("--device", type=_device, default="auto", help="cpu, cuda[:N], or auto")
+    p.add_argument("--max-model-len", type=_at_least_one, default=None)
+    p.add_argument("--kv-cache-memory-gb", type=number(above=0), default=2.0)
     p.add_argument(
         "--kernels",
         default="auto",
@@ -47,7 +50,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=_at_least_one,
         default=2048,
         help="tokens one step feeds at most (prefill chunks, decodes and draft trees)",
     )
@@ -173,7 +176,10 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
     if implied and "method" not in cfg:
         cfg["method"] = implied
     if cfg and "method" not in cfg:
-        raise InvalidRequestError("speculative flags given without a method or draft model")
+        raise InvalidRequestError(
+            f"speculative flags ({', '.join(sorted(source.values()))}) given without a method: "
+            'add --speculative-algorithm or a "method" in --speculative-config'
+        )
     return cfg or None
 
 
@@ -201,21 +207,33 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as in `vllm serve MODEL` (or --model)",
+    )
     add_engine_args(srv)
     add_prefix_caching_arg(srv)
     add_speculative_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=integer(0, 65535), default=8000)
     srv.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' (or SPECDECODE_API_KEY)",
     )
     srv.add_argument("--served-model-name", default=None, help="the model id clients send")
-    srv.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch")
-    srv.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    srv.add_argument("--max-num-seqs", type=_at_least_one, default=64, help="requests in one batch")
     srv.add_argument(
-        "--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted"
+        "--max-n", type=_at_least_one, default=16, help="largest n a request may ask for"
+    )
+    srv.add_argument(
+        "--max-request-bytes",
+        type=_at_least_one,
+        default=1 << 20,
+        help="largest request body accepted",
     )
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
@@ -231,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--presence-penalty", type=float, default=0.0)
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
-    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--max-tokens", type=int, default=256)  # (SamplingParams says why)
     gen.add_argument("--min-tokens", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
@@ -251,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(self-distillation); resumable; runs under torchrun",
     )
     add_engine_args(dgen)
-    dgen.add_argument("--out", required=True, help="directory for the shards")
+    dgen.add_argument("--out", type=output_dir, required=True, help="directory for the shards")
     dgen.add_argument(
         "--source",
         choices=tuple(SOURCES),
@@ -270,14 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     dgen.add_argument("--num-conversations", type=_at_least_one, default=512)
     dgen.add_argument("--shard-size", type=_at_least_one, default=64)
     dgen.add_argument("--max-tokens", type=_at_least_one, default=256)
-    dgen.add_argument("--temperature", type=float, default=0.0)
+    dgen.add_argument("--temperature", type=number(0), default=0.0)
     dgen.add_argument(
         "--max-prompt-tokens",
-        type=int,
+        type=_at_least_one,
         default=512,
         help="skip conversations whose first turn is longer (prefill dominates otherwise)",
     )
-    dgen.add_argument("--max-num-seqs", type=int, default=16, help="generation batch size")
+    dgen.add_argument(
+        "--max-num-seqs", type=_at_least_one, default=16, help="generation batch size"
+    )
     dgen.add_argument(
         "--features",
         choices=("eagle3", "final", "none"),
@@ -296,20 +316,20 @@ def build_parser() -> argparse.ArgumentParser:
     dtraffic.add_argument("--num-prompts", type=_at_least_one, default=8, help="per workload")
     dtraffic.add_argument("--temperature", type=float, default=0.0)
     dtraffic.add_argument("--max-tokens", type=_at_least_one, default=128)
-    dtraffic.add_argument("--out", required=True)
+    dtraffic.add_argument("--out", type=output_file, required=True)
 
     train = sub.add_parser("train", help="train drafters on a frozen target")
     tsub = train.add_subparsers(dest="train", required=True)
     tdraft = tsub.add_parser("draft", help="distil a small draft model from the target")
     add_engine_args(tdraft)
     tdraft.add_argument("--data", required=True, help="shards from `specdecode data generate`")
-    tdraft.add_argument("--out", required=True)
-    tdraft.add_argument("--num-layers", type=int, default=2)
-    tdraft.add_argument("--draft-vocab", type=int, default=8192)
-    tdraft.add_argument("--steps", type=int, default=300)
-    tdraft.add_argument("--batch-size", type=int, default=8)
-    tdraft.add_argument("--max-len", type=int, default=384)
-    tdraft.add_argument("--lr", type=float, default=3e-4)
+    tdraft.add_argument("--out", type=output_dir, required=True)
+    tdraft.add_argument("--num-layers", type=_at_least_one, default=2)
+    tdraft.add_argument("--draft-vocab", type=integer(0), default=8192)
+    tdraft.add_argument("--steps", type=_at_least_one, default=300)
+    tdraft.add_argument("--batch-size", type=_at_least_one, default=8)
+    tdraft.add_argument("--max-len", type=integer(2), default=384)
+    tdraft.add_argument("--lr", type=number(above=0), default=3e-4)
 
     for kind, what in (
         ("medusa", "Medusa-1 heads on the target's last feature"),
@@ -325,16 +345,16 @@ def build_parser() -> argparse.ArgumentParser:
             help="shards with features from `specdecode data generate` (repeatable: one head "
             "trains on several data sets; the last --eval-examples of each are held out)",
         )
-        th.add_argument("--out", required=True, help="directory for the head")
+        th.add_argument("--out", type=output_dir, required=True, help="directory for the head")
         th.add_argument(
-            "--draft-vocab", type=int, default=16384, help="draft vocabulary size (0 = full)"
+            "--draft-vocab", type=integer(0), default=16384, help="draft vocabulary size (0 = full)"
         )
         th.add_argument(
             "--steps", type=_at_least_one, default=None, help="optimizer steps (default 1000)"
         )
         th.add_argument("--batch-tokens", type=_at_least_one, default=4096)
         th.add_argument("--max-len", type=_at_least_one, default=768)
-        th.add_argument("--lr", type=float, default=1e-3)
+        th.add_argument("--lr", type=number(above=0), default=1e-3)
         th.add_argument("--warmup", type=_at_least_one, default=20, help="linear warm-up steps")
         th.add_argument(
             "--init",
@@ -351,14 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
         th.add_argument("--eval-examples", type=_at_least_one, default=64)
         th.add_argument(
             "--max-minutes",
-            type=float,
+            type=number(above=0),
             default=None,
             help="stop after this many minutes if --steps are not done (the learning-rate "
             "schedule follows whichever ends first)",
         )
         th.add_argument(
             "--checkpoint-minutes",
-            type=float,
+            type=number(0),
             default=5.0,
             help="write the head as it stands to --out this often (0: only at the end); a run "
             "killed later keeps it, --resume continues the run from it (--init: a new run from "
@@ -379,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
             th.add_argument(
                 "--ttt-ramp",
-                type=float,
+                type=number(0, below=1),
                 default=0.0,
                 help="fraction of the run (by steps or time) that unrolls fewer steps, 1 up to "
                 "--ttt-steps - 1 in equal shares (cheaper steps while the head learns the basics)",
@@ -394,15 +414,15 @@ def build_parser() -> argparse.ArgumentParser:
                 "Default: none. A continued head (--init) keeps its own",
             )
         else:
-            th.add_argument("--noise", type=float, default=0.1, help="U(-a, a) feature noise")
-            th.add_argument("--ce-weight", type=float, default=0.1)
+            th.add_argument("--noise", type=number(0), default=0.1, help="U(-a, a) feature noise")
+            th.add_argument("--ce-weight", type=number(0), default=0.1)
 
     exp = sub.add_parser(
         "export", help="write a trained head in the layout vLLM, SGLang or speculators loads"
     )
     exp.add_argument("head", help="head directory (`specdecode train ...` or an imported one)")
     exp.add_argument("--format", required=True, choices=["vllm", "sglang", "speculators"])
-    exp.add_argument("--out", required=True)
+    exp.add_argument("--out", type=output_dir, required=True)
     exp.add_argument(
         "--target-name",
         default=None,
@@ -442,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--repeats", type=b.at_least(1), default=3)
     lat.add_argument("--skip-transformers", action="store_true")
     lat.add_argument(
-        "--json", type=b.output_file, default=None, help="also write the results to this JSON file"
+        "--json", type=output_file, default=None, help="also write the results to this JSON file"
     )
     srv_bench = bsub.add_parser(
         "serve", help="concurrency sweep of the serving engine: policies off / static / adaptive"
@@ -480,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep = bsub.add_parser("report", help="docs/BENCHMARKS.md from bench suite output directories")
     rep.add_argument("runs", nargs="+", help="directories written by `bench suite`")
     rep.add_argument("--advise", default=None, help="an `advise --validate --json` result")
-    rep.add_argument("--out", type=b.output_file, default="docs/BENCHMARKS.md")
+    rep.add_argument("--out", type=output_file, default="docs/BENCHMARKS.md")
     adv = sub.add_parser(
         "advise",
         help="measure your traffic here and say whether speculative decoding pays at your "
@@ -596,6 +616,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     from specdecode.models.loader import load_model, load_tokenizer
     from specdecode.train.draft import DraftTrainConfig, train_draft
 
+    heads = args.train in ("medusa", "eagle", "eagle3")
+    _check_train_out(Path(args.out), heads and args.resume, args.init if heads else None)
+
     loaded = load_model(
         args.model, dtype=resolve_dtype(args.dtype), device=resolve_device(args.device)
     )
@@ -671,25 +694,31 @@ def cmd_train(args: argparse.Namespace) -> None:
     )
 
 
+def _check_train_out(out, resume: bool, init: str | None) -> None:
+    """Training writes its checkpoints into --out: one that already holds a model is continued
+    (--resume, or --init naming it) or left alone, never replaced unasked."""
+    if resume or not (out / "config.json").is_file():
+        return
+    if init is not None and Path(init).resolve() == out.resolve():
+        return
+    raise InvalidRequestError(
+        f"--out {str(out)!r} already holds a model; continue it with --resume (or --init "
+        "naming it), or choose another folder"
+    )
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from specdecode.export import export_head, export_notes, serve_command
     from specdecode.models.head_io import head_kind
-    from specdecode.models.loader import DEFAULT_HUB_ID, DEFAULT_MODEL, load_model
-    from specdecode.models.registry import REGISTRY
+    from specdecode.models.loader import hub_id, load_model
 
+    _check_export_out(Path(args.head), Path(args.out))
     loaded = load_model(args.model)
     # the target's Hugging Face id where it is known: a speculators checkpoint names its
     # verifier, and vLLM serves one alone only if that is a Hub id
-    if args.target_name:
-        hub = args.target_name
-    elif args.model in (None, "default", DEFAULT_MODEL):
-        hub = DEFAULT_HUB_ID
-    elif args.model in REGISTRY:
-        hub = REGISTRY[args.model].hub_id or None
-    else:
-        hub = None
+    hub = args.target_name or hub_id(args.model)
     name = hub or str(loaded.path)
     head = Path(args.head)
     kind = head_kind(head) or "eagle3"
@@ -701,6 +730,28 @@ def cmd_export(args: argparse.Namespace) -> None:
     draft_vocab = ours.get("draft_vocab_size")
     for note in export_notes(args.format, kind, draft_vocab, bool(hub), config):
         print(f"note: {note}")
+
+
+_EXPORTED = {"config.json", "model.safetensors", "training.json"}  # what `export_head` writes
+
+
+def _check_export_out(head: Path, out: Path) -> None:
+    """Before anything is written: the export must not land on the head it reads, nor mix with
+    a folder's other files (a previous export there is replaced)."""
+    if not head.is_dir():
+        raise InvalidRequestError(f"head {str(head)!r} is not a directory")
+    if out.exists() and out.resolve() == head.resolve():
+        raise InvalidRequestError(
+            f"--out {str(out)!r} is the head itself; the export would overwrite it"
+        )
+    others = (
+        sorted(p.name for p in out.iterdir() if p.name not in _EXPORTED) if out.is_dir() else []
+    )
+    if others:
+        raise InvalidRequestError(
+            f"--out {str(out)!r} holds other files ({', '.join(others[:3])}); name an empty or "
+            "new folder"
+        )
 
 
 def cmd_models(args: argparse.Namespace) -> None:
@@ -727,6 +778,28 @@ def _words_after(argv: list[str] | None, *command: str) -> list[str]:
     return words[i:]
 
 
+def _check_unused_flags(args: argparse.Namespace) -> None:
+    """Flags a command would accept and then ignore are errors: the user meant something."""
+    bench = getattr(args, "bench", None)
+    if args.command == "advise" or bench == "serve":
+        if getattr(args, "speculative_policy", None):
+            what = "advise" if args.command == "advise" else "bench serve"
+            raise InvalidRequestError(
+                f"{what} measures the policies itself (bench serve: --policies); "
+                "--speculative-policy does not apply"
+            )
+    if args.command == "advise" and args.draft_model and speculative_config(args):
+        raise InvalidRequestError(
+            "advise: --draft-model adds a candidate to the drafters it tries on its own; with a "
+            "speculative config given it measures that config alone (put the draft model there)"
+        )
+    if bench == "latency" and args.compare and not speculative_config(args):
+        raise InvalidRequestError(
+            "bench latency: --compare measures further configs beside --speculative-config "
+            "(or another speculative flag); give that first"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -734,6 +807,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
+        _check_unused_flags(args)
         if args.command == "generate":
             cmd_generate(args)
         elif args.command == "serve":

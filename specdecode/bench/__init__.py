@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-from pathlib import Path
 
 import torch
 
@@ -37,20 +36,9 @@ def machine() -> str:
 
 
 # ---- argument types: bad values are usage errors when the command starts, not tracebacks
-# after minutes of measurement
+# after minutes of measurement (numbers and output paths: specdecode.argtypes)
 
-
-def at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    return parse
+from specdecode.argtypes import at_least, number, output_dir, output_file  # noqa: E402, F401
 
 
 def level_list(text: str) -> str:
@@ -83,13 +71,6 @@ def config_list(text: str) -> str:
         raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg})") from None
     if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
         raise argparse.ArgumentTypeError("a JSON list of speculative configs (objects)")
-    return text
-
-
-def output_file(text: str) -> str:
-    """A file to write results to, in a folder that exists (checked before measuring)."""
-    if not Path(text).expanduser().resolve().parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: its folder does not exist")
     return text
 
 

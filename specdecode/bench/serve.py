@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from specdecode.bench import at_least, level_list, machine, workloads
+from specdecode.bench import at_least, level_list, machine, number, output_dir, workloads
 from specdecode.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -454,9 +454,22 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def policy_list(text: str) -> str:
+    """A comma list of policies from POLICIES, at least one (kept as text)."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICIES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {unknown[0]!r}; choose from {', '.join(POLICIES)}"
+            if unknown
+            else "names no policy"
+        )
+    return ",".join(names)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=level_list, default="1,2,4,8,16,32,64,128,256")
-    p.add_argument("--policies", default="off,static,adaptive")
+    p.add_argument("--policies", type=policy_list, default="off,static,adaptive")
     p.add_argument("--workload", default="json", choices=list(workloads.WORKLOADS))
     p.add_argument("--num-prompts", type=at_least(1), default=64, help="distinct prompts, reused")
     p.add_argument("--max-prompt-tokens", type=at_least(1), default=512)
@@ -466,8 +479,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-tokens", type=at_least(1), default=48, help="mean output tokens (0.5x-1.5x)"
     )
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--out", default="bench-serve", help="directory for JSON, Markdown, PNG")
+    p.add_argument("--temperature", type=number(0, 2), default=0.0)
+    p.add_argument(
+        "--out", type=output_dir, default="bench-serve", help="directory for JSON, Markdown, PNG"
+    )
     p.add_argument(
         "--repeat-off",
         action=argparse.BooleanOptionalAction,

@@ -182,7 +182,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     from specdecode.bench import at_least, config_list, output_file
 
     p.add_argument("--num-prompts", type=at_least(1), default=5)
-    p.add_argument("--max-prompt-tokens", type=at_least(1), default=1024)
+    # (the evals JSON Patch prompts are 1,929-2,215 SmolLM2 tokens: all of them fit)
+    p.add_argument("--max-prompt-tokens", type=at_least(1), default=2304)
     p.add_argument("--max-tokens", type=at_least(2), default=96)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument(

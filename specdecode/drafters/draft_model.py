@@ -375,8 +375,8 @@ def default_draft_path(engine: LLMEngine) -> str:
     if engine.model_path.name.startswith(DEFAULT_MODEL) and shipped.is_dir():
         return str(shipped)
     raise InvalidRequestError(
-        "method 'draft_model' needs a draft 'model' (a draft is shipped only for the default "
-        "target)"
+        "method 'draft_model' needs a draft 'model': a model directory, .gguf file or pulled "
+        "name (`specdecode train draft` distils one from the target)"
     )
 
 

@@ -35,6 +35,18 @@ def resolve_device(device: str) -> torch.device:
     rank's own GPU, as `torchrun --nproc-per-node N` expects, not every rank on GPU 0."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        wanted = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidRequestError(
+            f"unknown device {device!r}; choose from auto, cpu, cuda, cuda:N"
+        ) from None
+    if wanted.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"--device {device}: no CUDA device is available here")
+    if wanted.type == "cuda" and (wanted.index or 0) >= torch.cuda.device_count():
+        raise InvalidRequestError(
+            f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+        )
     rank = int(os.environ.get("LOCAL_RANK", 0))
     if device == "cuda" and rank and rank < torch.cuda.device_count():  # (one visible GPU a
         device = f"cuda:{rank}"  # rank, CUDA_VISIBLE_DEVICES: that one is cuda)

@@ -487,10 +487,12 @@ def head_weight_dtype(config: SpeculativeConfig, target_dtype: torch.dtype) -> t
 def load_head_for(config: SpeculativeConfig, engine: LLMEngine, kind: str):
     path = resolve_head(config.model, kind, engine)
     if not path.is_dir():
-        raise InvalidRequestError(f"head directory {path} does not exist")
+        what = "is a file, not a head directory" if path.exists() else "does not exist"
+        raise InvalidRequestError(f"head directory {path} {what}")
     found = head_kind(path)
     if found != kind:
-        raise InvalidRequestError(f"{path} holds a {found or 'unrecognised'} head, not {kind!r}")
+        what = f"a {found}" if found else "an unrecognised"
+        raise InvalidRequestError(f"{path} holds {what} head, not {kind!r}")
     head = load_head(path, engine.model, engine.config.allow_pickle)
     if engine.config.kernels == "auto":
         dtype = head_weight_dtype(config, engine.model.norm.weight.dtype)

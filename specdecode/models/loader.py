@@ -86,7 +86,40 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         return convert_gguf_cached(path)
     if path.is_file():
         raise UnsupportedModelError(f"{path}: expected a model directory or a .gguf file")
+    name = builtin_name(str(model))
+    if name is not None:
+        return resolve_model(name)
     raise ModelNotFoundError(f"model not found: {model}")
+
+
+def builtin_name(model: str) -> str | None:
+    """The built-in or pullable model a Hugging Face id names (case-insensitively, as the Hub
+    matches ids): `HuggingFaceTB/SmolLM2-135M-Instruct` is the embedded default, and a
+    registry model's recorded id is that model. The id is what `/v1/models` advertises and what
+    a command or client written for vLLM names, so it loads what it means here; a local path
+    of that name is checked first and wins, as it does in vLLM."""
+    from specdecode.models.registry import REGISTRY
+
+    wanted = model.casefold()
+    if wanted == DEFAULT_HUB_ID.casefold():
+        return DEFAULT_MODEL
+    for m in REGISTRY.values():
+        if m.hub_id and m.hub_id.casefold() == wanted:
+            return m.name
+    return None
+
+
+def hub_id(model: str | None) -> str | None:
+    """The Hugging Face id of a built-in or pullable model, however it was named (None, its
+    name here, or its id in any case); None for a path or an unknown name."""
+    from specdecode.models.registry import REGISTRY
+
+    if model is None or model in ("default", DEFAULT_MODEL):
+        return DEFAULT_HUB_ID
+    name = model if model in REGISTRY else builtin_name(model)
+    if name == DEFAULT_MODEL:
+        return DEFAULT_HUB_ID
+    return (REGISTRY[name].hub_id or None) if name in REGISTRY else None
 
 
 @dataclass

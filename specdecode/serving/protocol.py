@@ -76,6 +76,14 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
+    def check_stream_options(self) -> None:
+        """Options for a stream on a request that does not stream: refused, as vLLM does, not
+        ignored (the client likely meant to stream, or expects the usage chunk it set up)."""
+        if self.stream_options and not self.stream:
+            raise InvalidRequestError(
+                "stream_options can only be given with stream: true", param="stream_options"
+            )
+
     def _check_unsupported(self) -> None:
         if self.best_of is not None and self.best_of != 1:
             raise InvalidRequestError("best_of is not supported (only 1)", param="best_of")
@@ -132,6 +140,10 @@ class _Request(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._check_unsupported()
+        if any(t < 0 for t in self.stop_token_ids or ()):
+            raise InvalidRequestError(
+                "stop_token_ids must be token ids (non-negative)", param="stop_token_ids"
+            )
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -200,6 +212,10 @@ class ChatCompletionRequest(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def max_tokens_field(self) -> str:
+        """The field `requested_max_tokens` read, named in its range errors."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
     def requested_logprobs(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -216,9 +232,18 @@ class CompletionRequest(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
+
     def requested_logprobs(self) -> int | None:
-        if self.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
+        if self.echo and self.logprobs is not None:
+            # vLLM's echo with logprobs lists the prompt tokens' logprobs, which this engine
+            # does not compute: refused rather than answered without them
+            raise InvalidRequestError(
+                "echo with logprobs is not supported: it needs the prompt tokens' logprobs, "
+                "which this server does not compute (echo alone, or logprobs alone, is)",
+                param="echo",
+            )
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         return self.logprobs

@@ -1,22 +1,24 @@
 """`specdecode serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the async engine.
 
 Endpoints: POST /v1/chat/completions and /v1/completions (SSE streaming, usage, n, stop, seed,
-logprobs), GET /v1/models, /health, /metrics (Prometheus; the spec-decode counters under vLLM's
-names). Safe by default: binds 127.0.0.1, optional API key, limits on body size, n, prompt and
-max_tokens; every bad input is a 4xx with an OpenAI-style error body, and the server keeps
-serving.
+logprobs, completions' echo), GET /v1/models, GET or HEAD /health and /metrics (Prometheus; the
+spec-decode counters under vLLM's names). Safe by default: binds 127.0.0.1, optional API key,
+limits on body size, n, prompt and max_tokens; every bad input is a 4xx with an OpenAI-style
+error body, and the server keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import re
 import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
@@ -24,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdecode.engine.output import DETOKENIZE_CONTEXT
+from specdecode.engine.output import DETOKENIZE_CONTEXT, fast_decoder
 from specdecode.errors import InvalidRequestError, SpecDecodeError
 from specdecode.sampling import SamplingParams
 from specdecode.serving.async_engine import (
@@ -43,6 +45,9 @@ log = logging.getLogger(__name__)
 class ServerConfig:
     served_model_name: str
     api_key: str | None = None
+    # further names a request's "model" may use (the model as it was named, its Hugging Face
+    # id); responses and /v1/models carry served_model_name
+    aliases: tuple[str, ...] = ()
     max_request_bytes: int = 1 << 20  # 1 MiB of JSON
     max_n: int = 16
     max_prompts: int = 64  # prompts in one /v1/completions request
@@ -79,10 +84,84 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param)
 
 
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's table from bytes to the printable characters byte-level BPE vocabularies spell
+    them with (printable Latin-1 stands for itself, the rest is shifted past U+0100)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    table, shifted = {}, 0
+    for b in range(256):
+        if b in kept:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def _decoder_types(tokenizer) -> set[str] | None:
+    """The types in a fast tokenizer's decoder (a Sequence's parts too); None when unknown."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is None:
+        return None
+    try:
+        spec = json.loads(decoder.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    types, todo = set(), [spec]
+    while todo:
+        d = todo.pop()
+        if isinstance(d, dict):
+            types.add(d.get("type"))
+            todo += d.get("decoders") or []
+    return types
+
+
+def vocab_bytes(tokenizer) -> Callable[[int], bytes | None]:
+    """`raw(tok)`: the bytes a token stands for where its vocabulary entry records them, or
+    None (then its decoded text's UTF-8 is its bytes). A token that ends inside a character
+    decodes to U+FFFD, so only these bytes let a client rebuild the text (OpenAI's `bytes`): a
+    byte-level BPE token (GPT-2, SmolLM2, Llama 3, Qwen) spells its bytes with GPT-2's
+    bytes_to_unicode characters; a SentencePiece byte-fallback token is `<0xHH>`. Added and
+    special tokens are stored as text, not spelled in bytes."""
+    types = _decoder_types(tokenizer)
+    inverse = None
+    if types is not None and "ByteLevel" in types:
+        inverse = {c: b for b, c in _bytes_to_unicode().items()}
+    byte_fallback = inverse is None and (types is None or "ByteFallback" in types)
+    added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
+
+    @functools.cache
+    def raw(tok: int) -> bytes | None:
+        if tok in added:
+            return None
+        try:
+            piece = tokenizer.convert_ids_to_tokens(tok)
+        except (IndexError, KeyError, OverflowError, TypeError, ValueError):
+            return None  # an id past the tokenizer's vocabulary (a padded embedding's)
+        if not isinstance(piece, str) or not piece:
+            return None
+        if inverse is not None:
+            if all(c in inverse for c in piece):
+                return bytes(inverse[c] for c in piece)
+            return None
+        if byte_fallback and (m := _BYTE_FALLBACK.fullmatch(piece)):
+            return bytes([int(m[1], 16)])
+        return None
+
+    return raw
+
+
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url=None)
     core = engine.engine
     tokenizer = core.tokenizer
+    decode = fast_decoder(tokenizer)
+    raw_bytes = vocab_bytes(tokenizer)
+    names = {config.served_model_name, *config.aliases}
     metrics = ServerMetrics(engine, config.served_model_name)
 
     @app.exception_handler(APIError)
@@ -135,15 +214,19 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             err = e.errors()[0]
             where = ".".join(str(x) for x in err.get("loc", ()))
             raise bad_request(f"{where}: {err.get('msg')}", where or None) from e
-        if req.model is not None and req.model != config.served_model_name:
+        if req.model is not None and req.model not in names:
             raise APIError(
                 404, f"the model {req.model!r} does not exist", "not_found_error", "model"
             )
         if req.n > config.max_n:
             raise bad_request(f"n must be at most {config.max_n}", "n")
+        req.check_stream_options()
         return req
 
-    def check_length(prompt_len: int, max_tokens: int | None, field: str) -> int:
+    def check_length(prompt_len: int, req, field: str) -> int:
+        """The tokens to generate: the request's max_tokens (or max_completion_tokens, named in
+        the error where that is the field sent), or all the context leaves after the prompt."""
+        max_tokens = req.requested_max_tokens()
         limit = core.max_model_len
         if prompt_len >= limit:
             raise bad_request(
@@ -159,13 +242,23 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 f"this model's maximum context length is {limit} tokens; you requested "
                 f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to "
                 "generate)",
-                "max_tokens",
+                req.max_tokens_field(),
             )
         return max_tokens
 
+    def check_token_ids(params: SamplingParams) -> None:
+        """Token ids past the vocabulary, refused here to name the field at fault (the engine
+        refuses them too, for every caller)."""
+        vocab = core.model_config.vocab_size
+        for field, ids in (("logit_bias", params.logit_bias or ()),
+                           ("stop_token_ids", params.stop_token_ids)):  # fmt: skip
+            if any(t >= vocab for t in ids):
+                raise bad_request(f"{field} token ids must be in [0, {vocab})", field)
+
     # ---- routes --------------------------------------------------------------------------------
 
-    @app.get("/health")
+    # HEAD too: load balancers and uptime checks probe with it
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not engine.alive:
             return _error(503, "the engine is not running", "internal_error")
@@ -182,7 +275,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
@@ -196,8 +289,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         except InvalidRequestError as e:
             raise bad_request(str(e), e.param) from e
         ids = encode(text, "messages", add_special_tokens=False)
-        max_tokens = check_length(len(ids), req.requested_max_tokens(), "messages")
+        max_tokens = check_length(len(ids), req, "messages")
         params = req.sampling_params(max_tokens, req.requested_logprobs())
+        check_token_ids(params)
         jobs = [(ids, choice_params(params, j)) for j in range(req.n)]
         return await respond(request, req, jobs, len(ids), chat=True)
 
@@ -208,22 +302,25 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if len(prompts) > config.max_prompts:
             raise bad_request(f"at most {config.max_prompts} prompts per request", "prompt")
         logprobs = req.requested_logprobs()
-        jobs, prompt_tokens = [], 0
+        jobs, prompt_tokens, echoes = [], 0, []
         for p in prompts:
             ids = encode(p, "prompt") if isinstance(p, str) else list(p)
             if not ids:
                 raise bad_request("the prompt is empty", "prompt")
-            max_tokens = check_length(len(ids), req.requested_max_tokens(), "prompt")
+            max_tokens = check_length(len(ids), req, "prompt")
             params = req.sampling_params(max_tokens, logprobs)
+            check_token_ids(params)
             jobs += [(ids, choice_params(params, j)) for j in range(req.n)]
             prompt_tokens += len(ids)
-        return await respond(request, req, jobs, prompt_tokens, chat=False)
+            if req.echo:  # the prompt as sent; token ids as they decode (as vLLM does)
+                echoes += [p] * req.n
+        return await respond(request, req, jobs, prompt_tokens, chat=False, echoes=echoes)
 
     def encode(text: str, param: str, **kwargs) -> list[int]:
         try:
             return list(tokenizer(text, **kwargs).input_ids)
         except (TypeError, UnicodeEncodeError) as e:  # a lone surrogate ("\ud800") is valid JSON
-            raise bad_request(f"the {param} is not valid Unicode text", param) from e
+            raise bad_request(f"the text of the {param} is not valid Unicode", param) from e
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -233,7 +330,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             return params
         return replace(params, seed=(params.seed + j) % 2**64)
 
-    async def respond(request: Request, req, jobs, prompt_tokens: int, chat: bool):
+    async def respond(request: Request, req, jobs, prompt_tokens: int, chat: bool, echoes=()):
+        """Run the jobs (one per choice) and answer, streamed or whole. `echoes`: per choice,
+        the prompt (text, or token ids: decoded once the engine has checked them) its text
+        starts with (completions' `echo`); empty for none."""
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         handles: list[RequestHandle] = []
@@ -262,16 +362,17 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         n = req.n
         prompt_tokens = (prompt_tokens, handles[::n])
         meta = (request_id, created, chat, prompt_tokens)
+        echoes = [e if isinstance(e, str) else tokenizer.decode(e) for e in echoes]
         if req.stream:
-            body = sse(handles, req.include_usage, meta)
+            body = sse(handles, req.include_usage, meta, echoes)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
-            return await collect(request, handles, meta)
+            return await collect(request, handles, meta, echoes)
         finally:
             for h in handles:
                 h.abort()
 
-    async def collect(request: Request, handles: list[RequestHandle], meta):
+    async def collect(request: Request, handles: list[RequestHandle], meta, echoes: list[str]):
         request_id, created, chat, prompt_tokens = meta
 
         async def drain(h: RequestHandle) -> dict:
@@ -305,10 +406,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             if chat:
                 choice["message"] = {"role": "assistant", "content": r["text"]}
             else:
-                choice["text"] = r["text"]
+                choice["text"] = (echoes[i] if echoes else "") + r["text"]
             wants = h.seq.params.logprobs is not None
             context = h.seq.prompt_token_ids[-DETOKENIZE_CONTEXT:]
-            choice["logprobs"] = format_logprobs(r["logprobs"], chat, context) if wants else None
+            lp = format_logprobs(r["logprobs"], chat, context)[0] if wants else None
+            choice["logprobs"] = lp
             choice["finish_reason"] = r["finish"]
             choices.append(choice)
         completion = sum(r["tokens"] for r in results)
@@ -333,52 +435,78 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     def token_text(context: list[int], tok: int) -> str:
         """`tok`'s text where it follows `context` (a SentencePiece token's leading space
-        shows only after another token; decoded alone it is dropped)."""
+        shows only after another token; decoded alone it is dropped). A token that ends
+        inside a character is U+FFFD, as in vLLM; its `bytes` are the real ones."""
         base = tokenizer.decode(context)
         full = tokenizer.decode(context + [tok])
         if base.endswith("\ufffd") or not full.startswith(base):
             return tokenizer.decode([tok])
         return full[len(base) :]
 
-    def format_logprobs(entries: list, chat: bool, context: list[int], text_offset: int = 0):
-        """Our (logprob, top) per token -> OpenAI's chat or completions logprobs object.
-        `context`: the token ids before these (the prompt's last ones, then the output's),
-        extended with them; `text_offset`: characters of the choice's text before them."""
-        pieces = []
+    def token_bytes(tok: int, text: str) -> list[int]:
+        """OpenAI's `bytes`: the token's own bytes, so that joining them rebuilds the text even
+        where a character spans tokens; the text's UTF-8 where the vocabulary records none."""
+        raw = raw_bytes(tok)
+        return list(raw if raw is not None else text.encode())
+
+    def text_advance(context: list[int], tok: int) -> int:
+        """Characters `tok` adds to the choice's text where it follows `context`. The text
+        holds whole characters only (the engine waits for a character's last token), so a
+        token that ends inside one adds nothing yet and the one that ends it adds it: offsets
+        from the decoded prefix, as OpenAI's, never run past the text."""
+        base = decode(context, skip_special_tokens=True).rstrip("\ufffd")
+        full = decode(context + [tok], skip_special_tokens=True).rstrip("\ufffd")
+        if not full.startswith(base):
+            return len(token_text(context, tok))
+        return len(full) - len(base)
+
+    def format_logprobs(
+        entries: list, chat: bool, context: list[int], text_offset: int = 0
+    ) -> tuple[dict, int]:
+        """Our (logprob, top) per token -> OpenAI's chat or completions logprobs object, and
+        the text offset after these tokens. `context`: the token ids before these (the prompt's
+        last ones, then the output's), extended with them; `text_offset`: characters of the
+        choice's text before them."""
+        pieces, offsets, pos = [], [], text_offset
         for tok, (lp, top) in entries:
             window = context[-DETOKENIZE_CONTEXT:]
             pieces.append(
-                (token_text(window, tok), lp, [(token_text(window, t), v) for t, v in top])
+                (
+                    (tok, token_text(window, tok)),
+                    lp,
+                    [((t, token_text(window, t)), v) for t, v in top],
+                )
             )
+            if not chat:
+                offsets.append(pos)
+                pos += text_advance(window, tok)
             context.append(tok)
         if chat:
-            return {
-                "content": [
-                    {
-                        "token": s,
-                        "logprob": lp,
-                        "bytes": list(s.encode()),
-                        "top_logprobs": [
-                            {"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top
-                        ],
-                    }
-                    for s, lp, top in pieces
-                ]
-            }
-        offsets, pos = [], text_offset
-        for s, _, _ in pieces:
-            offsets.append(pos)
-            pos += len(s)
+            content = [
+                {
+                    "token": s,
+                    "logprob": lp,
+                    "bytes": token_bytes(tok, s),
+                    "top_logprobs": [
+                        {"token": t, "logprob": v, "bytes": token_bytes(t_id, t)}
+                        for (t_id, t), v in top
+                    ],
+                }
+                for (tok, s), lp, top in pieces
+            ]
+            return {"content": content}, pos
         return {
-            "tokens": [s for s, _, _ in pieces],
+            "tokens": [s for (_, s), _, _ in pieces],
             "token_logprobs": [lp for _, lp, _ in pieces],
             # the sampled token is always among them (OpenAI's legacy API and vLLM: up to
             # logprobs + 1 entries)
-            "top_logprobs": [{**dict(top), s: lp} for s, lp, top in pieces],
+            "top_logprobs": [{**{t: v for (_, t), v in top}, s: lp} for (_, s), lp, top in pieces],
             "text_offset": offsets,
-        }
+        }, pos
 
-    async def sse(handles: list[RequestHandle], include_usage: bool, meta) -> AsyncIterator[str]:
+    async def sse(
+        handles: list[RequestHandle], include_usage: bool, meta, echoes: list[str]
+    ) -> AsyncIterator[str]:
         request_id, created, chat, prompt_tokens = meta
         obj = "chat.completion.chunk" if chat else "text_completion"
         queue: asyncio.Queue = asyncio.Queue()
@@ -407,6 +535,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                         for i in range(len(handles))
                     ]  # fmt: skip
                 )
+            elif echoes:  # each choice's text starts with its prompt
+                yield chunk(
+                    [
+                        {"index": i, "text": e, "logprobs": None, "finish_reason": None}
+                        for i, e in enumerate(echoes)
+                    ]  # fmt: skip
+                )
             remaining, completion, offsets = len(handles), {}, [0] * len(handles)
             contexts = [h.seq.prompt_token_ids[-DETOKENIZE_CONTEXT:] for h in handles]
             while remaining:
@@ -421,9 +556,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 if u.text or u.finished or u.logprobs:
                     lp = None
                     if u.logprobs:
-                        lp = format_logprobs(u.logprobs, chat, contexts[i], offsets[i])
-                        pieces = [c["token"] for c in lp["content"]] if chat else lp["tokens"]
-                        offsets[i] += sum(len(t) for t in pieces)
+                        lp, offsets[i] = format_logprobs(u.logprobs, chat, contexts[i], offsets[i])
                     c: dict = {"index": i}
                     if chat:
                         c["delta"] = {"content": u.text} if u.text else {}
@@ -456,17 +589,18 @@ def run_server(args) -> None:
     from specdecode.cli import engine_kwargs
     from specdecode.config import EngineConfig
     from specdecode.engine.engine import LLMEngine
-    from specdecode.models.loader import DEFAULT_HUB_ID
 
+    model = serve_model(args)
     kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs}
-    core = LLMEngine(EngineConfig(model=args.model, **kwargs))
-    name = args.served_model_name or (DEFAULT_HUB_ID if args.model is None else args.model)
+    core = LLMEngine(EngineConfig(model=model, **kwargs))
+    name, aliases = served_names(model, args.served_model_name)
     api_key = args.api_key or os.environ.get("SPECDECODE_API_KEY")
     engine = AsyncLLMEngine(core)
     app = build_app(
         engine,
         ServerConfig(
             served_model_name=name,
+            aliases=aliases,
             api_key=api_key,
             max_request_bytes=args.max_request_bytes,
             max_n=args.max_n,
@@ -495,6 +629,29 @@ def run_server(args) -> None:
         http.join(timeout=10)
     if not server.started:
         raise SpecDecodeError(f"the HTTP server could not start on {args.host}:{args.port}")
+
+
+def serve_model(args) -> str | None:
+    """The model to serve: `specdecode serve MODEL` (vLLM's form; `model_tag`, as vLLM calls
+    it) or `--model`; both only where they agree."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model is not None and tag != args.model:
+        raise InvalidRequestError(f"two models given: {tag!r} and --model {args.model!r}")
+    return tag if tag is not None else args.model
+
+
+def served_names(model: str | None, served_model_name: str | None) -> tuple[str, tuple[str, ...]]:
+    """The name the server answers as, and the others a request may use. `--served-model-name`
+    alone, as in vLLM; else the model as it was named (the default's Hugging Face id when none
+    was), also known by its Hugging Face id where it is a built-in or pullable model: a client
+    written for vLLM sends that id, even where the model was named `qwen2.5-coder-1.5b` here."""
+    from specdecode.models.loader import DEFAULT_HUB_ID, hub_id
+
+    if served_model_name:
+        return served_model_name, ()
+    name = DEFAULT_HUB_ID if model is None else model
+    hub = hub_id(model)
+    return name, (hub,) if hub is not None and hub != name else ()
 
 
 def _stop_with(http: threading.Thread, engine: AsyncLLMEngine) -> None:

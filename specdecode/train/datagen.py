@@ -111,6 +111,8 @@ def read_shard(path: Path, features: bool = True) -> list[Example]:
 
 def shard_paths(data_dir: Path) -> list[Path]:
     """The shards of a data directory, in order; an error when there are none."""
+    if not data_dir.is_dir():
+        raise DataError(f"data directory {data_dir} does not exist")
     paths = sorted(data_dir.glob("shard-*.safetensors"))
     if not paths:
         raise DataError(f"no shards in {data_dir} (run `specdecode data generate`)")
@@ -281,23 +283,34 @@ def generate(
     waiting: dict[int, list] = {}  # shard -> [(conversation id, prompt ids, Sequence)]
     written = []
     bar = tqdm(total=len(todo), desc=f"generating (rank {rank}/{world})", unit="shard")
-    tokens = 0
+    tokens, skipped, asked = 0, 0, 0
     try:
         for i in todo:
             waiting[i] = []
             for cid, messages in conversations[i * shard_size : (i + 1) * shard_size]:
+                asked += 1
                 first = next((m for m in messages if m["role"] == "user"), None)
                 if first is None:  # (a chat of only a system turn)
+                    skipped += 1
                     continue
                 p = llm._chat_ids([first])
                 # too long, or no room for an answer in the model's context: skipped (its id
                 # stays in the shard's slice, so a resumed run skips it too)
                 if len(p) > max_prompt_tokens or len(p) >= engine.max_model_len:
+                    skipped += 1
                     continue
                 params = SamplingParams(
                     temperature=temperature, max_tokens=max_tokens, seed=_seed(cid)
                 )
                 waiting[i].append((cid, p, engine.add_request(p, params, request_id=cid)))
+        if skipped:  # (a user who asked for N conversations should know why fewer came)
+            log.warning(
+                "%d of %d conversations skipped: no user turn, or a first turn over "
+                "--max-prompt-tokens (%d) or the model's context",
+                skipped,
+                asked,
+                max_prompt_tokens,
+            )
         while waiting:
             for seq in engine.step():
                 tokens += len(seq.output_token_ids) if seq.finished else 0

@@ -128,8 +128,8 @@ def test_advise_with_no_usable_line_fails_clearly(roomy, tmp_path):
     # flags that cannot work fail before anything is loaded or measured
     good = _traffic(tmp_path / "g.jsonl", [{"prompt": "hi"}])
     for flags, why in (
-        (["--concurrency", "0"], "--concurrency must be >= 1"),
-        (["--num-requests", "-1"], "--num-requests must be >= 0"),
+        (["--concurrency", "0"], "--concurrency: must be at least 1"),
+        (["--num-requests", "-1"], "--num-requests: must be at least 0"),
         (["--json", str(tmp_path / "no" / "such" / "a.json")], "its folder does not exist"),
     ):
         r = run("advise", "--model", str(roomy), "--traffic", str(good), *flags)

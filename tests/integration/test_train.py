@@ -95,7 +95,7 @@ def test_a_second_data_set_skips_the_conversations_of_the_first(llm, tmp_path):
     first = tmp_path / "first"
     generate(llm, CONVS[:3], first, shard_size=2, max_tokens=4)
     assert answered_ids(first) == {"c0", "c1", "c2"}
-    with pytest.raises(DataError, match="no shards"):
+    with pytest.raises(DataError, match="does not exist"):
         answered_ids(tmp_path / "missing")
     missing = ["data", "generate", "--out", str(tmp_path / "x"), "--exclude-data", "nowhere"]
     assert main(missing) == 2  # a clear error, before any model loads

@@ -29,8 +29,9 @@ QUESTIONS = ["abcabcabc", "Hello Hello", "xyz", "1212121212", "count: 1 2 3", "a
 
 
 class Served:
-    def __init__(self, engine: AsyncLLMEngine, api_key: str | None) -> None:
-        app = build_app(engine, ServerConfig(MODEL, api_key=api_key, max_request_bytes=20_000))
+    def __init__(self, engine: AsyncLLMEngine, api_key: str | None, aliases=()) -> None:
+        config = ServerConfig(MODEL, api_key=api_key, max_request_bytes=20_000, aliases=aliases)
+        app = build_app(engine, config)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
@@ -310,7 +311,7 @@ def test_completion_top_logprobs_hold_the_sampled_token(client):
 
 
 def test_bad_completion_prompts_and_routes(served):
-    for bad in ({"prompt": []}, {"prompt": [[1, 2], [999999]]}, {"prompt": "a", "echo": True}):
+    for bad in ({"prompt": []}, {"prompt": [[1, 2], [999999]]}):
         got, data = raw(served.port, "POST", "/v1/completions", json.dumps(bad).encode())
         assert got == 400, (bad, data)
     assert raw(served.port, "GET", "/v1/nothing")[0] == 404
@@ -734,3 +735,207 @@ def test_a_repeated_prefix_is_reported_cached(served, client):
     hits = next(x for x in text.splitlines() if x.startswith("vllm:prefix_cache_hits_total"))
     queries = next(x for x in text.splitlines() if x.startswith("vllm:prefix_cache_queries_total"))
     assert 144 <= float(hits.split()[-1]) < float(queries.split()[-1])
+
+
+def test_errors_name_the_field_at_fault(served):
+    """Range errors carry the request field in `param` (OpenAI's error body), the one the
+    client sent; stream_options without stream is refused, as vLLM does."""
+    cases = [
+        (body(max_tokens=10**6), "max_tokens"),
+        (body(max_completion_tokens=10**6), "max_completion_tokens"),
+        (body(logit_bias={"10000000": 1}), "logit_bias"),  # past the vocabulary
+        (body(stop_token_ids=[10_000_000]), "stop_token_ids"),
+        (body(stop_token_ids=[-1]), "stop_token_ids"),
+        (body(stream_options={"include_usage": True}), "stream_options"),
+        (body(stream=False, stream_options={"include_usage": True}), "stream_options"),
+        (body(messages=[{"role": "user", "content": "ab\ud800cd"}]), "messages"),
+    ]
+    for payload, param in cases:
+        got, data = raw(served.port, "POST", "/v1/chat/completions", payload)
+        err = json.loads(data)["error"]
+        assert (got, err["param"]) == (400, param), (payload, data)
+    prompt = {"prompt": "abc", "stream_options": {"include_usage": True}}
+    got, data = raw(served.port, "POST", "/v1/completions", json.dumps(prompt).encode())
+    assert (got, json.loads(data)["error"]["param"]) == (400, "stream_options")
+    assert "stream: true" in json.loads(data)["error"]["message"]
+    got, data = raw(served.port, "POST", "/v1/chat/completions",
+                    body(messages=[{"role": "user", "content": "\ud800"}]))  # fmt: skip
+    assert json.loads(data)["error"]["message"] == "the text of the messages is not valid Unicode"
+    # an empty or null stream_options asks for nothing: it passes, as in vLLM
+    for options in ({}, None):
+        got, data = raw(served.port, "POST", "/v1/chat/completions",
+                        body(max_tokens=2, stream_options=options))  # fmt: skip
+        assert got == 200, data
+
+
+def test_head_probes_of_health_and_metrics(served):
+    for path in ("/health", "/metrics"):
+        status, data = raw(served.port, "HEAD", path)
+        assert (status, data) == (200, b"")
+
+
+def test_a_request_may_name_the_model_by_an_alias(engine):
+    """A model served as `qwen2.5-coder-1.5b` also answers to its Hugging Face id (what a
+    client written for vLLM sends); responses carry the served name; others are 404."""
+    s = Served(engine, api_key=None, aliases=("Org/Tiny-Instruct",))
+    try:
+        for name in (MODEL, "Org/Tiny-Instruct", None):
+            got, data = raw(s.port, "POST", "/v1/chat/completions", body(max_tokens=2, model=name))
+            assert got == 200 and json.loads(data)["model"] == MODEL, data
+        assert raw(s.port, "POST", "/v1/chat/completions", body(model="org/tiny"))[0] == 404
+    finally:
+        s.stop()
+
+
+def test_echo_prepends_the_prompt_to_each_choice(client, plain):
+    """`echo`: each choice's text starts with its prompt (token id prompts decoded); streamed,
+    the prompt comes first, then the generated text, as vLLM sends it."""
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = {q: plain.generate(q, p)[0].outputs[0].text for q in ("abcabc", "xyz")}
+    extra = {"ignore_eos": True}
+    r = client.completions.create(model=MODEL, prompt=["abcabc", "xyz"], max_tokens=6, n=2,
+                                  temperature=0, echo=True, extra_body=extra)  # fmt: skip
+    texts = [c.text for c in r.choices]
+    assert texts == [q + want[q] for q in ("abcabc", "abcabc", "xyz", "xyz")]
+    assert r.usage.completion_tokens == 24  # the echo is not generated
+    ids = [ord(c) for c in "xyz"]  # the test tokenizer: one token per ASCII character
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                  echo=True, extra_body=extra)  # fmt: skip
+    assert r.choices[0].text == "xyz" + want["xyz"]
+    chunks = client.completions.create(model=MODEL, prompt="xyz", max_tokens=6, temperature=0,
+                                       echo=True, stream=True, extra_body=extra)  # fmt: skip
+    pieces = [c.choices[0].text for c in chunks if c.choices]
+    assert pieces[0] == "xyz" and "".join(pieces) == "xyz" + want["xyz"]
+    # with logprobs, vLLM lists the prompt tokens' own: not computed here, so refused
+    with pytest.raises(openai.BadRequestError, match="prompt tokens' logprobs") as e:
+        client.completions.create(model=MODEL, prompt="xyz", max_tokens=2, echo=True, logprobs=1)
+    assert e.value.body["param"] == "echo"
+
+
+@pytest.fixture(scope="module")
+def byte_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny model with a byte-level BPE tokenizer (GPT-2's, SmolLM2's, Llama 3's kind):
+    ASCII, the four bytes of 🎉 as tokens of their own and the first two merged, so a token
+    can end inside a character."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    out = tmp_path_factory.mktemp("bytes")
+    for f in tiny_llama_dir.iterdir():
+        if f.suffix in (".json", ".safetensors") and "token" not in f.name:
+            shutil.copy(f, out / f.name)
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    (party, _), (space, _) = pre.pre_tokenize_str("🎉")[0], pre.pre_tokenize_str(" ")[0]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for symbol in (space, *map(chr, range(33, 127)), *party, party[:2]):
+        vocab.setdefault(symbol, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(party[0], party[1])]))
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "</s>",
+                "bos_token": "<s>",
+                "unk_token": "<unk>",
+                "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+            }
+        )
+    )
+    return out
+
+
+def test_logprob_bytes_rebuild_characters_split_over_tokens(byte_dir):
+    """A token that ends inside a character reads U+FFFD (as in vLLM), and its `bytes` are its
+    own (OpenAI's): joined, they are the text's UTF-8. The legacy API's text_offset counts the
+    text's characters before each token, so it never runs past the text."""
+    core = LLMEngine(EngineConfig(model=str(byte_dir)))
+    eng = AsyncLLMEngine(core)
+    eng.start()
+    s = Served(eng, api_key=None)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none")
+        force = {"guided_regex": "🎉🎉", "ignore_eos": True}  # 4 to 8 tokens
+        r = c.chat.completions.create(model=MODEL, messages=chat_messages("a b"), max_tokens=6,
+                                      temperature=0, logprobs=True, top_logprobs=2,
+                                      extra_body=force)  # fmt: skip
+        text, content = r.choices[0].message.content, r.choices[0].logprobs.content
+        joined = b"".join(bytes(t.bytes) for t in content)
+        assert text and joined.startswith(text.encode()) and joined.decode(errors="ignore") == text
+        assert any(t.token == "\ufffd" and t.bytes != [0xEF, 0xBF, 0xBD] for t in content)
+        for t in content:
+            for alt in t.top_logprobs:  # every alternative's bytes too
+                assert alt.token != "\ufffd" or alt.bytes != [0xEF, 0xBF, 0xBD]
+        want = [len(b"".join(bytes(t.bytes) for t in content[:i]).decode(errors="ignore"))
+                for i in range(len(content))]  # fmt: skip
+        r = c.completions.create(model=MODEL, prompt="a b", max_tokens=6, temperature=0,
+                                 logprobs=1, extra_body=force)  # fmt: skip
+        assert r.choices[0].text == text
+        assert r.choices[0].logprobs.text_offset == want
+        assert max(want) <= len(text) < len(content)
+        streamed = c.completions.create(model=MODEL, prompt="a b", max_tokens=6, temperature=0,
+                                        logprobs=1, stream=True, extra_body=force)  # fmt: skip
+        offsets = [o for ch in streamed for x in ch.choices if x.logprobs
+                   for o in x.logprobs.text_offset]  # fmt: skip
+        assert offsets == want
+    finally:
+        s.stop()
+        eng.shutdown()
+
+
+@pytest.mark.slow
+def test_emoji_logprob_bytes_with_the_default_model():
+    """The report's case on SmolLM2 (named by its Hugging Face id, in lower case): three-token
+    emojis whose tokens each read U+FFFD."""
+    from specdecode.models.loader import DEFAULT_HUB_ID
+
+    core = LLMEngine(EngineConfig(model=DEFAULT_HUB_ID.lower()))
+    eng = AsyncLLMEngine(core)
+    eng.start()
+    s = Served(eng, api_key=None)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none")
+        ask = chat_messages("Reply only with three party emojis 🎉🎉🎉")
+        r = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=8, temperature=0,
+                                      logprobs=True, top_logprobs=1)  # fmt: skip
+        text, content = r.choices[0].message.content, r.choices[0].logprobs.content
+        assert text == "🎉🎉" and [t.token for t in content] == ["\ufffd"] * 8
+        assert [t.bytes for t in content[:3]] == [[0xF0, 0x9F], [0x8E], [0x89]]
+        assert all(t.top_logprobs[0].bytes == t.bytes for t in content)  # greedy
+        r = c.completions.create(model=MODEL, prompt="🎉🎉🎉🎉", max_tokens=6, temperature=0,
+                                 logprobs=1)  # fmt: skip
+        assert r.choices[0].text == "🎉🎉"
+        assert r.choices[0].logprobs.text_offset == [0, 0, 0, 1, 1, 1]
+    finally:
+        s.stop()
+        eng.shutdown()
+
+
+def test_token_bytes_of_sentencepiece_byte_fallback_tokens():
+    """SentencePiece's byte fallback (Llama 2, Mistral): a character outside the vocabulary is
+    spelt `<0xHH>` tokens, each of which stands for its byte; other tokens' bytes are their
+    text's, and a char-level vocabulary records none."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from specdecode.serving.server import vocab_bytes
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3, "a": 4, "▁a": 5,
+             **{f"<0x{b:02X}>": 6 + i for i, b in enumerate("🎉".encode())}}  # fmt: skip
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], byte_fallback=True,
+                               unk_token="<unk>"))  # fmt: skip
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])  # fmt: skip
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+    ids = hf("a🎉", add_special_tokens=False).input_ids
+    assert hf.decode(ids) == "a🎉" and len(ids) == 5  # ▁a, then 4 byte tokens
+    raw = vocab_bytes(hf)
+    assert b"".join(raw(t) for t in ids[1:]) == "🎉".encode()
+    assert raw(ids[0]) is None and raw(2) is None  # text, and a special token
+    char_level = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        vocab={"<0xF0>": 0, "a": 1}, unk_token="a")))  # fmt: skip
+    assert vocab_bytes(char_level)(1) is None

@@ -147,6 +147,7 @@ def test_cuda_under_torchrun_is_the_ranks_own_gpu(monkeypatch):
     from specdecode.engine.engine import resolve_device
 
     monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # (a CUDA machine's answers)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
     assert str(resolve_device("cuda")) == "cuda:3"
     assert str(resolve_device("cuda:0")) == "cuda:0" and str(resolve_device("cpu")) == "cpu"

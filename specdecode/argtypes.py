@@ -1,0 +1,75 @@
+"""argparse types for the command line: numbers in range and output paths, checked while the
+flags are parsed, so a bad value is a one-line usage error before anything loads or runs (a
+measurement that could not write its results would be lost)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def integer(low: int, high: int | None = None):
+    """An integer in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
+        return value
+
+    return parse
+
+
+at_least = integer  # (the name the bench commands use)
+
+
+def number(
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    above: float | None = None,
+    below: float | None = None,
+):
+    """A finite float >= `low`, <= `high`, > `above`, < `below` (each where given)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if low is not None and value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {value:g}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high:g}, got {value:g}")
+        if above is not None and value <= above:
+            raise argparse.ArgumentTypeError(f"must be above {above:g}, got {value:g}")
+        if below is not None and value >= below:
+            raise argparse.ArgumentTypeError(f"must be below {below:g}, got {value:g}")
+        return value
+
+    return parse
+
+
+def output_file(text: str) -> str:
+    """A file to write results to, in a folder that exists, and not itself a folder."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file in it")
+    if not path.resolve().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: its folder does not exist")
+    return text
+
+
+def output_dir(text: str) -> str:
+    """A folder to write into (made if missing): not an existing file."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    return text

@@ -1,0 +1,134 @@
+"""The command line refuses what it would otherwise ignore, misread or overwrite: bad numbers
+and output paths at parse time, and flags or folders that would lose the user's work before
+anything loads (each case from a review that ran the commands as a user would)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdecode.cli import main
+
+HEAD = ["--data", "d", "--out", "o"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--prompt", "hi", "--device", "tpu"], "auto, cpu, cuda or cuda:N"),
+        (["generate", "--prompt", "hi", "--device", "cpu:1"], "auto, cpu, cuda or cuda:N"),
+        (["generate", "--prompt", "hi", "--kv-cache-memory-gb", "0"], "must be above 0"),
+        (["generate", "--prompt", "hi", "--max-num-batched-tokens", "0"], "at least 1"),
+        (["serve", "--port", "99999"], "at most 65535"),
+        (["serve", "--max-num-seqs", "0"], "at least 1"),
+        (["train", "eagle3", *HEAD, "--lr", "-1"], "must be above 0"),
+        (["train", "eagle3", *HEAD, "--draft-vocab", "-5"], "at least 0"),
+        (["train", "eagle3", *HEAD, "--ttt-ramp", "5"], "below 1"),
+        (["train", "eagle3", *HEAD, "--max-minutes", "-1"], "must be above 0"),
+        (["train", "eagle3", *HEAD, "--checkpoint-minutes", "-1"], "at least 0"),
+        (["train", "eagle", *HEAD, "--noise", "-1"], "at least 0"),
+        (["train", "eagle", *HEAD, "--ce-weight", "nan"], "finite"),
+        (["train", "draft", *HEAD, "--batch-size", "0"], "at least 1"),
+        (["train", "draft", *HEAD, "--steps", "-1"], "at least 1"),
+        (["train", "draft", *HEAD, "--num-layers", "0"], "at least 1"),
+        (["train", "draft", *HEAD, "--lr", "-1"], "must be above 0"),
+        (["data", "generate", "--out", "d", "--max-prompt-tokens", "0"], "at least 1"),
+        (["data", "generate", "--out", "d", "--temperature", "-1"], "at least 0"),
+        (["advise", "--traffic", "t", "--min-gain", "-1"], "at least 0"),
+        (["advise", "--traffic", "t", "--calibration-seconds", "-1"], "must be above 0"),
+        (["advise", "--traffic", "t", "--temperature", "-3"], "at least 0"),
+        (["advise", "--traffic", "t", "--concurrency", "0"], "at least 1"),
+        (["bench", "serve", "--policies", ""], "names no policy"),
+        (["bench", "serve", "--policies", "off,bogus"], "unknown policy 'bogus'"),
+    ],
+)
+def test_bad_numbers_and_names_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_output_paths_are_checked_at_parse_time(tmp_path, capsys):
+    a_file = tmp_path / "f.txt"
+    a_file.write_text("x")
+    for argv, message in (
+        (["bench", "latency", "--json", str(tmp_path)], "is a folder"),
+        (["data", "traffic", "--out", str(tmp_path)], "is a folder"),
+        (["advise", "--traffic", "t", "--json", str(tmp_path)], "is a folder"),
+        (["export", "h", "--format", "vllm", "--out", str(a_file)], "is a file, not a folder"),
+        (["train", "eagle3", "--data", "d", "--out", str(a_file)], "is a file, not a folder"),
+        (["data", "generate", "--out", str(a_file)], "is a file, not a folder"),
+        (["bench", "serve", "--out", str(a_file)], "is a file, not a folder"),
+    ):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err, argv
+
+
+def _fake_head(path):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": ["x"]}))
+    (path / "model.safetensors").write_bytes(b"weights")
+    return path
+
+
+def test_export_never_overwrites_its_head_or_mixes_with_other_files(tmp_path, capsys):
+    head = _fake_head(tmp_path / "head")
+    assert main(["export", str(head), "--format", "sglang", "--out", str(head)]) == 2
+    assert "is the head itself" in capsys.readouterr().err
+    assert (head / "model.safetensors").read_bytes() == b"weights"  # untouched
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    assert main(["export", str(head), "--format", "vllm", "--out", str(busy)]) == 2
+    assert "holds other files (keep.txt)" in capsys.readouterr().err
+    a_file = tmp_path / "file-head"
+    a_file.write_text("x")
+    assert main(["export", str(a_file), "--format", "vllm", "--out", str(tmp_path / "o")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_training_never_replaces_a_model_unasked(tmp_path, capsys):
+    out = _fake_head(tmp_path / "head")
+    for kind in ("eagle3", "draft"):
+        assert main(["train", kind, "--data", str(tmp_path), "--out", str(out)]) == 2
+        assert "already holds a model" in capsys.readouterr().err
+    assert (out / "model.safetensors").read_bytes() == b"weights"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "serve", "--speculative-policy", "static"], "--speculative-policy does not"),
+        (["advise", "--traffic", "t", "--speculative-policy", "off"], "measures the policies"),
+        (
+            [
+                "advise",
+                "--traffic",
+                "t",
+                "--draft-model",
+                "d",
+                "--speculative-config",
+                '{"method": "ngram"}',
+            ],
+            "--draft-model adds a candidate",
+        ),  # fmt: skip
+        (["bench", "latency", "--compare", '[{"method": "ngram"}]'], "give that first"),
+        (
+            ["generate", "--prompt", "hi", "--speculative-draft-model-path", "h"],
+            "(--speculative-draft-model-path) given without a method",
+        ),
+    ],
+)
+def test_flags_that_would_be_ignored_are_refused(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_cuda_device_where_there_is_none_is_a_one_line_error(capsys):
+    assert main(["generate", "--prompt", "hi", "--device", "cuda"]) == 2
+    assert "no CUDA device is available" in capsys.readouterr().err
