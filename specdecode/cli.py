@@ -429,7 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the target's name on the serving side (Hugging Face id or path); default: "
         "the default model's Hub id for the embedded model",
     )
-    add_engine_args(exp)
+    # (the target's weights are read, not run: of the engine flags only these two apply)
+    exp.add_argument(
+        "--model", default=None, help="the head's target (default: the embedded SmolLM2)"
+    )
+    exp.add_argument(
+        "--allow-pickle", action="store_true", help="allow a pickle head checkpoint (*.bin)"
+    )
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -465,7 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", type=output_file, default=None, help="also write the results to this JSON file"
     )
     srv_bench = bsub.add_parser(
-        "serve", help="concurrency sweep of the serving engine: policies off / static / adaptive"
+        "serve",
+        help="concurrency sweep of the serving engine: policies off / static / adaptive (the "
+        "drafter: the speculative flags, n-gram k=5 without them)",
     )
     add_engine_args(srv_bench)
     add_speculative_args(srv_bench)
