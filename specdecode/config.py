@@ -202,6 +202,42 @@ class EngineConfig:
     # prefix caching)
     enable_prefix_caching: bool = True
 
+    def __post_init__(self) -> None:
+        """Values the engine would misread or run crippled with, refused at once (the flags'
+        types check the command line; this checks the Python API the same way)."""
+        from specdecode.errors import InvalidRequestError
+
+        def integer(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        gb = self.kv_cache_memory_gb
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < math.inf:
+            raise InvalidRequestError(f"kv_cache_memory_gb must be above 0, got {gb!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if not integer(getattr(self, name)) or getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be at least 1, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and (
+            not integer(self.max_model_len) or self.max_model_len < 1
+        ):
+            raise InvalidRequestError(
+                f"max_model_len must be at least 1, got {self.max_model_len!r}"
+            )
+        if not integer(self.seed):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("allow_pickle", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(
+                    f"{name} must be True or False, got {getattr(self, name)!r}"
+                )
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            raise InvalidRequestError(
+                f"unknown speculative policy {self.speculative_policy!r}; choose from "
+                f"{', '.join(SPECULATIVE_POLICIES)}"
+            )
+
+
+SPECULATIVE_POLICIES = ("adaptive", "static", "off")  # see engine/controller.py
+
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "medusa", "eagle", "eagle3")
 # Methods a lookup branch can join (a draft model's chain sampled from q takes none).

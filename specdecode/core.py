@@ -39,6 +39,8 @@ class Sequence:
     blocks: SeqBlocks = field(default_factory=SeqBlocks)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    # what stopped it, as vLLM reports: a stop_token_ids id or a stop string (None: EOS, length)
+    stop_reason: int | str | None = None
     text: str = ""  # detokenized output, stop strings already cut
     # incremental detokenizer: the prompt's last tokens as context (a SentencePiece token's
     # leading space shows only after another token), offsets into context + output ids
@@ -96,6 +98,8 @@ class CompletionOutput:
     spec: dict | None = None  # SpecDecodeStats.as_dict() when speculation ran
     # with SamplingParams.logprobs: per token (logprob, [(token id, logprob)] top-n), raw
     logprobs: list | None = None
+    cumulative_logprob: float | None = None  # their sum, where logprobs were asked for
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
 
 @dataclass
@@ -106,3 +110,26 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (as vLLM reports)
+
+
+def content_text(content) -> str:
+    """A chat message's content as text: a string, None (empty), or OpenAI's list of text
+    parts ({"type": "text", "text": ...}), joined; other parts (images, audio) are refused."""
+    from specdecode.errors import InvalidRequestError
+
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError("a message's content must be text or a list of text parts")
+    parts = []
+    for part in content:
+        if (
+            not isinstance(part, dict)
+            or part.get("type") != "text"
+            or not isinstance(part.get("text"), str)
+        ):
+            raise InvalidRequestError("only text content parts are supported", param="messages")
+        parts.append(part["text"])
+    return "".join(parts)

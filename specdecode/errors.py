@@ -17,8 +17,9 @@ class CorruptModelError(SpecDecodeError):
     pass
 
 
-class InvalidRequestError(SpecDecodeError):
-    """Bad sampling values, a prompt longer than the context, an empty prompt."""
+class InvalidRequestError(SpecDecodeError, ValueError):
+    """Bad sampling values, a prompt longer than the context, an empty prompt (a ValueError
+    too: code written for vLLM catches that)."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
 from specdecode.config import EngineConfig
-from specdecode.core import CompletionOutput, RequestOutput
+from specdecode.core import CompletionOutput, RequestOutput, content_text
 from specdecode.engine.engine import LLMEngine
 from specdecode.engine.output import OutputProcessor
 from specdecode.errors import InvalidRequestError
@@ -33,6 +34,7 @@ class LLM:
         shared = share_model_with.engine if share_model_with is not None else None
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args), shared)
         self.tokenizer = self.engine.tokenizer
+        self._request_ids = itertools.count()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -54,6 +56,11 @@ class LLM:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError("each chat message needs a 'role' and a 'content'")
+        # (OpenAI's text parts read as their joined text, as the server reads them)
+        messages = [
+            {**m, "content": content_text(m["content"])} if isinstance(m["content"], list) else m
+            for m in messages
+        ]
         return self.engine.render_chat(messages, "generate()")
 
     def _chat_ids(self, messages: Messages) -> list[int]:
@@ -87,7 +94,10 @@ class LLM:
     ) -> Iterator[str]:
         """Yield text pieces of one completion as they are generated."""
         ids = self._chat_ids(prompt) if chat else self.encode(prompt)  # type: ignore[arg-type]
-        seq = self.engine.add_request(ids, params or SamplingParams())
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams) or params.n != 1:
+            raise InvalidRequestError("stream() takes one SamplingParams with n = 1")
+        seq = self.engine.add_request(ids, params)
         try:
             while not seq.finished:
                 self.engine.step()
@@ -106,36 +116,62 @@ class LLM:
         plist = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(ids):
             raise InvalidRequestError("need one SamplingParams per prompt, or a single one")
-        # every request checked before any is queued: a bad one leaves nothing behind
+        if not all(isinstance(sp, SamplingParams) for sp in plist):
+            raise InvalidRequestError("sampling_params must be SamplingParams (or a list of them)")
+        # every request checked before any is queued: a bad one leaves nothing behind; n
+        # choices are n sequences, choice j seeded with seed + j (as the server does)
+        numbers = [str(next(self._request_ids)) for _ in ids]  # (rising across calls, as vLLM's)
         seqs = [
-            self.engine.make_sequence(p, sp, request_id=str(i))
-            for i, (p, sp) in enumerate(zip(ids, plist, strict=True))
+            [self.engine.make_sequence(p, _choice(sp, j), request_id=rid) for j in range(sp.n)]
+            for rid, p, sp in zip(numbers, ids, plist, strict=True)
         ]
-        for seq in seqs:
+        flat = [s for choices in seqs for s in choices]
+        for seq in flat:
             self.engine.add_sequence(seq)
         try:
             for _ in self.engine.run_to_completion():
                 pass
         finally:  # interrupted (Ctrl-C, an error): the rest must not run in the next call
-            for seq in seqs:
+            for seq in flat:
                 self.engine.abort(seq)
         return [
             RequestOutput(
-                request_id=s.request_id,
-                prompt=pr if isinstance(pr, str) else None,
-                prompt_token_ids=s.prompt_token_ids,
-                outputs=[
-                    CompletionOutput(
-                        0,
-                        s.text,
-                        list(s.output_token_ids),
-                        s.finish_reason,
-                        s.spec.as_dict() if s.spec.num_drafts else None,
-                        list(s.output_logprobs) if s.params.logprobs is not None else None,
-                    )
-                ],
+                request_id=choices[0].request_id,
+                prompt=_prompt_text(pr),
+                prompt_token_ids=choices[0].prompt_token_ids,
+                outputs=[_completion(j, s) for j, s in enumerate(choices)],
                 finished=True,
-                num_cached_tokens=s.num_cached_tokens,
+                num_cached_tokens=choices[0].num_cached_tokens,
             )
-            for s, pr in zip(seqs, prompts, strict=True)
+            for choices, pr in zip(seqs, prompts, strict=True)
         ]
+
+
+def _choice(params: SamplingParams, j: int) -> SamplingParams:
+    """Choice j of a request's n: one sequence, seeded with seed + j where seeded."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else (params.seed + j) % 2**64
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+def _prompt_text(prompt) -> str | None:
+    """The prompt as given where it was text (a string, or a dict's "prompt")."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
+
+
+def _completion(index: int, s) -> CompletionOutput:
+    logprobs = list(s.output_logprobs) if s.params.logprobs is not None else None
+    return CompletionOutput(
+        index,
+        s.text,
+        list(s.output_token_ids),
+        s.finish_reason,
+        s.spec.as_dict() if s.spec.num_drafts else None,
+        logprobs,
+        # (vLLM's: the sum of the sampled tokens' logprobs where they were asked for)
+        cumulative_logprob=sum(lp for lp, _ in logprobs) if logprobs is not None else None,
+        stop_reason=s.stop_reason,
+    )

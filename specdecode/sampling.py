@@ -42,11 +42,24 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_tokens: int = 0  # stop tokens and stop strings are ignored until this many
     min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability
+    # vLLM's: choices per prompt. `LLM.generate` / `chat` and the server expand a request into
+    # n sequences (choice j seeded with seed + j); an engine sequence is one choice
+    n: int = 1
 
     def __post_init__(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid sampling parameter: {msg}")
+
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and (
+            not isinstance(self.stop, (list, tuple))
+            or not all(isinstance(s, str) for s in self.stop)
+        ):
+            raise bad(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise bad(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.structured_output is not None:
             from specdecode.structured import StructuredOutput
@@ -58,17 +71,20 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid sampling parameter: {msg}")
 
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+        if not _number(self.temperature):
             raise bad(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise bad(f"temperature must be >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _integer(self.top_k) or self.top_k < -1:
             raise bad(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
+        if not _integer(self.n) or self.n < 1:
+            raise bad(f"n must be a positive integer, got {self.n!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.max_tokens is not None and (not _integer(self.max_tokens) or self.max_tokens < 1):
             raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None:
             # OpenAI's seed is an int64: a negative one is read as its two's complement, so
@@ -81,9 +97,12 @@ class SamplingParams:
                 raise bad(f"seed must be a 64-bit integer, got {self.seed!r}")
             self.seed %= 2**64
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+            not _integer(self.logprobs) or not 0 <= self.logprobs <= 20
         ):
-            raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+            raise bad(
+                f"logprobs must be an integer in [0, 20] (the top tokens to list besides the "
+                f"sampled one), got {self.logprobs!r}"
+            )
         if any(not s for s in self.stop):
             raise bad("stop strings must be non-empty")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -65,10 +65,9 @@ from operator import add, mul
 
 import numpy as np
 
+from specdecode.config import SPECULATIVE_POLICIES as POLICIES
 from specdecode.core import Sequence
 from specdecode.errors import InvalidRequestError
-
-POLICIES = ("adaptive", "static", "off")
 
 
 class _Curve:

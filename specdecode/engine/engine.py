@@ -202,6 +202,8 @@ class LLMEngine:
         """Check a request and wrap it; touches no engine state (any thread may call it)."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
+        if params.n != 1:  # (LLM and the server expand n into n requests)
+            raise InvalidRequestError("an engine request is one choice: n must be 1 here")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens; the context holds "

@@ -58,8 +58,11 @@ class OutputProcessor:
             early = len(seq.output_token_ids) <= params.min_tokens
             if stop_token:
                 seq.finish_reason = "stop"
-            elif params.stop and not early and self._cut_stop_string(seq, searched):
-                seq.finish_reason = "stop"
+                # (vLLM: the id where a stop_token_ids entry ended it, None for EOS)
+                eos = not params.ignore_eos and tok in self.eos_token_ids
+                seq.stop_reason = None if eos else tok
+            elif params.stop and not early and (hit := self._cut_stop_string(seq, searched)):
+                seq.finish_reason, seq.stop_reason = "stop", hit
             elif params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
                 seq.finish_reason = "length"
             elif seq.num_tokens >= self.max_model_len:
@@ -83,17 +86,18 @@ class OutputProcessor:
             seq.prefix_offset = seq.read_offset
             seq.read_offset = len(seq.detok_context) + len(seq.output_token_ids)
 
-    def _cut_stop_string(self, seq: Sequence, searched: int) -> bool:
-        """Cut at the first stop string ending in the text added since `searched` chars."""
+    def _cut_stop_string(self, seq: Sequence, searched: int) -> str | None:
+        """Cut at the first stop string ending in the text added since `searched` chars; the
+        string, or None where none ends there."""
         params = seq.params
         longest = max(len(s) for s in params.stop)
         window_start = max(0, searched - longest + 1)
         hits = [(i, s) for s in params.stop if (i := seq.text.find(s, window_start)) >= 0]
         if not hits:
-            return False
+            return None
         i, s = min(hits)
         seq.text = seq.text[: i + len(s)] if params.include_stop_str_in_output else seq.text[:i]
-        return True
+        return s
 
     @staticmethod
     def stream_delta(seq: Sequence) -> str:

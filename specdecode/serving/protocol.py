@@ -190,16 +190,9 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequestError("only text content parts are supported", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
+        from specdecode.core import content_text
+
+        return content_text(self.content)
 
 
 class ChatCompletionRequest(_Request):

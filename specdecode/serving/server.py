@@ -412,6 +412,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             lp = format_logprobs(r["logprobs"], chat, context)[0] if wants else None
             choice["logprobs"] = lp
             choice["finish_reason"] = r["finish"]
+            choice["stop_reason"] = h.seq.stop_reason  # (vLLM's: the stop string or token id)
             choices.append(choice)
         completion = sum(r["tokens"] for r in results)
         return {
@@ -564,6 +565,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                         c["text"] = u.text
                     c["logprobs"] = lp
                     c["finish_reason"] = u.finish_reason
+                    if u.finished:
+                        c["stop_reason"] = handles[i].seq.stop_reason
                     yield chunk([c])
                 if u.finished:
                     remaining -= 1

@@ -83,6 +83,7 @@ def test_stop_string_cuts_text_and_stops(llm):
     assert out.text == full[: full.index(stop)]
     kept = llm.generate(PROMPTS[0], greedy(40, stop=[stop], include_stop_str_in_output=True))
     assert kept[0].outputs[0].text == full[: full.index(stop) + len(stop)]
+    assert out.stop_reason == stop and kept[0].outputs[0].stop_reason == stop  # (vLLM's)
 
 
 def test_stop_token_and_eos(llm):
@@ -90,6 +91,8 @@ def test_stop_token_and_eos(llm):
     tok = full[7]
     out = llm.generate(PROMPTS[0], greedy(40, stop_token_ids=[tok]))[0].outputs[0]
     assert out.token_ids == full[: full.index(tok) + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == tok  # (vLLM's: the stop token's id; None for EOS and length)
+    assert llm.generate(PROMPTS[0], greedy(5))[0].outputs[0].stop_reason is None
     # its text is left out, unless asked for (vLLM's include_stop_str_in_output)
     text = llm.tokenizer.decode(out.token_ids)
     stop_text = llm.tokenizer.decode([tok])
@@ -226,3 +229,82 @@ def test_prefix_caching_reuses_earlier_requests_and_changes_no_token(tiny_llama_
     assert spec.engine.spec_stats.num_accepted_tokens > 0
     m = llm.engine.manager
     assert m.prefix_hits > 0 and m.prefix_queries > m.prefix_hits
+
+
+def test_n_choices_request_ids_and_the_fields_vllm_users_read(llm):
+    """n choices per prompt (choice j seeded with seed + j, as the server does), request ids
+    that keep rising across calls, the prompt of a dict, and cumulative_logprob."""
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True, n=3)
+    out = llm.generate([PROMPTS[0], {"prompt": PROMPTS[1]}], params)
+    assert [len(o.outputs) for o in out] == [3, 3]
+    assert [c.index for c in out[0].outputs] == [0, 1, 2]
+    assert out[1].prompt == PROMPTS[1]
+    for j in range(3):  # choice j is the request seeded with seed + j
+        alone = SamplingParams(temperature=1.0, seed=7 + j, max_tokens=8, ignore_eos=True)
+        assert (
+            out[0].outputs[j].token_ids == llm.generate(PROMPTS[0], alone)[0].outputs[0].token_ids
+        )
+    first, second = llm.generate("a", greedy(2)), llm.generate("b", greedy(2))
+    assert int(second[0].request_id) > int(first[0].request_id) > int(out[1].request_id)
+    o = llm.generate(PROMPTS[0], greedy(5, logprobs=2))[0].outputs[0]
+    assert o.cumulative_logprob == pytest.approx(sum(lp for lp, _ in o.logprobs))
+    assert llm.generate(PROMPTS[0], greedy(2))[0].outputs[0].cumulative_logprob is None
+    with pytest.raises(InvalidRequestError, match="n = 1"):
+        next(llm.stream(PROMPTS[0], SamplingParams(max_tokens=2, n=2)))
+    with pytest.raises(InvalidRequestError, match="n must be 1"):
+        llm.engine.add_request([5, 6], SamplingParams(max_tokens=2, n=2))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"stop": [1]}, "stop must be a string or a list of strings"),
+        ({"stop": 5}, "stop must be a string or a list of strings"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
+        ({"logprobs": True}, "logprobs must be an integer"),
+        ({"temperature": True}, "temperature must be a finite number"),
+        ({"max_tokens": True}, "max_tokens must be a positive integer"),
+        ({"top_k": True}, "top_k"),
+        ({"top_p": "0.5"}, "top_p"),
+        ({"ignore_eos": "no"}, "ignore_eos must be true or false"),
+        ({"include_stop_str_in_output": "no"}, "include_stop_str_in_output"),
+        ({"n": 0}, "n must be a positive integer"),
+    ],
+)
+def test_sampling_values_of_the_wrong_type_are_refused(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)
+    with pytest.raises(ValueError):  # (a ValueError too, as vLLM raises)
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"kv_cache_memory_gb": -1}, "kv_cache_memory_gb must be above 0"),
+        ({"kv_cache_memory_gb": 0}, "kv_cache_memory_gb must be above 0"),
+        ({"speculative_policy": "fast"}, "unknown speculative policy 'fast'"),
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be True or False"),
+        ({"seed": "x"}, "seed must be an integer"),
+    ],
+)
+def test_engine_settings_of_the_wrong_value_are_refused_before_loading(setting, message):
+    from specdecode.config import EngineConfig
+
+    with pytest.raises(InvalidRequestError, match=message):
+        EngineConfig(**setting)
+
+
+def test_sampling_params_of_the_wrong_type_are_refused_by_generate(llm):
+    with pytest.raises(InvalidRequestError, match="must be SamplingParams"):
+        llm.generate("a", {"temperature": 0})
+
+
+def test_chat_takes_openai_text_parts(llm):
+    plain = [{"role": "user", "content": "Hello there"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                          {"type": "text", "text": "there"}]}]  # fmt: skip
+    assert llm.apply_chat_template(parts) == llm.apply_chat_template(plain)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(InvalidRequestError, match="only text content parts"):
+        llm.chat(image, greedy(2))
