@@ -625,7 +625,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from specdecode.train.draft import DraftTrainConfig, train_draft
 
     heads = args.train in ("medusa", "eagle", "eagle3")
-    _check_train_out(Path(args.out), heads and args.resume, args.init if heads else None)
+    _check_train_out(Path(args.out), heads and args.resume, args.init if heads else None, heads)
 
     loaded = load_model(
         args.model, dtype=resolve_dtype(args.dtype), device=resolve_device(args.device)
@@ -702,27 +702,27 @@ def cmd_train(args: argparse.Namespace) -> None:
     )
 
 
-def _check_train_out(out, resume: bool, init: str | None) -> None:
+def _check_train_out(out, resume: bool, init: str | None, heads: bool) -> None:
     """Training writes its checkpoints into --out: one that already holds a model is continued
-    (--resume, or --init naming it) or left alone, never replaced unasked."""
+    (a head's: --resume, or --init naming it) or left alone, never replaced unasked."""
     if resume or not (out / "config.json").is_file():
         return
     if init is not None and Path(init).resolve() == out.resolve():
         return
+    how = "continue it with --resume (or --init naming it), or " if heads else ""
     raise InvalidRequestError(
-        f"--out {str(out)!r} already holds a model; continue it with --resume (or --init "
-        "naming it), or choose another folder"
+        f"--out {str(out)!r} already holds a model; {how}choose another folder or remove it"
     )
 
 
 def cmd_export(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from specdecode.export import export_head, export_notes, serve_command
+    from specdecode.export import check_out, export_head, export_notes, serve_command
     from specdecode.models.head_io import head_kind
     from specdecode.models.loader import hub_id, load_model
 
-    _check_export_out(Path(args.head), Path(args.out))
+    check_out(Path(args.head), Path(args.out))  # (before the target loads)
     loaded = load_model(args.model)
     # the target's Hugging Face id where it is known: a speculators checkpoint names its
     # verifier, and vLLM serves one alone only if that is a Hub id
@@ -738,28 +738,6 @@ def cmd_export(args: argparse.Namespace) -> None:
     draft_vocab = ours.get("draft_vocab_size")
     for note in export_notes(args.format, kind, draft_vocab, bool(hub), config):
         print(f"note: {note}")
-
-
-_EXPORTED = {"config.json", "model.safetensors", "training.json"}  # what `export_head` writes
-
-
-def _check_export_out(head: Path, out: Path) -> None:
-    """Before anything is written: the export must not land on the head it reads, nor mix with
-    a folder's other files (a previous export there is replaced)."""
-    if not head.is_dir():
-        raise InvalidRequestError(f"head {str(head)!r} is not a directory")
-    if out.exists() and out.resolve() == head.resolve():
-        raise InvalidRequestError(
-            f"--out {str(out)!r} is the head itself; the export would overwrite it"
-        )
-    others = (
-        sorted(p.name for p in out.iterdir() if p.name not in _EXPORTED) if out.is_dir() else []
-    )
-    if others:
-        raise InvalidRequestError(
-            f"--out {str(out)!r} holds other files ({', '.join(others[:3])}); name an empty or "
-            "new folder"
-        )
 
 
 def cmd_models(args: argparse.Namespace) -> None:

@@ -206,12 +206,11 @@ class EngineConfig:
         """Values the engine would misread or run crippled with, refused at once (the flags'
         types check the command line; this checks the Python API the same way)."""
         from specdecode.errors import InvalidRequestError
-
-        def integer(x) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
+        from specdecode.sampling import _integer as integer
+        from specdecode.sampling import _number as number
 
         gb = self.kv_cache_memory_gb
-        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < math.inf:
+        if not number(gb) or gb <= 0:
             raise InvalidRequestError(f"kv_cache_memory_gb must be above 0, got {gb!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if not integer(getattr(self, name)) or getattr(self, name) < 1:

@@ -62,6 +62,27 @@ def _llama_layer(tensors: dict[str, torch.Tensor], fmt: str, hidden: int) -> Non
         tensors.setdefault(o, torch.zeros(hidden))
 
 
+_COPIED = ("training.json",)  # from the head, where it has them
+_WRITTEN = {"config.json", "model.safetensors", *_COPIED}
+
+
+def check_out(head: Path, out: Path) -> None:
+    """Before anything is written: the export must not land on the head it reads, nor mix with
+    a folder's other files (a previous export there is replaced)."""
+    if not head.is_dir():
+        raise InvalidRequestError(f"head {str(head)!r} is not a directory")
+    if out.exists() and out.resolve() == head.resolve():
+        raise InvalidRequestError(
+            f"--out {str(out)!r} is the head itself; the export would overwrite it"
+        )
+    others = sorted(p.name for p in out.iterdir() if p.name not in _WRITTEN) if out.is_dir() else []
+    if others:
+        raise InvalidRequestError(
+            f"--out {str(out)!r} holds other files ({', '.join(others[:3])}); name an empty or "
+            "new folder"
+        )
+
+
 def export_head(
     head_dir: Path,
     target: LlamaModel,
@@ -73,6 +94,7 @@ def export_head(
     """Write `head_dir` (any layout `load_head` reads) as `fmt` into `out`; return the config."""
     if fmt not in FORMATS:
         raise InvalidRequestError(f"unknown export format {fmt!r}; choose from {FORMATS}")
+    check_out(Path(head_dir), out)
     head = load_head(head_dir, target, allow_pickle)
     c = target.config
     if isinstance(head, Eagle3Head):
@@ -95,7 +117,7 @@ def export_head(
         out / "model.safetensors",
     )
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    for f in ("training.json",):
+    for f in _COPIED:
         if (Path(head_dir) / f).is_file():
             shutil.copy(Path(head_dir) / f, out / f)
     return config

@@ -122,7 +122,7 @@ class LLM:
         # choices are n sequences, choice j seeded with seed + j (as the server does)
         numbers = [str(next(self._request_ids)) for _ in ids]  # (rising across calls, as vLLM's)
         seqs = [
-            [self.engine.make_sequence(p, _choice(sp, j), request_id=rid) for j in range(sp.n)]
+            [self.engine.make_sequence(p, sp.for_choice(j), request_id=rid) for j in range(sp.n)]
             for rid, p, sp in zip(numbers, ids, plist, strict=True)
         ]
         flat = [s for choices in seqs for s in choices]
@@ -145,14 +145,6 @@ class LLM:
             )
             for choices, pr in zip(seqs, prompts, strict=True)
         ]
-
-
-def _choice(params: SamplingParams, j: int) -> SamplingParams:
-    """Choice j of a request's n: one sequence, seeded with seed + j where seeded."""
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else (params.seed + j) % 2**64
-    return dataclasses.replace(params, n=1, seed=seed)
 
 
 def _prompt_text(prompt) -> str | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -47,9 +47,7 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        def bad(msg: str) -> InvalidRequestError:
-            return InvalidRequestError(f"invalid sampling parameter: {msg}")
-
+        bad = _bad
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and (
@@ -68,8 +66,7 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(msg: str) -> InvalidRequestError:
-            return InvalidRequestError(f"invalid sampling parameter: {msg}")
+        bad = _bad
 
         if not _number(self.temperature):
             raise bad(f"temperature must be a finite number, got {self.temperature!r}")
@@ -129,6 +126,14 @@ class SamplingParams:
                 if not _number(value) or not -100 <= value <= 100:
                     raise bad(f"logit_bias values must be in [-100, 100], got {value!r}")
 
+    def for_choice(self, j: int) -> SamplingParams:
+        """Choice j of a request's n (the offline API's and the server's): one sequence,
+        seeded with seed + j where seeded, so n > 1 gives n different samples."""
+        if self.n == 1 and (self.seed is None or j == 0):
+            return self
+        seed = None if self.seed is None else (self.seed + j) % 2**64
+        return replace(self, n=1, seed=seed)
+
     @property
     def greedy(self) -> bool:
         """Temperature 0, or so close to it that logits / T would overflow."""
@@ -141,6 +146,10 @@ class SamplingParams:
         gen = torch.Generator(device=device)
         gen.manual_seed(self.seed)
         return gen
+
+
+def _bad(msg: str) -> InvalidRequestError:
+    return InvalidRequestError(f"invalid sampling parameter: {msg}")
 
 
 def _integer(x) -> bool:

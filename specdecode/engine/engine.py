@@ -213,9 +213,9 @@ class LLMEngine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})")
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         if len(prompt_token_ids) + 1 > self.manager.capacity_tokens:
             raise InvalidRequestError(
                 f"a prompt of {len(prompt_token_ids)} tokens does not fit the KV cache "

@@ -208,8 +208,12 @@ def build_head(recipe: HeadRecipe, run=None) -> Path:
         dirs.append(data)
     from specdecode.train.heads import STATE_FILE
 
-    # training interrupted before (its last checkpoint saved): it goes on from there
+    # training interrupted before (its last checkpoint saved): it goes on from there; a
+    # partial head without that state (killed between the head's file and the state's) is
+    # this build's own scratch and starts over (`train` keeps a model it is not told to resume)
     resume = ["--resume"] if (partial / STATE_FILE).is_file() else []
+    if not resume:
+        shutil.rmtree(partial, ignore_errors=True)
     steps.append(
         ["train", recipe.kind, "--model", recipe.target,
          *[a for d in dirs for a in ("--data", str(d))], "--out", str(partial), *recipe.train_args,

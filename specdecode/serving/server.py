@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,7 +28,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode.engine.output import DETOKENIZE_CONTEXT, fast_decoder
 from specdecode.errors import InvalidRequestError, SpecDecodeError
-from specdecode.sampling import SamplingParams
 from specdecode.serving.async_engine import (
     AsyncLLMEngine,
     EngineStoppedError,
@@ -246,15 +245,6 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             )
         return max_tokens
 
-    def check_token_ids(params: SamplingParams) -> None:
-        """Token ids past the vocabulary, refused here to name the field at fault (the engine
-        refuses them too, for every caller)."""
-        vocab = core.model_config.vocab_size
-        for field, ids in (("logit_bias", params.logit_bias or ()),
-                           ("stop_token_ids", params.stop_token_ids)):  # fmt: skip
-            if any(t >= vocab for t in ids):
-                raise bad_request(f"{field} token ids must be in [0, {vocab})", field)
-
     # ---- routes --------------------------------------------------------------------------------
 
     # HEAD too: load balancers and uptime checks probe with it
@@ -291,8 +281,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         ids = encode(text, "messages", add_special_tokens=False)
         max_tokens = check_length(len(ids), req, "messages")
         params = req.sampling_params(max_tokens, req.requested_logprobs())
-        check_token_ids(params)
-        jobs = [(ids, choice_params(params, j)) for j in range(req.n)]
+        jobs = [(ids, params.for_choice(j)) for j in range(req.n)]
         return await respond(request, req, jobs, len(ids), chat=True)
 
     @app.post("/v1/completions")
@@ -309,8 +298,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 raise bad_request("the prompt is empty", "prompt")
             max_tokens = check_length(len(ids), req, "prompt")
             params = req.sampling_params(max_tokens, logprobs)
-            check_token_ids(params)
-            jobs += [(ids, choice_params(params, j)) for j in range(req.n)]
+            jobs += [(ids, params.for_choice(j)) for j in range(req.n)]
             prompt_tokens += len(ids)
             if req.echo:  # the prompt as sent; token ids as they decode (as vLLM does)
                 echoes += [p] * req.n
@@ -323,12 +311,6 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             raise bad_request(f"the text of the {param} is not valid Unicode", param) from e
 
     # ---- generation ----------------------------------------------------------------------------
-
-    def choice_params(params: SamplingParams, j: int) -> SamplingParams:
-        """Choice j of a seeded request uses seed + j, so n > 1 gives n different samples."""
-        if params.seed is None or j == 0:
-            return params
-        return replace(params, seed=(params.seed + j) % 2**64)
 
     async def respond(request: Request, req, jobs, prompt_tokens: int, chat: bool, echoes=()):
         """Run the jobs (one per choice) and answer, streamed or whole. `echoes`: per choice,

@@ -178,6 +178,27 @@ def test_an_interrupted_head_build_resumes_its_training_and_keeps_no_trainer_sta
     assert (path / "config.json").is_file() and not (path / STATE_FILE).parent.exists()
 
 
+def test_a_head_build_killed_before_its_first_state_starts_its_training_over(monkeypatch, tmp_path):
+    """A partial head without the trainer's state (killed between the head's file and the
+    state's) is scratch: removed, so `train` (which keeps a model it is not told to resume)
+    starts over instead of refusing the build for good."""
+    recipe = fake_recipe(monkeypatch, tmp_path)
+    partial = tmp_path / "cache" / "heads" / "tgt-eagle3.partial"
+    partial.mkdir(parents=True)
+    (partial / "config.json").write_text("{}")
+    seen = []
+
+    def run(argv):
+        if argv[0] == "train":
+            seen.append((partial / "config.json").exists())
+            partial.mkdir(parents=True, exist_ok=True)
+            (partial / "config.json").write_text("{}")
+        return 0
+
+    registry.build_head(recipe, run)
+    assert seen == [False]
+
+
 def test_the_suite_runs_a_built_head_for_a_pulled_target_and_says_how_to_build_it(
     monkeypatch, tmp_path
 ):
