@@ -1,8 +1,8 @@
 """specdecode: a speculative-decoding inference engine."""
 
-from specdecode.core import CompletionOutput, RequestOutput
+from specdecode.core import CompletionOutput, Logprob, RequestOutput
 from specdecode.llm import LLM
 from specdecode.sampling import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

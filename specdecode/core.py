@@ -90,14 +90,26 @@ class Sequence:
 
 
 @dataclass
+class Logprob:
+    """vLLM's: a token's log-probability (raw: before penalties, bias and masks), its rank in
+    the distribution (1: the most likely; None where it was not among the top-n listed) and
+    its text decoded alone."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     spec: dict | None = None  # SpecDecodeStats.as_dict() when speculation ran
-    # with SamplingParams.logprobs: per token (logprob, [(token id, logprob)] top-n), raw
-    logprobs: list | None = None
+    # with SamplingParams.logprobs, vLLM's shape: per token {token id: Logprob}, the sampled
+    # token first, then the top-n (n = SamplingParams.logprobs) by rank
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None  # their sum, where logprobs were asked for
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 

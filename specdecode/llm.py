@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
 from specdecode.config import EngineConfig
-from specdecode.core import CompletionOutput, RequestOutput, content_text
+from specdecode.core import CompletionOutput, Logprob, RequestOutput, content_text
 from specdecode.engine.engine import LLMEngine
 from specdecode.engine.output import OutputProcessor
 from specdecode.errors import InvalidRequestError
@@ -134,12 +135,13 @@ class LLM:
         finally:  # interrupted (Ctrl-C, an error): the rest must not run in the next call
             for seq in flat:
                 self.engine.abort(seq)
+        decode = functools.cache(lambda t: self.tokenizer.decode([t]))
         return [
             RequestOutput(
                 request_id=choices[0].request_id,
                 prompt=_prompt_text(pr),
                 prompt_token_ids=choices[0].prompt_token_ids,
-                outputs=[_completion(j, s) for j, s in enumerate(choices)],
+                outputs=[_completion(j, s, decode) for j, s in enumerate(choices)],
                 finished=True,
                 num_cached_tokens=choices[0].num_cached_tokens,
             )
@@ -154,16 +156,33 @@ def _prompt_text(prompt) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
-def _completion(index: int, s) -> CompletionOutput:
-    logprobs = list(s.output_logprobs) if s.params.logprobs is not None else None
+def _completion(index: int, s, decode) -> CompletionOutput:
+    """One choice as vLLM gives it (`decode`: a token id's text, for the logprobs)."""
+    wanted = s.params.logprobs is not None
     return CompletionOutput(
         index,
         s.text,
         list(s.output_token_ids),
         s.finish_reason,
         s.spec.as_dict() if s.spec.num_drafts else None,
-        logprobs,
+        [
+            _logprob_entry(tok, e, decode)
+            for tok, e in zip(s.output_token_ids, s.output_logprobs, strict=True)
+        ]
+        if wanted
+        else None,
         # (vLLM's: the sum of the sampled tokens' logprobs where they were asked for)
-        cumulative_logprob=sum(lp for lp, _ in logprobs) if logprobs is not None else None,
+        cumulative_logprob=sum(lp for lp, _ in s.output_logprobs) if wanted else None,
         stop_reason=s.stop_reason,
     )
+
+
+def _logprob_entry(tok: int, entry, decode) -> dict[int, Logprob]:
+    """(logprob, [(token id, logprob)] top-n) -> {token id: Logprob}, the sampled token first
+    (always there: vLLM lists it even where it is not among the top-n)."""
+    lp, top = entry
+    ranks = {t: r for r, (t, _) in enumerate(top, 1)}
+    out = {tok: Logprob(lp, ranks.get(tok), decode(tok))}
+    for t, v in top:
+        out.setdefault(t, Logprob(v, ranks[t], decode(t)))
+    return out

@@ -247,7 +247,13 @@ def test_n_choices_request_ids_and_the_fields_vllm_users_read(llm):
     first, second = llm.generate("a", greedy(2)), llm.generate("b", greedy(2))
     assert int(second[0].request_id) > int(first[0].request_id) > int(out[1].request_id)
     o = llm.generate(PROMPTS[0], greedy(5, logprobs=2))[0].outputs[0]
-    assert o.cumulative_logprob == pytest.approx(sum(lp for lp, _ in o.logprobs))
+    assert o.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(o.token_ids, o.logprobs, strict=True))
+    )
+    for t, e in zip(o.token_ids, o.logprobs, strict=True):  # vLLM's shape: sampled first
+        assert next(iter(e)) == t and len(e) in (2, 3)
+        assert sorted(lp.rank for lp in e.values() if lp.rank) == [1, 2]
+        assert e[t].decoded_token == llm.tokenizer.decode([t])
     assert llm.generate(PROMPTS[0], greedy(2))[0].outputs[0].cumulative_logprob is None
     with pytest.raises(InvalidRequestError, match="n = 1"):
         next(llm.stream(PROMPTS[0], SamplingParams(max_tokens=2, n=2)))

@@ -758,7 +758,8 @@ def test_logprobs_are_the_raw_models_under_bias_and_penalties(plain):
     raw logprobs): a bias against a likely token that is not chosen leaves them unchanged."""
     base = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
     ref = plain.generate(PROMPTS[0], base)[0].outputs[0]
-    runner_up = ref.logprobs[0][1][1][0]  # the second most likely first token
+    # the second most likely first token
+    runner_up = next(t for t, lp in ref.logprobs[0].items() if lp.rank == 2)
     biased = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3,
                             logit_bias={runner_up: -100}, min_tokens=6)  # fmt: skip
     got = plain.generate(PROMPTS[0], biased)[0].outputs[0]

@@ -207,8 +207,9 @@ def test_logprobs_stay_aligned_and_raw_under_a_grammar(plain, tiny_llama_dir, sp
     assert len(entries) == len(out.token_ids)
     # "a" was the only token allowed first: masked, its logprob would be 0; raw it is not, and
     # the top-3 is the unconstrained model's at the same position
-    assert entries[0][0] < 0 and entries[0][1] == free[0].outputs[0].logprobs[0][1]
-    forced = [e for t, e in zip(out.token_ids, entries, strict=True) if e == (0.0, [(t, 0.0)])]
+    assert entries[0][out.token_ids[0]].logprob < 0
+    assert _top(entries[0]) == _top(free[0].outputs[0].logprobs[0])
+    forced = [e for t, e in zip(out.token_ids, entries, strict=True) if _placeholder(t, e)]
     assert len(forced) >= 4  # "cdef" after the digit, at least
 
 
@@ -231,7 +232,7 @@ def test_forced_tokens_inside_accepted_drafts_read_as_plain_decodings(plain, tin
     assert got.token_ids == want.token_ids and re.fullmatch(so["regex"], got.text)
 
     def placeholders(out) -> list[bool]:
-        return [e == (0.0, [(t, 0.0)]) for t, e in zip(out.token_ids, out.logprobs, strict=True)]
+        return [_placeholder(t, e) for t, e in zip(out.token_ids, out.logprobs, strict=True)]
 
     placeholder = placeholders(want)
     assert placeholders(got) == placeholder
@@ -257,7 +258,17 @@ def test_a_forced_run_begun_among_drafts_counts_towards_the_jump_ahead_bound(
     for llm in (plain, spec):
         out = llm.generate("abxxxxxxxx", sp)[0].outputs[0]  # lookup drafts "xxxx" after "b"
         model = [i for i, (t, e) in enumerate(zip(out.token_ids, out.logprobs, strict=True))
-                 if e != (0.0, [(t, 0.0)])]  # fmt: skip
+                 if not _placeholder(t, e)]  # fmt: skip
         runs.append((out.token_ids, model))
     assert runs[0] == runs[1] and len(runs[0][1]) > 2, runs
     assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+def _top(entry: dict) -> list:
+    """A logprobs entry's top-n: (rank, token id, logprob), by rank."""
+    return sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None)
+
+
+def _placeholder(tok: int, entry: dict) -> bool:
+    """The entry of a token the grammar forced: logprob 0, itself its only candidate."""
+    return list(entry) == [tok] and entry[tok].logprob == 0.0 and entry[tok].rank == 1
