@@ -32,7 +32,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="model directory, .gguf file, or omit for the embedded SmolLM2-135M-Instruct",
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16", "auto"],
+        help="auto (vLLM's): bfloat16 on CUDA, float32 on a CPU",
+    )
     p.add_argument("--device", type=_device, default="auto", help="cpu, cuda[:N], or auto")
     p.add_argument("--max-model-len", type=_at_least_one, default=None)
     p.add_argument("--kv-cache-memory-gb", type=number(above=0), default=2.0)
@@ -792,6 +797,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if getattr(args, "dtype", None) == "auto":  # (every command, and its reports, see the dtype)
+        from specdecode.config import auto_dtype
+
+        args.dtype = auto_dtype(args.device)
     try:
         _check_unused_flags(args)
         if args.command == "generate":

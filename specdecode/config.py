@@ -181,7 +181,7 @@ class EngineConfig:
     """Engine settings; flag names follow vLLM (`--max-model-len`, `--max-num-seqs`, ...)."""
 
     model: str | None = None  # directory, .gguf file, or None for the embedded default
-    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16" | "auto" (see auto_dtype)
     device: str = "auto"  # "auto" picks CUDA when present
     max_model_len: int | None = None  # default: the model's context length
     kv_cache_memory_gb: float = 2.0  # KV cache budget; pages are committed only as tokens arrive
@@ -208,6 +208,9 @@ class EngineConfig:
         from specdecode.errors import InvalidRequestError
         from specdecode.sampling import _integer as integer
         from specdecode.sampling import _number as number
+
+        if self.dtype == "auto":  # (frozen: set once, here, to what it stands for)
+            object.__setattr__(self, "dtype", auto_dtype(self.device))
 
         gb = self.kv_cache_memory_gb
         if not number(gb) or gb <= 0:
@@ -236,6 +239,16 @@ class EngineConfig:
 
 
 SPECULATIVE_POLICIES = ("adaptive", "static", "off")  # see engine/controller.py
+
+
+def auto_dtype(device: str) -> str:
+    """vLLM's default `dtype="auto"`: bfloat16 where the engine runs on CUDA (as vLLM serves
+    these models there), float32 on a CPU (this engine's default: exact, and its fast paths
+    are tuned for it; pass bfloat16 for speed)."""
+    import torch
+
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return "bfloat16" if cuda else "float32"
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "medusa", "eagle", "eagle3")

@@ -132,3 +132,15 @@ def test_flags_that_would_be_ignored_are_refused(argv, message, capsys):
 def test_a_cuda_device_where_there_is_none_is_a_one_line_error(capsys):
     assert main(["generate", "--prompt", "hi", "--device", "cuda"]) == 2
     assert "no CUDA device is available" in capsys.readouterr().err
+
+
+def test_dtype_auto_is_vllms_default(monkeypatch):
+    """`dtype="auto"` (vLLM's default) stands for bfloat16 on CUDA and float32 on a CPU."""
+    from specdecode.config import EngineConfig
+
+    assert EngineConfig(dtype="auto", device="cpu").dtype == "float32"
+    assert EngineConfig(dtype="auto", device="cuda:0").dtype == "bfloat16"
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert EngineConfig(dtype="auto").dtype == "bfloat16"
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert EngineConfig(dtype="auto").dtype == "float32"
