@@ -73,3 +73,21 @@ def output_dir(text: str) -> str:
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
     return text
+
+
+def name_list(choices, what: str):
+    """A comma list of at least one of `choices` (spaces dropped: "code, sql" reads as
+    "code,sql"; kept as text); `what`: the kind of name, for the error."""
+
+    def parse(text: str) -> str:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in choices]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {unknown[0]!r}; choose from {', '.join(choices)}"
+                if unknown
+                else f"names no {what}"
+            )
+        return ",".join(names)
+
+    return parse

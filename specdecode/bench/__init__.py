@@ -38,7 +38,13 @@ def machine() -> str:
 # ---- argument types: bad values are usage errors when the command starts, not tracebacks
 # after minutes of measurement (numbers and output paths: specdecode.argtypes)
 
-from specdecode.argtypes import at_least, number, output_dir, output_file  # noqa: E402, F401
+from specdecode.argtypes import (  # noqa: E402, F401
+    at_least,
+    name_list,
+    number,
+    output_dir,
+    output_file,
+)
 
 
 def level_list(text: str) -> str:
@@ -78,12 +84,4 @@ def workload_list(text: str) -> str:
     """A comma list of workload names (spaces dropped: "code, sql" reads as "code,sql")."""
     from specdecode.bench.workloads import WORKLOADS
 
-    names = [w.strip() for w in text.split(",") if w.strip()]
-    unknown = [w for w in names if w not in WORKLOADS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown workload {unknown[0]!r}; choose from {', '.join(WORKLOADS)}"
-            if unknown
-            else "names no workload"
-        )
-    return ",".join(names)
+    return name_list(tuple(WORKLOADS), "workload")(text)

@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from specdecode.argtypes import name_list
 from specdecode.bench import at_least, level_list, machine, number, output_dir, workloads
 from specdecode.sampling import SamplingParams
 
@@ -454,17 +455,7 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def policy_list(text: str) -> str:
-    """A comma list of policies from POLICIES, at least one (kept as text)."""
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in names if p not in POLICIES]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown policy {unknown[0]!r}; choose from {', '.join(POLICIES)}"
-            if unknown
-            else "names no policy"
-        )
-    return ",".join(names)
+policy_list = name_list(POLICIES, "policy")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

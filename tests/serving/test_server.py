@@ -627,17 +627,7 @@ def word_dir(tiny_llama_dir, tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
     tok.decoder = decoders.Metaspace(prepend_scheme="always")
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": "</s>",
-                "bos_token": "<s>",
-                "unk_token": "<unk>",
-                "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-            }
-        )
-    )
+    _write_tokenizer_config(out)
     return out
 
 
@@ -834,17 +824,7 @@ def byte_dir(tiny_llama_dir, tmp_path_factory):
     tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel()
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": "</s>",
-                "bos_token": "<s>",
-                "unk_token": "<unk>",
-                "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-            }
-        )
-    )
+    _write_tokenizer_config(out)
     return out
 
 
@@ -939,3 +919,18 @@ def test_token_bytes_of_sentencepiece_byte_fallback_tokens():
     char_level = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
         vocab={"<0xF0>": 0, "a": 1}, unk_token="a")))  # fmt: skip
     assert vocab_bytes(char_level)(1) is None
+
+
+def _write_tokenizer_config(out) -> None:
+    """The tokenizer_config.json of the fabricated tokenizers above (</s> ends, plain chat)."""
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "</s>",
+                "bos_token": "<s>",
+                "unk_token": "<unk>",
+                "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+            }
+        )
+    )
