@@ -54,10 +54,13 @@ class SamplingParams:
             not isinstance(self.stop, (list, tuple))
             or not all(isinstance(s, str) for s in self.stop)
         ):
-            raise bad(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise bad(f"stop must be a string or a list of strings, got {self.stop!r}", "stop")
         self.stop = list(self.stop or [])
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
-            raise bad(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            raise bad(
+                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}",
+                "stop_token_ids",
+            )
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.structured_output is not None:
             from specdecode.structured import StructuredOutput
@@ -69,20 +72,24 @@ class SamplingParams:
         bad = _bad
 
         if not _number(self.temperature):
-            raise bad(f"temperature must be a finite number, got {self.temperature!r}")
+            raise bad(
+                f"temperature must be a finite number, got {self.temperature!r}", "temperature"
+            )
         if self.temperature < 0:
-            raise bad(f"temperature must be >= 0, got {self.temperature}")
+            raise bad(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not _number(self.top_p) or not 0 < self.top_p <= 1:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not _integer(self.top_k) or self.top_k < -1:
-            raise bad(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
+            raise bad(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}", "top_k")
         if not _integer(self.n) or self.n < 1:
-            raise bad(f"n must be a positive integer, got {self.n!r}")
+            raise bad(f"n must be a positive integer, got {self.n!r}", "n")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise bad(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise bad(f"{name} must be true or false, got {getattr(self, name)!r}", name)
         if self.max_tokens is not None and (not _integer(self.max_tokens) or self.max_tokens < 1):
-            raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise bad(
+                f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens"
+            )
         if self.seed is not None:
             # OpenAI's seed is an int64: a negative one is read as its two's complement, so
             # every 64-bit seed (signed or not) names its own stream
@@ -91,40 +98,52 @@ class SamplingParams:
                 or isinstance(self.seed, bool)
                 or not -(2**63) <= self.seed < 2**64
             ):
-                raise bad(f"seed must be a 64-bit integer, got {self.seed!r}")
+                raise bad(f"seed must be a 64-bit integer, got {self.seed!r}", "seed")
             self.seed %= 2**64
         if self.logprobs is not None and (
             not _integer(self.logprobs) or not 0 <= self.logprobs <= 20
         ):
             raise bad(
                 f"logprobs must be an integer in [0, 20] (the top tokens to list besides the "
-                f"sampled one), got {self.logprobs!r}"
+                f"sampled one), got {self.logprobs!r}",
+                "logprobs",
             )
         if any(not s for s in self.stop):
-            raise bad("stop strings must be non-empty")
+            raise bad("stop strings must be non-empty", "stop")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _number(value) or not -2 <= value <= 2:
-                raise bad(f"{name} must be in [-2, 2], got {value!r}")
+                raise bad(f"{name} must be in [-2, 2], got {value!r}", name)
         rp = self.repetition_penalty
         if not _number(rp) or not 0 < rp <= 100:
-            raise bad(f"repetition_penalty must be in (0, 100], got {rp!r}")
+            raise bad(f"repetition_penalty must be in (0, 100], got {rp!r}", "repetition_penalty")
         if not _number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         if not _integer(self.min_tokens) or self.min_tokens < 0:
-            raise bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+            raise bad(
+                f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", "min_tokens"
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+            raise bad(
+                f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})",
+                "min_tokens",
+            )
         if not all(_integer(t) and t >= 0 for t in self.stop_token_ids):
-            raise bad(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
+            raise bad(
+                f"stop_token_ids must be token ids, got {self.stop_token_ids!r}", "stop_token_ids"
+            )
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
-            raise bad(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+            raise bad(
+                f"logit_bias must map token ids to biases, got {self.logit_bias!r}", "logit_bias"
+            )
         if self.logit_bias:
             for tok, value in self.logit_bias.items():
                 if not _integer(tok) or tok < 0:
-                    raise bad(f"logit_bias keys must be token ids, got {tok!r}")
+                    raise bad(f"logit_bias keys must be token ids, got {tok!r}", "logit_bias")
                 if not _number(value) or not -100 <= value <= 100:
-                    raise bad(f"logit_bias values must be in [-100, 100], got {value!r}")
+                    raise bad(
+                        f"logit_bias values must be in [-100, 100], got {value!r}", "logit_bias"
+                    )
 
     def for_choice(self, j: int) -> SamplingParams:
         """Choice j of a request's n (the offline API's and the server's): one sequence,
@@ -148,8 +167,9 @@ class SamplingParams:
         return gen
 
 
-def _bad(msg: str) -> InvalidRequestError:
-    return InvalidRequestError(f"invalid sampling parameter: {msg}")
+def _bad(msg: str, param: str | None = None) -> InvalidRequestError:
+    """An error naming the field at fault (`param`: OpenAI error bodies carry it)."""
+    return InvalidRequestError(f"invalid sampling parameter: {msg}", param)
 
 
 def _integer(x) -> bool:

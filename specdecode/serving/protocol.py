@@ -140,10 +140,6 @@ class _Request(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._check_unsupported()
-        if any(t < 0 for t in self.stop_token_ids or ()):
-            raise InvalidRequestError(
-                "stop_token_ids must be token ids (non-negative)", param="stop_token_ids"
-            )
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
