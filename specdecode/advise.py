@@ -683,16 +683,14 @@ def validate(llms, result, measured, costs, ids, params, levels, prompt_tokens, 
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from specdecode.argtypes import integer, number, output_file
+    from specdecode.argtypes import integer, number, output_file, temperature
 
     p.add_argument("--traffic", required=True, help="JSONL: one prompt or chat per line")
     p.add_argument("--concurrency", type=integer(1), default=1, help="expected requests in flight")
     p.add_argument("--draft-model", default=None, help="also try this draft model")
     p.add_argument("--num-requests", type=integer(0), default=32, help="requests used (0: all)")
     p.add_argument("--max-tokens", type=integer(1), default=128, help="when a line does not say")
-    p.add_argument(
-        "--temperature", type=number(0, 100), default=None, help="when a line does not say"
-    )
+    p.add_argument("--temperature", type=temperature, default=None, help="when a line does not say")
     p.add_argument("--min-gain", type=number(0), default=0.05, help="recommend only above this")
     p.add_argument("--calibration-seconds", type=number(above=0), default=10.0)
     p.add_argument("--validate", default=None, help="measure at these levels too, e.g. 1,8")

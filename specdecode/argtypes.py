@@ -57,6 +57,24 @@ def number(
     return parse
 
 
+# The temperatures accepted everywhere: every command's flags and the server's requests (vLLM
+# sets no upper bound; 100 is far past where a distribution is flat, and catches typos).
+MAX_TEMPERATURE = 100.0
+
+
+def temperature(text: str) -> float:
+    """A sampling temperature in [0, MAX_TEMPERATURE] (0: greedy)."""
+    return number(0, MAX_TEMPERATURE)(text)
+
+
+def temperature_list(text: str) -> str:
+    """A comma list of at least one temperature (kept as text: "0, 0.7," reads as "0.0,0.7")."""
+    values = [temperature(t) for t in text.split(",") if t.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"a comma list of temperatures, got {text!r}")
+    return ",".join(map(str, values))
+
+
 def output_file(text: str) -> str:
     """A file to write results to, in a folder that exists, and not itself a folder."""
     path = Path(text).expanduser()

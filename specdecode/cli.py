@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-from specdecode.argtypes import integer, number, output_dir, output_file
+from specdecode.argtypes import integer, number, output_dir, output_file, temperature
 from specdecode.data import SOURCES
 from specdecode.errors import DataError, InvalidRequestError, SpecDecodeError
 
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--temperature", type=temperature, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--min-p", type=float, default=0.0)
@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     dgen.add_argument("--num-conversations", type=_at_least_one, default=512)
     dgen.add_argument("--shard-size", type=_at_least_one, default=64)
     dgen.add_argument("--max-tokens", type=_at_least_one, default=256)
-    dgen.add_argument("--temperature", type=number(0), default=0.0)
+    dgen.add_argument("--temperature", type=temperature, default=0.0)
     dgen.add_argument(
         "--max-prompt-tokens",
         type=_at_least_one,
@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dtraffic.add_argument("--workloads", default="code,chat", help="comma list")
     dtraffic.add_argument("--num-prompts", type=_at_least_one, default=8, help="per workload")
-    dtraffic.add_argument("--temperature", type=float, default=0.0)
+    dtraffic.add_argument("--temperature", type=temperature, default=0.0)
     dtraffic.add_argument("--max-tokens", type=_at_least_one, default=128)
     dtraffic.add_argument("--out", type=output_file, required=True)
 

@@ -44,7 +44,9 @@ from specdecode.argtypes import (  # noqa: E402, F401
     number,
     output_dir,
     output_file,
+    temperature,
 )
+from specdecode.argtypes import temperature_list as temperatures  # noqa: E402, F401
 
 
 def level_list(text: str) -> str:
@@ -56,17 +58,6 @@ def level_list(text: str) -> str:
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"levels must be >= 1, got {text!r}")
     return ",".join(map(str, values))  # "1, 4," reads as "1,4"
-
-
-def temperatures(text: str) -> str:
-    """A comma list of temperatures in [0, 2] (kept as text)."""
-    try:
-        values = [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a comma list of numbers, got {text!r}") from None
-    if not values or any(not 0 <= v <= 2 for v in values):
-        raise argparse.ArgumentTypeError(f"temperatures in [0, 2], got {text!r}")
-    return ",".join(map(str, values))  # "0, 0.7," reads as "0.0,0.7"
 
 
 def config_list(text: str) -> str:

@@ -25,8 +25,8 @@ import threading
 import time
 from pathlib import Path
 
-from specdecode.argtypes import name_list
-from specdecode.bench import at_least, level_list, machine, number, output_dir, workloads
+from specdecode.argtypes import name_list, temperature
+from specdecode.bench import at_least, level_list, machine, output_dir, workloads
 from specdecode.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -470,7 +470,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-tokens", type=at_least(1), default=48, help="mean output tokens (0.5x-1.5x)"
     )
-    p.add_argument("--temperature", type=number(0, 2), default=0.0)
+    p.add_argument("--temperature", type=temperature, default=0.0)
     p.add_argument(
         "--out", type=output_dir, default="bench-serve", help="directory for JSON, Markdown, PNG"
     )

@@ -179,13 +179,13 @@ def _print(row: dict) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from specdecode.bench import at_least, config_list, output_file
+    from specdecode.bench import at_least, config_list, output_file, temperature
 
     p.add_argument("--num-prompts", type=at_least(1), default=5)
     # (the evals JSON Patch prompts are 1,929-2,215 SmolLM2 tokens: all of them fit)
     p.add_argument("--max-prompt-tokens", type=at_least(1), default=2304)
     p.add_argument("--max-tokens", type=at_least(2), default=96)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=temperature, default=0.0)
     p.add_argument(
         "--compare",
         type=config_list,

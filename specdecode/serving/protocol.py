@@ -9,6 +9,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from specdecode.argtypes import MAX_TEMPERATURE
 from specdecode.errors import InvalidRequestError
 from specdecode.sampling import SamplingParams
 from specdecode.structured import StructuredOutput
@@ -18,7 +19,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0, le=100)
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1)
     stream: bool = False
