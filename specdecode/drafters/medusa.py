@@ -8,6 +8,7 @@ rule (lossless). Medusa's own "typical acceptance" is lossy and is not offered.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +18,8 @@ from specdecode.drafters.base import Drafter, DraftProposal, penalize
 from specdecode.models.heads import MedusaHeads
 from specdecode.processors import columns_of, has_penalties
 from specdecode.tree import TreeShape
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from specdecode.config import SpeculativeConfig
@@ -53,6 +56,13 @@ class MedusaDrafter(Drafter):
         choices = config.speculative_token_tree
         if choices is None:
             depth = min(heads.num_heads, config.num_speculative_tokens)
+            if depth < config.num_speculative_tokens:  # (a head drafts one depth: vLLM's n_predict)
+                log.info(
+                    "medusa: %d heads draft at most %d tokens deep (num_speculative_tokens %d)",
+                    heads.num_heads,
+                    depth,
+                    config.num_speculative_tokens,
+                )
             choices = [c for c in DEFAULT_TREE if len(c) <= depth]
         return cls(heads, TreeShape.from_choices(choices))
 

@@ -301,6 +301,23 @@ def test_wrong_head_kind_and_missing_head_are_clear_errors(tiny_llama_dir, heads
     assert cfg["specdecode_head"]["kind"] == "eagle" and cfg["num_hidden_layers"] == 1
 
 
+def test_medusa_deeper_than_its_heads_says_so(plain, tiny_llama_dir, heads, caplog):
+    root, _ = heads
+    num_heads = json.loads((root / "medusa" / "config.json").read_text())["medusa_num_heads"]
+    with caplog.at_level("INFO", logger="specdecode.drafters.medusa"):
+        llm = LLM(
+            str(tiny_llama_dir),
+            share_model_with=plain,
+            speculative_config={
+                "method": "medusa",
+                "model": str(root / "medusa"),
+                "num_speculative_tokens": num_heads + 3,
+            },
+        )
+    assert max(llm.engine.drafter.tree.depths) == num_heads
+    assert f"{num_heads} heads draft at most {num_heads} tokens deep" in caplog.text
+
+
 def test_training_continues_from_a_head(heads, tiny_llama_dir, tmp_path):
     """--init loads an earlier run: the new run starts where the old one ended."""
     from specdecode.models.head_io import load_head
