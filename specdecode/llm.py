@@ -129,9 +129,9 @@ class LLM:
         flat = [s for choices in seqs for s in choices]
         for seq in flat:
             self.engine.add_sequence(seq)
-        try:
-            for _ in self.engine.run_to_completion():
-                pass
+        try:  # until these are done (a stream() left suspended shares the steps, not the wait)
+            while not all(seq.finished for seq in flat):
+                self.engine.step()
         finally:  # interrupted (Ctrl-C, an error): the rest must not run in the next call
             for seq in flat:
                 self.engine.abort(seq)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -127,6 +129,22 @@ def test_an_abandoned_stream_or_a_bad_prompt_leaves_nothing_behind(llm):
     before = llm.engine.num_generated_tokens
     llm.generate(PROMPTS[1], greedy(5))
     assert llm.engine.num_generated_tokens - before == 5  # only this request ran
+
+
+def test_a_suspended_stream_neither_holds_up_generate_nor_loses_its_text(llm):
+    """generate() while a stream is suspended mid-way returns when its own requests are done
+    (the stream, unbounded here, would never finish), and the stream then goes on where it was."""
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    stream = llm.stream(PROMPTS[0], params)
+    first = next(stream)
+    out = llm.generate(PROMPTS[1], greedy(5))[0]
+    assert len(out.outputs[0].token_ids) == 5
+    rest = [next(stream) for _ in range(3)]
+    stream.close()
+    assert not llm.engine.has_unfinished()
+    bounded = replace(params, max_tokens=20)
+    whole = llm.generate(PROMPTS[0], bounded)[0].outputs[0].text
+    assert whole.startswith(first + "".join(rest))
 
 
 def test_chat_template_is_applied(llm):
