@@ -648,13 +648,14 @@ def validate(llms, result, measured, costs, ids, params, levels, prompt_tokens, 
                     "error": err,
                     "predicted_tpot_ms": pred["tpot_ms"],
                     "measured_tpot_ms": r["tpot_ms"],
+                    "timed_over": r["timed_over"],
                 }
             )
     worst = max(abs(r["error"]) for r in rows)
     lines = [
         f"- {r['method']} at concurrency {r['concurrency']}: predicted "
         f"{r['predicted_tok_s']:.1f} tok/s, measured {r['measured_tok_s']:.1f} tok/s "
-        f"({100 * r['error']:+.0f}%)"
+        f"({100 * r['error']:+.0f}%){_whole_run(r)}"
         for r in rows
     ]
     if label != "off":
@@ -670,16 +671,27 @@ def validate(llms, result, measured, costs, ids, params, levels, prompt_tokens, 
                 "measured_tok_s": r["throughput_tok_s"],
                 "measured_tpot_ms": r["tpot_ms"],
                 "vs_off": r["throughput_tok_s"] / plain[c],
+                "timed_over": r["timed_over"],
             }
             rows.append(row)
             lines.append(
                 f"- {label} under the adaptive policy (the default) at concurrency {c}: "
                 f"measured {row['measured_tok_s']:.1f} tok/s, {row['vs_off']:.2f}x plain "
-                "(not predicted: it decides per step whether and how deep to draft)"
+                f"(not predicted: it decides per step whether and how deep to draft)"
+                f"{_whole_run(row)}"
             )
     text = "Validation (closed loop, measured now):\n" + "\n".join(lines)
     text += f"\nworst prediction error {100 * worst:.0f}% (static and plain)"
     return {"rows": rows, "worst_error": worst, "text": text}
+
+
+def _whole_run(row: dict) -> str:
+    """The note a measurement timed over its whole run carries: a sample of few requests per
+    client has no steady state, so start-up and drain are in it and the prediction (steady
+    state) is expected above it."""
+    if row["timed_over"] == "steady state":
+        return ""
+    return "; timed over the whole run, start and drain included: too few requests per client"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

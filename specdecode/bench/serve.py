@@ -58,13 +58,17 @@ async def _level(engine, request, concurrency: int, n_requests: int) -> dict:
     await asyncio.gather(*(one(*request(i)) for i in range(n_requests)))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
     tokens = sum(r[3] for r in rows)
-    steady, window = _steady(rows, concurrency) or (tokens, wall)  # none: the whole run
+    timed = _steady(rows, concurrency)
+    steady, window = timed or (tokens, wall)  # none: the whole run
     tpot = [(end - first) / (n - 1) for _, first, end, n, _ in rows if n > 1]
     return {
         "requests": n_requests,
         "output_tokens": tokens,
         "seconds": wall,
         "steady_seconds": window,
+        # what the throughput is over: "steady state", or "whole run" where a level's requests
+        # leave no steady state worth the name (see _steady)
+        "timed_over": "steady state" if timed else "whole run",
         "throughput_tok_s": steady / window,
         # the whole run's tokens per second of this process's CPU time (every thread): on a
         # CPU engine the work itself, which a busy or shared host often disturbs less than wall
@@ -85,8 +89,10 @@ def _steady(rows: list[tuple], concurrency: int) -> tuple[int, float] | None:
     with decoding) to the last send (after it fewer and fewer requests are in flight). All
     `concurrency` clients are busy throughout; the start, every prompt prefilled at once before
     any token, and the drain are left out. None where there is no such window (no more
-    requests than clients, or no token in it). `rows`: (sent, first token, end, tokens,
-    [(time, tokens so far), ...]) per request."""
+    requests than clients) or it holds under STEADY_SHARE of the run's tokens: a few requests
+    that finish together leave a window of microseconds, whose tokens over its length is no
+    throughput at all. `rows`: (sent, first token, end, tokens, [(time, tokens so far), ...])
+    per request."""
     sends = sorted(r[0] for r in rows)
     if len(sends) <= concurrency:
         return None
@@ -96,7 +102,13 @@ def _steady(rows: list[tuple], concurrency: int) -> tuple[int, float] | None:
         return max((k for s, k in timeline if s <= t), default=0)
 
     tokens = sum(at(r[4], end) - at(r[4], begin) for r in rows)
-    return (tokens, end - begin) if end > begin and tokens > 0 else None
+    enough = tokens > 0 and tokens >= STEADY_SHARE * sum(r[3] for r in rows)
+    return (tokens, end - begin) if end > begin and enough else None
+
+
+# The least share of a level's output tokens its steady state must hold to be timed alone
+# (2c requests of lengths 0.5x-1.5x the mean put about half of them there).
+STEADY_SHARE = 0.25
 
 
 def concurrency_levels(text: str) -> list[int]:
@@ -322,6 +334,7 @@ def summarize(rows: list[dict]) -> dict:
     levels = sorted({r["concurrency"] for r in rows})
     out: dict = {}
     lines = []
+    spreads = {c: v for c in levels if (v := _off_spread(rows, c)) is not None}
     for policy in ("static", "adaptive"):
         ratios = {c: _ratio(rows, c, policy) for c in levels}
         ratios = {c: v for c, v in ratios.items() if v is not None}
@@ -334,12 +347,21 @@ def summarize(rows: list[dict]) -> dict:
             f"{ratios[worst]:.2f}x at {worst}"
         )
         if policy == "static":
-            negative = [c for c in levels if c in ratios and ratios[c] < 1.0]
+            # a loss is a ratio below plain decoding's own spread between its two runs (where
+            # it ran twice): one inside it is a tie this run cannot tell apart
+            negative = [c for c in levels if c in ratios and ratios[c] < 1.0 - spreads.get(c, 0)]
+            ties = [c for c in levels if c in ratios and c not in negative and ratios[c] < 1.0]
             out["static_negative_from"] = negative[0] if negative else None
             lines.append(
                 f"static speculation loses to plain decoding from concurrency {negative[0]}"
                 if negative
                 else "static speculation never lost to plain decoding in this sweep"
+                + (
+                    f" (below 1.00x within plain decoding's run-to-run spread at "
+                    f"{', '.join(map(str, ties))})"
+                    if ties
+                    else ""
+                )
             )
     if _by_cpu(rows):
         cpu = {
@@ -354,14 +376,21 @@ def summarize(rows: list[dict]) -> dict:
         if parts:
             lead = "by process CPU time (a second clock, often steadier on a shared host): "
             lines.append(lead + "; ".join(parts))
-    spreads = {c: v for c in levels if (v := _off_spread(rows, c)) is not None}
     if spreads:
         out["off_spread"] = spreads
         worst = max(spreads, key=spreads.get)
         lines.append(
             f"plain decoding, measured before and after the others at each level: its two runs "
             f"{max(spreads.values()):.1%} apart at most (at {worst}), the noise floor of these "
-            f"ratios"
+            f"ratios, which are against the mean of the two"
+        )
+    whole = sorted({r["concurrency"] for r in rows if r.get("timed_over") == "whole run"})
+    if whole:
+        out["whole_run_levels"] = whole
+        lines.append(
+            f"concurrency {', '.join(map(str, whole))}: timed over the whole run, start and "
+            "drain included (too few requests per client for a steady state: raise "
+            "--min-requests)"
         )
     out["text"] = "\n".join(lines)
     return out

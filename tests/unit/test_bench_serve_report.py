@@ -59,7 +59,7 @@ def test_a_level_is_timed_while_every_client_is_busy(monkeypatch):
 
     from specdecode.bench.serve import _level
 
-    tick, lengths = 0.02, [2, 4, 2, 20]
+    tick, lengths = 0.02, [2, 4, 2, 6]
 
     class Clock:  # `time` for the level: it moves a tick per engine step
         now, waiting = 0.0, []
@@ -101,9 +101,16 @@ def test_a_level_is_timed_while_every_client_is_busy(monkeypatch):
             stepping.cancel()
 
     row = asyncio.run(run(2, 4))
-    assert row["output_tokens"] == 28 and row["seconds"] == pytest.approx(24 * tick)
+    assert row["output_tokens"] == 14 and row["seconds"] == pytest.approx(10 * tick)
     assert row["steady_seconds"] == pytest.approx(2 * tick)
     assert row["throughput_tok_s"] == pytest.approx(2 / tick)
+    assert row["timed_over"] == "steady state"
+    # a long drain: the window's 2 tokens are not a quarter of the run's 28, so the level is
+    # timed over the whole run (a review measured "38,253 tok/s" over a window of microseconds)
+    lengths[3] = 20
+    row = asyncio.run(run(2, 4))
+    assert row["output_tokens"] == 28 and row["timed_over"] == "whole run"
+    assert row["throughput_tok_s"] == pytest.approx(28 / (24 * tick))
     with pytest.raises(ValueError, match=">= 1"):
         asyncio.run(run(0, 1))
 
@@ -123,6 +130,14 @@ def test_the_steady_window_leaves_out_the_start_and_the_drain():
     assert _steady(rows, 2) == (4, 2.0)
     assert _steady(rows, 4) is None  # no more requests than clients: no steady state
     assert _steady(rows[:3], 2) is None  # one send after the start: no window
+    # requests that end together: a window of a microsecond holding 1 token of the run's 9
+    rows = [
+        (0.0, 1.0, 4.0, 4, [(1.0, 1), (4.0, 4)]),
+        (0.0, 1.0, 4.0, 4, [(1.0, 1), (4.0, 4)]),
+        (4.0, 4.0000005, 4.5, 1, [(4.0000005, 1)]),
+        (4.000001, 5.0, 5.0, 0, []),
+    ]
+    assert _steady(rows, 2) is None
 
 
 def test_bench_argument_types_normalise_what_they_accept(capsys):
@@ -176,3 +191,26 @@ def test_cpu_engines_also_report_ratios_by_cpu_time():
     gpu_summary = summarize(gpu)
     assert "cpu_time" not in gpu_summary
     assert "CPU" not in markdown({**result, "rows": gpu, "summary": gpu_summary})
+
+
+def test_a_loss_is_a_ratio_below_plain_decodings_own_spread():
+    """0.997x off where plain decoding's two runs came out 1.1% apart is a tie, not a loss (a
+    review saw "loses from concurrency 1" there); 0.95x is a loss; a level with too few requests
+    for a steady state says it was timed over the whole run."""
+    rows = [
+        _row(1, "off", 100.0),
+        _row(1, "static", 100.25),
+        _row(1, "off", 101.1, repeat=True),
+        _row(2, "off", 100.0),
+        {**_row(2, "static", 95.0), "timed_over": "whole run"},
+        _row(2, "off", 100.0, repeat=True),
+    ]
+    tie = summarize(rows[:3])
+    assert tie["static_negative_from"] is None
+    assert (
+        "never lost" in tie["text"]
+        and "within plain decoding's run-to-run spread at 1" in (tie["text"])
+    )
+    both = summarize(rows)
+    assert both["static_negative_from"] == 2 and both["whole_run_levels"] == [2]
+    assert "concurrency 2: timed over the whole run" in both["text"]
