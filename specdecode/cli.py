@@ -449,14 +449,19 @@ def build_parser() -> argparse.ArgumentParser:
     lat = bsub.add_parser("latency", help="plain decoding tok/s vs transformers, and the floor")
     add_engine_args(lat)
     add_speculative_args(lat)
+    # (each mode's own flags default to None, so that one given to the other mode is refused;
+    # the defaults in the help are filled in by _latency_flags)
     lat.add_argument(
         "--workloads",
         type=b.workload_list,
-        default="code,sql,json,chat",
-        help="speculative mode: comma-separated subset of code,sql,json,chat",
+        default=None,
+        help="speculative mode: comma-separated subset of code,sql,json,chat (default: all)",
     )
     lat.add_argument(
-        "--temperatures", type=b.temperatures, default="0,0.7,1.0", help="speculative mode"
+        "--temperatures",
+        type=b.temperatures,
+        default=None,
+        help="speculative mode (default: 0,0.7,1.0)",
     )
     lat.add_argument(
         "--compare",
@@ -466,11 +471,19 @@ def build_parser() -> argparse.ArgumentParser:
         "same run against the same plain baseline",
     )
     lat.add_argument(
-        "--num-prompts", type=b.at_least(1), default=3, help="speculative mode, per workload"
+        "--num-prompts",
+        type=b.at_least(1),
+        default=None,
+        help="speculative mode, per workload (default: 3)",
     )
     # decode speed is timed from the second token on: two at least
     lat.add_argument("--max-tokens", type=b.at_least(2), default=64)
-    lat.add_argument("--repeats", type=b.at_least(1), default=3)
+    lat.add_argument(
+        "--repeats",
+        type=b.at_least(1),
+        default=None,
+        help="plain mode: runs per prompt, the best kept (default: 3)",
+    )
     lat.add_argument("--skip-transformers", action="store_true")
     lat.add_argument(
         "--json", type=output_file, default=None, help="also write the results to this JSON file"
@@ -789,6 +802,35 @@ def _check_unused_flags(args: argparse.Namespace) -> None:
             "bench latency: --compare measures further configs beside --speculative-config "
             "(or another speculative flag); give that first"
         )
+    if bench == "latency":
+        _latency_flags(args)
+
+
+# bench latency's modes and their own flags, with their defaults: plain decoding (no
+# speculative config) times three fixed prompts; the speculative mode, workloads' prompts
+LATENCY_FLAGS = {
+    "plain": {"repeats": 3},
+    "speculative": {"workloads": "code,sql,json,chat", "temperatures": "0.0,0.7,1.0",
+                    "num_prompts": 3},
+}  # fmt: skip
+
+
+def _latency_flags(args: argparse.Namespace) -> None:
+    """A flag of the other mode is refused (a review's `--num-prompts 2` timed plain decoding
+    on its three prompts); the mode's own flags not given take their defaults."""
+    mode = "speculative" if speculative_config(args) else "plain"
+    other = "plain" if mode == "speculative" else "speculative"
+    given = [k for k in LATENCY_FLAGS[other] if getattr(args, k) is not None]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise InvalidRequestError(
+            f"bench latency: {flags} {'apply' if len(given) > 1 else 'applies'} to its "
+            f"{other} mode only"
+            + (" (give a speculative config)" if other == "speculative" else "")
+        )
+    for key, default in LATENCY_FLAGS[mode].items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
 
 
 def main(argv: list[str] | None = None) -> int:

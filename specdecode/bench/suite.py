@@ -34,6 +34,9 @@ from specdecode.bench import (
     at_least,
     level_list,
     machine,
+    name_list,
+    output_dir,
+    output_file,
     temperatures,
     workload_list,
     workloads,
@@ -653,6 +656,15 @@ def _mean(xs: list) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _reference_list(text: str) -> str:
+    """`--references`: a comma list of transformers, llamacpp (llama.cpp, as the reports name
+    it, reads the same); empty for none."""
+    if not text.strip():
+        return ""
+    names = name_list(("transformers", "llamacpp", "llama.cpp"), "reference")(text)
+    return names.replace("llama.cpp", "llamacpp")
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--targets",
@@ -678,15 +690,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--concurrency", type=level_list, default="1,4,16", help="levels; empty: skip the sweep"
     )
     p.add_argument("--concurrency-workload", default="json", choices=list(workloads.WORKLOADS))
-    p.add_argument("--concurrency-policies", default="static,adaptive")
+    p.add_argument(
+        "--concurrency-policies",
+        type=name_list(("off", "static", "adaptive"), "policy"),
+        default="static,adaptive",
+        help="plain decoding (off) runs at every level anyway",
+    )
     p.add_argument(
         "--min-requests", type=at_least(1), default=8, help="requests per level at least"
     )
     p.add_argument(
         "--references",
+        type=_reference_list,
         default="transformers,llamacpp",
-        help="comma list of transformers, llamacpp; empty: none",
+        help="comma list of transformers, llamacpp (or llama.cpp); empty: none",
     )
-    p.add_argument("--qwen-dtype", default="bfloat16")
-    p.add_argument("--out", default="bench-suite", help="directory for JSON, Markdown, PNGs")
-    p.add_argument("--report", default=None, help="also write this BENCHMARKS.md")
+    p.add_argument(
+        "--qwen-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "auto"]
+    )
+    p.add_argument(
+        "--out", type=output_dir, default="bench-suite", help="directory for JSON, Markdown, PNGs"
+    )
+    p.add_argument("--report", type=output_file, default=None, help="also write this BENCHMARKS.md")

@@ -49,6 +49,11 @@ HEAD = ["--data", "d", "--out", "o"]
         (["bench", "latency", "--temperatures", ","], "a comma list of temperatures"),
         (["data", "traffic", "--out", "t", "--temperature", "x"], "expected a number"),
         (["bench", "serve", "--policies", ""], "names no policy"),
+        # the suite's flags fail before its hour of measuring, not after it
+        (["bench", "suite", "--concurrency-policies", "foo"], "unknown policy 'foo'"),
+        (["bench", "suite", "--references", "foo"], "unknown reference 'foo'"),
+        (["bench", "suite", "--qwen-dtype", "int8"], "invalid choice"),
+        (["bench", "suite", "--report", "no/such/dir/B.md"], "its folder does not exist"),
         (["bench", "serve", "--policies", "off,bogus"], "unknown policy 'bogus'"),
     ],
 )
@@ -125,6 +130,16 @@ def test_training_never_replaces_a_model_unasked(tmp_path, capsys):
             "--draft-model adds a candidate",
         ),  # fmt: skip
         (["bench", "latency", "--compare", '[{"method": "ngram"}]'], "give that first"),
+        # each mode of bench latency has flags of its own
+        (["bench", "latency", "--num-prompts", "2"], "--num-prompts applies to its speculative"),
+        (
+            ["bench", "latency", "--workloads", "code", "--temperatures", "0"],
+            "--workloads, --temperatures apply to its speculative mode only (give a spec",
+        ),
+        (
+            ["bench", "latency", "--speculative-config", '{"method": "ngram"}', "--repeats", "5"],
+            "--repeats applies to its plain mode only",
+        ),
         (
             ["generate", "--prompt", "hi", "--speculative-draft-model-path", "h"],
             "(--speculative-draft-model-path) given without a method",
