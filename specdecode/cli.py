@@ -691,15 +691,24 @@ def cmd_train(args: argparse.Namespace) -> None:
                 raise InvalidRequestError(
                     "--resume continues the run in --out; --init starts a new one"
                 )
+            fresh = hcfg
             hcfg = resume_config(
                 Path(args.out), args.train, steps=args.steps, max_minutes=args.max_minutes
             )
             hcfg = replace(hcfg, checkpoint_minutes=args.checkpoint_minutes or None)
+            _check_resume_flags(args, fresh, hcfg)
         fn = {"medusa": train_medusa, "eagle": train_eagle, "eagle3": train_eagle3}[args.train]
         loaded.model.requires_grad_(False)
         history = fn(loaded.model, [Path(d) for d in args.data], Path(args.out), hcfg, eos)
-        keys = ("before", "after", "train_seconds", "draft_vocab_coverage", "train_answer_tokens")
+        keys = ("before", "after", "steps_done", "stopped_by", "train_seconds",
+                "draft_vocab_coverage", "train_answer_tokens")  # fmt: skip
         print(json.dumps({k: history[k] for k in keys}, indent=2))
+        if history["stopped_by"].startswith("time budget"):
+            print(
+                f"stopped by its {history['stopped_by']} after {history['steps_done']} of "
+                f"{hcfg.steps} steps; `--resume` with a larger --max-minutes goes on",
+                file=sys.stderr,
+            )
         if history["stopped_by"] == "interrupt":  # saved, resumable; but not done: exit 130
             raise KeyboardInterrupt
         return
@@ -780,6 +789,33 @@ def _words_after(argv: list[str] | None, *command: str) -> list[str]:
     for name in command:
         i = words.index(name, i) + 1
     return words[i:]
+
+
+# `train --resume` keeps the run's settings: these flags, given with values of their own, are
+# refused rather than ignored (HeadTrainConfig field: the flag's name where it differs)
+RESUMED_SETTINGS = {"draft_vocab": None, "batch_tokens": None, "max_len": None, "lr": None,
+                    "warmup": None, "eval_examples": None, "bf16": "precision",
+                    "num_heads": None, "noise": None, "ce_weight": None, "ttt_steps": None,
+                    "ttt_ramp": None, "variant": None}  # fmt: skip
+
+
+def _check_resume_flags(args: argparse.Namespace, given, resumed) -> None:
+    """`given`: the settings the flags name; `resumed`: the saved run's. A flag the user set
+    (not its default) to another value than the run's is refused: --resume continues that run
+    as it was, which the flag would not change."""
+    defaults = build_parser().parse_args(["train", args.train, "--data", "d", "--out", "o"])
+    changed = [
+        "--" + (flag or key).replace("_", "-")
+        for key, flag in RESUMED_SETTINGS.items()
+        if hasattr(given, key)
+        and getattr(args, flag or key, None) != getattr(defaults, flag or key, None)
+        and getattr(given, key) != getattr(resumed, key)
+    ]
+    if changed:
+        raise InvalidRequestError(
+            f"{', '.join(changed)}: --resume continues the run in {args.out} with its own "
+            "settings; drop these flags, or start a new run from it with --init"
+        )
 
 
 def _check_unused_flags(args: argparse.Namespace) -> None:

@@ -336,6 +336,12 @@ class _Trainer:
         position = 0  # the next step to run (past skipped ones, unlike `done`)
         if cfg.resume:  # where the saved run stopped (its "before" was measured then)
             done, position, skipped, spent, before = self._load_state(out_dir, params, opt, kind)
+            if budget is not None and spent >= budget and position < cfg.steps:
+                raise DataError(
+                    f"the run in {out_dir} has used its time budget of {cfg.max_minutes:g} "
+                    f"minutes ({spent / 60:.1f} trained; the budget counts the whole run): give "
+                    "--max-minutes above that to go on"
+                )
             history = {"before": before, "resumed_at_step": position}
             log.info("resuming %s at step %d of %d (%.0f s trained)", kind, position, cfg.steps,
                      spent)  # fmt: skip
@@ -404,6 +410,11 @@ class _Trainer:
             log.log(level, "training stopped by %s after %d steps; saving the head", stopped, done)
         if skipped:
             log.warning("%d batches held no answer token within --max-len: skipped", skipped)
+            if done == 0 and stopped != "interrupt":  # nothing trained: no head to call one
+                raise DataError(
+                    f"no batch held an answer token within --max-len {cfg.max_len} (answers "
+                    "follow their prompts): nothing was trained; raise --max-len"
+                )
         history["steps_done"] = done
         history["steps_skipped"] = skipped
         history["stopped_by"] = stopped or "steps"
@@ -651,10 +662,7 @@ def train_medusa(
                 loss += 0.8**j * _soft_ce(lg, p).sum().item()
                 hits[j] += (tr.to_target_ids(lg.argmax(-1)) == want).sum().item()
                 counts[j] += lg.shape[0]
-        return {
-            "loss": round(loss / max(1, counts[0]), 4),
-            "top1_per_head": [round(h / max(1, c), 4) for h, c in zip(hits, counts, strict=True)],
-        }
+        return _held_out("loss", loss, hits, counts, "top1_per_head")
 
     return tr.run(heads, loss_fn, evaluate, out_dir, "medusa", {"num_heads": k})
 
@@ -756,12 +764,22 @@ def _unrolled_evaluation(tr: _Trainer, head, inputs):
                     ce_sum += _soft_ce(lg, p).sum().item()
                 hits[j] += (tr.to_target_ids(lg.argmax(-1)) == want).sum().item()
                 counts[j] += lg.shape[0]
-        return {
-            "ce": round(ce_sum / max(1, counts[0]), 4),
-            "top1_per_step": [round(h / max(1, c), 4) for h, c in zip(hits, counts, strict=True)],
-        }
+        return _held_out("ce", ce_sum, hits, counts, "top1_per_step")
 
     return evaluate
+
+
+def _held_out(name: str, total: float, hits: list, counts: list, top1: str) -> dict:
+    """Held-out metrics: the mean loss over the first position's tokens and top-1 per
+    position, None where no token was evaluated (no held-out answer within --max-len: a mean
+    of nothing is not a loss of 0), and how many tokens each is over."""
+    if counts[0] == 0:
+        log.warning("the held-out examples hold no answer token within --max-len: no metrics")
+    return {
+        name: round(total / counts[0], 4) if counts[0] else None,
+        top1: [round(h / c, 4) if c else None for h, c in zip(hits, counts, strict=True)],
+        "held_out_tokens": counts[0],
+    }
 
 
 def ttt_steps_at(progress: float, steps: int, ramp: float) -> int:

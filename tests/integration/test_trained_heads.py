@@ -387,16 +387,31 @@ def _fail_at(monkeypatch, call: int, exc: BaseException, drawn: bool = False):
 
 def test_batches_with_no_answer_within_max_len_are_skipped(heads, tiny_llama_dir, tmp_path):
     """--max-len shorter than the prompts leaves nothing to learn in a batch: each such step is
-    skipped and counted, not a crash (Medusa, EAGLE-3) or a NaN loss (EAGLE-1)."""
+    skipped, not a crash (Medusa, EAGLE-3) or a NaN loss (EAGLE-1); where every one was, nothing
+    was trained and no head is saved as if it had been (a review got an untrained head, exit 0,
+    and held-out metrics of "ce 0.0" over no token)."""
     from specdecode.models.loader import load_model
+    from specdecode.train.heads import _held_out
 
     root, _ = heads
     target = load_model(tiny_llama_dir).model.requires_grad_(False)
     cfg = HeadTrainConfig(draft_vocab=64, steps=3, batch_tokens=512, warmup=1, eval_examples=8,
                           max_len=8)  # fmt: skip
     for train in (train_medusa, train_eagle, train_eagle3):
-        history = train(target, root / "data", tmp_path / train.__name__, cfg, [2])
-        assert history["steps_skipped"] == 3 and history["steps_done"] == 0
+        out = tmp_path / train.__name__
+        with pytest.raises(DataError, match="nothing was trained; raise --max-len"):
+            train(target, root / "data", out, cfg, [2])
+        assert not (out / "config.json").exists()
+    assert _held_out("ce", 0.0, [0.0, 0.0], [0, 0], "top1_per_step") == {
+        "ce": None,
+        "top1_per_step": [None, None],
+        "held_out_tokens": 0,
+    }
+    assert _held_out("loss", 3.0, [1.0, 0.0], [2, 0], "top1_per_head") == {
+        "loss": 1.5,
+        "top1_per_head": [0.5, None],
+        "held_out_tokens": 2,
+    }
 
 
 def test_ctrl_c_stops_training_and_saves_the_head(heads, tiny_llama_dir, tmp_path, monkeypatch):
@@ -510,7 +525,9 @@ def test_a_killed_run_resumes_where_it_stopped(
 
 def test_train_resume_from_the_command_line(heads, tiny_llama_dir, tmp_path, capsys):
     """`train ... --resume` continues the run in --out with its own settings; --steps raises
-    them (the schedule follows the new length from the step reached)."""
+    them (the schedule follows the new length from the step reached). A setting given another
+    value is refused, not ignored; the same value, or a flag left at its default, is fine. A run
+    that used its time budget says so, and resuming it needs a larger one."""
     from specdecode.cli import main
 
     root, _ = heads
@@ -518,11 +535,23 @@ def test_train_resume_from_the_command_line(heads, tiny_llama_dir, tmp_path, cap
               "--out", str(tmp_path / "h"), "--batch-tokens", "256",
               "--eval-examples", "8"]  # fmt: skip
     assert main([*common, "--steps", "2", "--draft-vocab", "64", "--lr", "0.002"]) == 0
-    assert main([*common, "--resume", "--steps", "3", "--lr", "0.5"]) == 0
+    capsys.readouterr()
+    assert main([*common, "--resume", "--steps", "3", "--lr", "0.5", "--ttt-steps", "2"]) == 2
+    assert "--lr, --ttt-steps: --resume continues the run" in capsys.readouterr().err
+    assert main([*common, "--resume", "--steps", "3", "--lr", "0.002"]) == 0
     saved = json.loads((tmp_path / "h" / "training.json").read_text())
     assert saved["resumed_at_step"] == 2 and saved["steps_done"] == 3
     assert saved["config"]["lr"] == 0.002 and saved["config"]["steps"] == 3  # its own, raised
     assert saved["config"]["draft_vocab"] == 64
+    timed = ["--out", str(tmp_path / "t"), "--steps", "500", "--max-minutes", "0.002"]
+    assert main([*common[:-6], *common[-4:], *timed]) == 0
+    run = json.loads((tmp_path / "t" / "training.json").read_text())
+    assert run["stopped_by"] == "time budget of 0.002 minutes" and run["steps_done"] < 500
+    assert "`--resume` with a larger --max-minutes goes on" in capsys.readouterr().err
+    resumed = [*common[:-6], *common[-4:], "--out", str(tmp_path / "t"), "--resume"]
+    assert main(resumed) == 2
+    assert "has used its time budget of 0.002 minutes" in capsys.readouterr().err
+    assert main([*resumed, "--max-minutes", "0.004"]) == 0
 
 
 def test_one_head_trains_on_two_data_sets_and_reports_each(heads, plain, tiny_llama_dir, tmp_path):
