@@ -146,7 +146,9 @@ def iter_examples(data_dir: Path, features: bool = True) -> Iterator[Example]:
         yield from read_shard(path, features)
 
 
-def _shard_done(path: Path, want: list[str], feature_layers: str | None = None) -> bool:
+def _shard_done(
+    path: Path, want: list[str], feature_layers: str | None = None, settings: dict | None = None
+) -> bool:
     """Whether the shard at `path` holds the range `want`; False (to regenerate) for a range it
     holds only the start of (a run extended past a partly filled last shard); an error for a
     range that does not match (another shard size or conversation list in the same place)."""
@@ -163,6 +165,18 @@ def _shard_done(path: Path, want: list[str], feature_layers: str | None = None) 
             f"{path} stores target features of layers {stored or 'none'}, this run "
             f"{feature_layers or 'none'}: use the same --features as the run that wrote it, or "
             "another --out"
+        )
+    # one data set is one run's answers: a rerun with another model, length or temperature
+    # would mix them without a word (settings an older shard did not record are not compared)
+    differ = [
+        f"{k} {meta[k]} (this run: {v})"
+        for k, v in (settings or {}).items()
+        if k in meta and meta[k] != v
+    ]
+    if differ:
+        raise InvalidRequestError(
+            f"{path} was generated with {', '.join(differ)}: use the same flags as the run that "
+            "wrote it, or another --out"
         )
     held = json.loads(meta["conversation_ids"])
     recorded = json.loads(meta["slice_ids"]) if "slice_ids" in meta else None
@@ -253,17 +267,20 @@ def generate(
     def ids_of(i: int) -> list[str]:
         return [cid for cid, _ in conversations[i * shard_size : (i + 1) * shard_size]]
 
-    layers = json.dumps(list(feature_layers)) if feature_layers is not None else None
-    todo = [i for i in mine if not _shard_done(shard_path(out, i), ids_of(i), layers)]
-    if len(todo) < len(mine):
-        log.info("resuming: %d of %d shards already written", len(mine) - len(todo), len(mine))
     engine = llm.engine
     meta = {
         "model": str(engine.model_path.name),
         "max_tokens": max_tokens,
         "temperature": temperature,
+        "max_prompt_tokens": max_prompt_tokens,
         "source": f"{source} (train split), first user turn",
     }
+    settings = {k: str(meta[k]) for k in ("model", "max_tokens", "temperature",
+                                          "max_prompt_tokens")}  # fmt: skip
+    layers = json.dumps(list(feature_layers)) if feature_layers is not None else None
+    todo = [i for i in mine if not _shard_done(shard_path(out, i), ids_of(i), layers, settings)]
+    if len(todo) < len(mine):
+        log.info("resuming: %d of %d shards already written", len(mine) - len(todo), len(mine))
     recorder = None
     drafter_layers = engine.runner.feature_layers  # a feature-reading drafter's, or None
     if feature_layers is not None:

@@ -83,6 +83,11 @@ def test_a_longer_run_over_the_same_directory_fills_the_partial_last_shard(llm, 
         generate(llm, CONVS, tmp_path, shard_size=3, max_tokens=4)
     with pytest.raises(InvalidRequestError, match="--features"):  # shards without features
         generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=4, feature_layers=(0, 1))
+    # another length or temperature would mix two runs' answers in one data set
+    with pytest.raises(InvalidRequestError, match=r"max_tokens 4 \(this run: 8\)"):
+        generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=8)
+    with pytest.raises(InvalidRequestError, match=r"temperature 0.0 \(this run: 0.8\)"):
+        generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=4, temperature=0.8)
     system = [("s0", [{"role": "system", "content": "a banner"}, *CONVS[0][1]])]
     (ex,) = read_shard(generate(llm, system, tmp_path / "sys", max_tokens=4)[0])
     prompt = llm._chat_ids(CONVS[0][1])
