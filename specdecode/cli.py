@@ -327,7 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     tsub = train.add_subparsers(dest="train", required=True)
     tdraft = tsub.add_parser("draft", help="distil a small draft model from the target")
     add_engine_args(tdraft)
-    tdraft.add_argument("--data", required=True, help="shards from `specdecode data generate`")
+    tdraft.add_argument(
+        "--data",
+        required=True,
+        action="append",
+        help="shards from `specdecode data generate` (repeatable; the last --eval-examples of "
+        "each are held out)",
+    )
+    tdraft.add_argument("--eval-examples", type=_at_least_one, default=32)
     tdraft.add_argument("--out", type=output_dir, required=True)
     tdraft.add_argument("--num-layers", type=_at_least_one, default=2)
     tdraft.add_argument("--draft-vocab", type=integer(0), default=8192)
@@ -719,8 +726,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         max_len=args.max_len,
         lr=args.lr,
+        eval_examples=args.eval_examples,
     )
-    history = train_draft(loaded.model, Path(args.data), Path(args.out), cfg, eos, loaded.path)
+    data = [Path(d) for d in args.data]
+    history = train_draft(loaded.model, data, Path(args.out), cfg, eos, loaded.path)
     print(
         json.dumps(
             {k: history[k] for k in ("before", "after", "train_seconds", "draft_vocab_coverage")},

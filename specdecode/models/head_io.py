@@ -217,6 +217,11 @@ def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
     `target` (its embeddings and, unless the head has its own, its LM head rows)."""
     path = Path(path)
     raw = _read_config(path)
+    if "specdecode_draft" in raw:
+        raise InvalidRequestError(
+            f"{path} is a draft model from `specdecode train draft`, not a head: it runs as "
+            "method draft_model (and, sharing its target's embeddings, is not exported)"
+        )
     kind = head_kind(path)
     tc = target.config
     # FasterDecoding's Medusa config names no sizes: the tensors' shapes are checked below

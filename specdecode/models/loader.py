@@ -21,7 +21,12 @@ from pathlib import Path
 import torch
 
 from specdecode.config import ModelConfig
-from specdecode.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from specdecode.errors import (
+    CorruptModelError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
 from specdecode.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -134,6 +139,12 @@ def read_config(model_dir: Path) -> ModelConfig:
         raw = json.loads((model_dir / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise CorruptModelError(f"{model_dir / 'config.json'} is not valid JSON: {e}") from e
+    if "specdecode_draft" in raw:  # (its config reads as a Llama's: its weights do not)
+        raise InvalidRequestError(
+            f"{model_dir} is a draft model from `specdecode train draft`, which shares its "
+            "target's embeddings: it runs beside that target, as --speculative-config "
+            f'\'{{"method": "draft_model", "model": "{model_dir}"}}\', not on its own'
+        )
     return ModelConfig.from_hf(raw)
 
 

@@ -158,7 +158,7 @@ def _batch(examples, features, idx, max_len):
 
 def train_draft(
     target: LlamaModel,
-    data_dir: Path,
+    data_dir: Path | list[Path],
     out_dir: Path,
     cfg: DraftTrainConfig,
     eos_ids: list[int],
@@ -167,13 +167,17 @@ def train_draft(
     from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
-    examples = list(iter_examples(data_dir, features=False))  # (a head's features: unused)
-    if len(examples) <= cfg.eval_examples:
-        raise DataError(
-            f"{data_dir} holds {len(examples)} examples; need more than "
-            f"{cfg.eval_examples} (the last ones are held out for evaluation)"
-        )
-    train, held = examples[: -cfg.eval_examples], examples[-cfg.eval_examples :]
+    # one or more data sets, the last eval_examples of each held out (as the heads' training)
+    train, held = [], []
+    for d in [data_dir] if isinstance(data_dir, (str, Path)) else data_dir:
+        examples = list(iter_examples(Path(d), features=False))  # (a head's features: unused)
+        if len(examples) <= cfg.eval_examples:
+            raise DataError(
+                f"{d} holds {len(examples)} examples; need more than {cfg.eval_examples} (the "
+                "last ones are held out for evaluation: --eval-examples)"
+            )
+        train += examples[: -cfg.eval_examples]
+        held += examples[-cfg.eval_examples :]
     vocab_ids = frequent_tokens(train, cfg.draft_vocab, eos_ids)
     coverage = _coverage(held, vocab_ids)
     target.requires_grad_(False).eval()
