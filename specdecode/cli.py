@@ -638,7 +638,15 @@ def cmd_data(args: argparse.Namespace) -> None:
         feature_layers=layers,
         source=args.source,
     )
-    print(f"wrote {len(written)} shards to {args.out}")
+    from specdecode.train.datagen import rank_and_world
+
+    rank, world = rank_and_world()
+    total = -(-len(conversations) // args.shard_size)
+    mine = len(range(rank, total, world))  # (shard i is rank i % world's)
+    who = f"rank {rank} of {world}: " if world > 1 else ""
+    of = f"its {mine}" if world > 1 else str(total)
+    done = f"; {mine - len(written)} already there" if len(written) < mine else ""
+    print(f"{who}wrote {len(written)} of {of} shards to {args.out}{done}")
 
 
 def cmd_train(args: argparse.Namespace) -> None:

@@ -94,7 +94,7 @@ def test_a_longer_run_over_the_same_directory_fills_the_partial_last_shard(llm, 
     assert ex.input_ids[: len(prompt)] == prompt
 
 
-def test_a_second_data_set_skips_the_conversations_of_the_first(llm, tmp_path):
+def test_a_second_data_set_skips_the_conversations_of_the_first(llm, tmp_path, capsys):
     from specdecode.cli import main
 
     first = tmp_path / "first"
@@ -112,11 +112,14 @@ def test_a_second_data_set_skips_the_conversations_of_the_first(llm, tmp_path):
     data.SOURCES["sharegpt-code"] = lambda split: iter(code)
     try:
         second = tmp_path / "second"
-        rc = main(
-            ["data", "generate", "--model", str(llm.engine.model_path), "--out", str(second),
-             "--source", "sharegpt-code", "--exclude-data", str(first), "--max-tokens", "4",
-             "--num-conversations", "2", "--features", "none"]
-        )  # fmt: skip
+        args = ["data", "generate", "--model", str(llm.engine.model_path), "--out", str(second),
+                "--source", "sharegpt-code", "--exclude-data", str(first), "--max-tokens", "4",
+                "--num-conversations", "2", "--features", "none"]  # fmt: skip
+        rc = main(args)
+        assert capsys.readouterr().out.strip().endswith(f"wrote 1 of 1 shards to {second}")
+        main(args)  # again: nothing left to do, and it says so
+        assert capsys.readouterr().out.strip().endswith("wrote 0 of 1 shards to " + str(second)
+                                                       + "; 1 already there")  # fmt: skip
     finally:
         data.SOURCES["sharegpt-code"] = orig
     assert rc in (0, None)
