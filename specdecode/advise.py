@@ -61,6 +61,7 @@ class TrafficRequest:
 class Traffic:
     requests: list[TrafficRequest]
     bad_lines: list[str] = field(default_factory=list)  # "line N: why", skipped
+    unused: int = 0  # requests past --num-requests, not read
 
 
 def read_traffic(path: str | Path, default_max_tokens: int = 128, default_temperature=None):
@@ -354,8 +355,9 @@ def run_advise(args: argparse.Namespace) -> dict:
     configs = candidate_configs(args.model, speculative_config(args), args.draft_model)
     base = LLM(args.model, speculative_policy="off", **common)
     reqs, ids = [], []
-    for r in traffic.requests:
+    for n, r in enumerate(traffic.requests):
         if args.num_requests and len(reqs) == args.num_requests:
+            traffic.unused = len(traffic.requests) - n
             break
         try:
             p = base._chat_ids(r.messages) if r.messages else base.encode(r.prompt)
@@ -534,7 +536,9 @@ def advice(
     for r in reqs:
         temps[f"{r.temperature:g}"] = temps.get(f"{r.temperature:g}", 0) + 1
     lines = [
-        f"Traffic: {len(reqs)} requests ({len(traffic.bad_lines)} bad lines skipped), "
+        f"Traffic: {len(reqs)} requests ({len(traffic.bad_lines)} bad lines skipped"
+        + (f"; the {traffic.unused} after them unused: --num-requests" if traffic.unused else "")
+        + "), "
         f"prompts {prompt_tokens:.0f} tokens and outputs {out_tokens:.0f} tokens on average, "
         "temperatures " + ", ".join(f"{t} ({n})" for t, n in sorted(temps.items())) + ".",
         f"At concurrency {c}, plain decoding: a step feeds {c} tokens and takes "
@@ -700,7 +704,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--traffic", required=True, help="JSONL: one prompt or chat per line")
     p.add_argument("--concurrency", type=integer(1), default=1, help="expected requests in flight")
     p.add_argument("--draft-model", default=None, help="also try this draft model")
-    p.add_argument("--num-requests", type=integer(0), default=32, help="requests used (0: all)")
+    p.add_argument(
+        "--num-requests", type=integer(0), default=32, help="the first ones used (32; 0: all)"
+    )
     p.add_argument("--max-tokens", type=integer(1), default=128, help="when a line does not say")
     p.add_argument("--temperature", type=temperature, default=None, help="when a line does not say")
     p.add_argument("--min-gain", type=number(0), default=0.05, help="recommend only above this")

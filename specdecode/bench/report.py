@@ -259,14 +259,19 @@ def _read_json(path: Path):
 
 
 def run_report(args) -> None:
+    from specdecode.errors import InvalidRequestError
+
     runs = []
     for d in args.runs:
         f = Path(d) / "suite.json"
         if not f.is_file():
-            from specdecode.errors import InvalidRequestError
-
             raise InvalidRequestError(f"{f} not found: give directories written by bench suite")
-        runs.append((_read_json(f), Path(d)))
+        run = _read_json(f)
+        if not isinstance(run, dict) or "targets" not in run or "command" not in run:
+            raise InvalidRequestError(f"{f} is not a `bench suite` result")
+        runs.append((run, Path(d)))
     advise = _read_json(Path(args.advise)) if args.advise else None
+    if advise is not None and (not isinstance(advise, dict) or "text" not in advise):
+        raise InvalidRequestError(f"{args.advise} is not an `advise --json` result")
     write_report(runs, Path(args.out), advise, args.advise)
     print(f"wrote {args.out}")

@@ -63,6 +63,11 @@ def test_suite_runs_every_workload_method_and_level(roomy, tmp_path):
         "bench", "report", str(out), "--advise", str(tmp_path / "bad.json"), "--out", str(again)
     )
     assert r.returncode == 2 and "not valid JSON" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "other.json").write_text('{"rows": []}')  # valid JSON, another command's
+    r = run(
+        "bench", "report", str(out), "--advise", str(tmp_path / "other.json"), "--out", str(again)
+    )
+    assert r.returncode == 2 and "is not an `advise --json` result" in r.stderr
 
 
 def test_suite_rejects_unknown_methods(roomy, tmp_path):

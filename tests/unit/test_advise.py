@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from specdecode import advise
 from specdecode.advise import CostModel, Measured, predict, read_traffic
 from specdecode.bench.report import seed_comparison
 from specdecode.engine.controller import DraftCostModel, StepCostModel
@@ -127,6 +128,20 @@ def test_one_token_answers_predict_no_gain_and_no_division_by_zero():
     # time per output token counts the steps after the first token, as `bench serve` does
     many = predict(cost, 1, prompt_tokens=20, output_tokens=11)
     assert many["tpot_ms"] == pytest.approx(10.0)
+
+
+def test_the_advice_says_when_requests_past_num_requests_went_unused():
+    step = StepCostModel()
+    for n in (1, 2, 4, 8):
+        step.calibrate(n, 0.010)
+    costs = {"off": CostModel(step, None)}
+    used = advise.Traffic([], [], unused=8)
+    text = advise.advice(1, used, [], {}, costs, 20, 50, 10.0, 0.0)["text"]
+    assert "Traffic: 0 requests (0 bad lines skipped; the 8 after them unused: --num-requests)" in (
+        text
+    )
+    text = advise.advice(1, advise.Traffic([], []), [], {}, costs, 20, 50, 10.0, 0.0)["text"]
+    assert "Traffic: 0 requests (0 bad lines skipped), " in text
 
 
 def test_candidates_for_the_default_model_include_the_lookup_branch():
@@ -309,7 +324,10 @@ def test_validation_runs_the_option_recommended_by_its_label(monkeypatch):
 
     def closed_loop(engine, ids, levels, policies, *a, **k):
         ran.append((engine.name, policies[0], engine.controller.max_depth))
-        return [{"concurrency": c, "throughput_tok_s": 10.0, "tpot_ms": 1.0} for c in levels]
+        return [
+            {"concurrency": c, "throughput_tok_s": 10.0, "tpot_ms": 1.0, "timed_over": "whole run"}
+            for c in levels
+        ]
 
     monkeypatch.setattr(serve, "closed_loop", closed_loop)
     llms = {
@@ -328,8 +346,10 @@ def test_validation_runs_the_option_recommended_by_its_label(monkeypatch):
         {**o, "depth": 4 if o["method"] == "eagle3+lookup" else 2} for o in result["options"]
     ]
     result["recommended_label"] = "eagle3+lookup"
-    advise.validate(llms, result, measured, costs, [[1]], [None], [1], 20, 50)
+    got = advise.validate(llms, result, measured, costs, [[1]], [None], [1], 20, 50)
     assert ("eagle3+lookup", "static", 4) in ran and ("eagle3+lookup", "adaptive", 4) in ran
+    # a level too small for a steady state says it was timed over the whole run, every row
+    assert got["text"].count("timed over the whole run") == len(got["rows"]) == 3
     assert not any(name == "eagle3" for name, _, _ in ran)
 
 
