@@ -242,6 +242,7 @@ def run_target(target: Target, args: argparse.Namespace) -> dict:
                         "decode_speedup": decode / base_decode if base_decode else None,
                         "acceptance_rate": stats.acceptance_rate,
                         "tau": stats.mean_acceptance_length,
+                        "draft_tokens": stats.num_draft_tokens,  # (0: it drafted nothing)
                         "acceptance_by_position": [
                             round(a / max(1, stats.num_drafts), 4)
                             for a in stats.accepted_per_position

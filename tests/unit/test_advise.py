@@ -303,6 +303,15 @@ def test_seed_comparison_states_agreement_from_the_rows():
     rows[1] = _row("ngram", "json", 0.0, 1.4, 0.6, 2.0)
     text = "\n".join(seed_comparison(result))
     assert "T=0): disagrees. Best acceptance 60%" in text
+    # no head run: the best-of-any line is a bullet of its own, not an orphaned sub-bullet;
+    # a cell that drafted nothing is no evidence on acceptance
+    no_heads = [r for r in rows if r["method"] != "eagle3"]
+    no_heads.append({**_row("ngram", "sql", 1.0, 0.98, 0.0, 1.0), "draft_tokens": 0})
+    lines = seed_comparison({"targets": [{"target": "t", "rows": no_heads}]})
+    assert lines[0].startswith("Best of any method on t: 1.40x")
+    text = "\n".join(lines)
+    assert "1 of 1 method/workload/temperature cells under 30%" in text
+    assert "1 cells that drafted nothing are left out" in text
 
 
 def test_validation_runs_the_option_recommended_by_its_label(monkeypatch):
