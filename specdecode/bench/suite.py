@@ -578,7 +578,7 @@ def plots(result: dict, out: Path) -> list[Path]:
             title=f"{t['target']}: {t['concurrency_workload']}, T=0",
         )
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax)
     fig.tight_layout()
     paths.append(out / "speedup_vs_concurrency.png")
     fig.savefig(paths[-1], dpi=100)
@@ -609,7 +609,7 @@ def plots(result: dict, out: Path) -> list[Path]:
             ylim=(0, 1),
         )
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax)
     fig.tight_layout()
     paths.append(out / "acceptance_vs_temperature.png")
     fig.savefig(paths[-1], dpi=100)
@@ -644,12 +644,18 @@ def plots(result: dict, out: Path) -> list[Path]:
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(wls))], wls)
         ax.axhline(1.0, color="gray", lw=1)
         ax.set(ylabel="tau (1 + accepted per drafting step)", title=f"{t['target']}, T={t0:g}")
-        ax.legend(fontsize=7)
+        _legend(ax)
     fig.tight_layout()
     paths.append(out / "tau_per_workload.png")
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
     return paths
+
+
+def _legend(ax) -> None:
+    """A legend where something was drawn (none for a target with no rows of the kind)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
 
 
 def _mean(xs: list) -> float:

@@ -92,6 +92,8 @@ def resume_config(out_dir: Path, kind: str, **overrides) -> HeadTrainConfig:
     from safetensors import safe_open
 
     path = out_dir / STATE_FILE
+    if not out_dir.is_dir():
+        raise DataError(f"nothing to resume: {out_dir} does not exist (a new run drops --resume)")
     if not path.is_file():
         raise DataError(
             f"{out_dir} holds no run to resume ({STATE_FILE} is missing: heads saved before "
@@ -901,8 +903,13 @@ def _continue_from(head, tr: _Trainer, vocab: torch.Tensor | None) -> None:
     if (a is None) != (b is None):  # no draft vocabulary means all of the target's ids
         a, b = (torch.arange(tr.target.config.vocab_size) if v is None else v for v in (a, b))
     same_vocab = a is None or torch.equal(a.cpu(), b.cpu())
-    if type(prev) is not type(head) or not same_vocab:
-        raise DataError(f"{tr.cfg.init} is not a head of this kind with this draft vocabulary")
+    if type(prev) is not type(head):
+        raise DataError(
+            f"{tr.cfg.init} holds another kind of head ({type(prev).__name__}) than this run "
+            f"trains ({type(head).__name__})"
+        )
+    if not same_vocab:
+        raise DataError(f"{tr.cfg.init} has another draft vocabulary than this run's")
     if getattr(prev, "own_projections", None) is not None:
         raise DataError(
             f"{tr.cfg.init} has its own vocabulary projections per head (a FasterDecoding or "

@@ -318,6 +318,20 @@ def test_medusa_deeper_than_its_heads_says_so(plain, tiny_llama_dir, heads, capl
     assert f"{num_heads} heads draft at most {num_heads} tokens deep" in caplog.text
 
 
+def test_continuing_the_wrong_run_says_what_is_wrong(heads, tiny_llama_dir, tmp_path):
+    from specdecode.models.loader import load_model
+    from specdecode.train.heads import resume_config
+
+    root, _ = heads
+    target = load_model(tiny_llama_dir).model.requires_grad_(False)
+    cfg = HeadTrainConfig(draft_vocab=64, steps=1, batch_tokens=256, eval_examples=8,
+                          init=str(root / "eagle3"))  # fmt: skip
+    with pytest.raises(DataError, match=r"another kind of head \(Eagle3Head\)"):
+        train_eagle(target, root / "data", tmp_path / "e", cfg, [2])
+    with pytest.raises(DataError, match="nothing to resume: .* does not exist"):
+        resume_config(tmp_path / "nowhere", "eagle3")
+
+
 def test_training_continues_from_a_head(heads, tiny_llama_dir, tmp_path):
     """--init loads an earlier run: the new run starts where the old one ended."""
     from specdecode.models.head_io import load_head
