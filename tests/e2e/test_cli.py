@@ -353,12 +353,14 @@ def test_training_data_that_does_not_fit_is_a_one_line_error(tiny_llama_dir, tmp
                 "--out", str(tmp_path / kind))  # fmt: skip
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert "specdecode: error:" in r.stderr.strip().splitlines()[-1]
-    # --resume: a folder without a run, or with --init too
-    for extra, message in ((["--resume"], "no run to resume"),
+    # --resume: no folder, a folder without a run, or with --init too
+    for extra, message in ((["--resume"], "nothing to resume"),
+                           (["--resume"], "holds no run to resume"),
                            (["--resume", "--init", "x"], "--init starts a new one")):  # fmt: skip
         r = run("train", "eagle3", "--model", str(tiny_llama_dir), "--data",
                 str(tmp_path / "data"), "--out", str(tmp_path / "r"), *extra)  # fmt: skip
         assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1], r.stderr
+        (tmp_path / "r").mkdir(exist_ok=True)
 
 
 @pytest.mark.parametrize(
