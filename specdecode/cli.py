@@ -845,6 +845,15 @@ def _check_unused_flags(args: argparse.Namespace) -> None:
                 f"{what} measures the policies itself (bench serve: --policies); "
                 "--speculative-policy does not apply"
             )
+    elif (
+        getattr(args, "speculative_policy", None)
+        and bench != "structured"  # (its drafter is n-gram where no flag names one)
+        and not speculative_config(args)
+    ):
+        raise InvalidRequestError(
+            f"--speculative-policy {args.speculative_policy} decides when to draft: it needs a "
+            "speculative config (--speculative-config or another speculative flag)"
+        )
     if args.command == "advise" and args.draft_model and speculative_config(args):
         raise InvalidRequestError(
             "advise: --draft-model adds a candidate to the drafters it tries on its own; with a "

@@ -322,6 +322,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         from specdecode.errors import InvalidRequestError
 
+        self._check_types()
         tree = self.speculative_token_tree
         if isinstance(tree, str):
             import json
@@ -332,6 +333,23 @@ class SpeculativeConfig:
                 raise InvalidRequestError(f"speculative_token_tree is not JSON: {e}") from e
         if tree is not None:
             from specdecode.tree import TreeShape
+
+            if (
+                not isinstance(tree, list)
+                or not tree
+                or not all(
+                    isinstance(c, list)
+                    and c
+                    and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in c)
+                    for c in tree
+                )
+            ):
+                raise InvalidRequestError(
+                    "speculative_token_tree must be a non-empty list of choices, each a list of "
+                    f"child ranks (integers >= 0), e.g. [[0], [1], [0, 0]]; got {tree!r:.80}"
+                )
+            if len({tuple(c) for c in tree}) < len(tree):
+                raise InvalidRequestError("speculative_token_tree lists a choice twice")
 
             try:
                 TreeShape.from_choices(tree)
@@ -391,6 +409,7 @@ class SpeculativeConfig:
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        self._check_applies()
         if self.prompt_lookup_tokens is not None:
             if self.method not in LOOKUP_BRANCH_METHODS:
                 raise InvalidRequestError(
@@ -400,6 +419,74 @@ class SpeculativeConfig:
             n = self.prompt_lookup_tokens
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise InvalidRequestError("prompt_lookup_tokens must be a positive integer")
+
+    def _check_types(self) -> None:
+        """Types before values: a wrong-typed value is a clear error, not a Python comparison's
+        TypeError (true is not 1, 2.5 is not a count)."""
+        from specdecode.errors import InvalidRequestError
+
+        if not isinstance(self.method, str):
+            raise InvalidRequestError(f"method must be a string, got {self.method!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise InvalidRequestError(f"model must be a path or a name, got {self.model!r}")
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "topk",
+                    "num_draft_tokens", "disable_by_batch_size", "draft_vocab_size",
+                    "prompt_lookup_tokens"):  # fmt: skip
+            v = getattr(self, key)
+            optional = key not in ("num_speculative_tokens", "prompt_lookup_min",
+                                   "prompt_lookup_max")  # fmt: skip
+            if (v is not None or not optional) and (not isinstance(v, int) or isinstance(v, bool)):
+                least = 2 if key in ("num_draft_tokens", "draft_vocab_size") else 1
+                what = "a positive integer" if least == 1 else "an integer >= 2"
+                raise InvalidRequestError(f"{key} must be {what}, got {v!r}")
+        for key in ("draft_dtype", "prompt_lookup_method"):
+            v = getattr(self, key)
+            if v is not None and not isinstance(v, str):
+                raise InvalidRequestError(f"{key} must be a string, got {v!r}")
+
+    def _check_applies(self) -> None:
+        """A key that does nothing for this method is refused, not dropped: the user meant
+        something by it (each names where it applies)."""
+        from dataclasses import fields
+
+        from specdecode.errors import InvalidRequestError
+
+        default = {f.name: f.default for f in fields(self)}
+        given = {k for k in default if getattr(self, k) != default[k]}
+
+        def refuse(keys: list[str], where: str) -> None:
+            if keys:
+                raise InvalidRequestError(
+                    f"{', '.join(keys)} {'applies' if len(keys) == 1 else 'apply'} to {where}, "
+                    f"not to method {self.method}"
+                )
+
+        suffix = self.method == "suffix" or (
+            self.prompt_lookup_tokens is not None and self.prompt_lookup_method == "suffix"
+        )
+        if not suffix:
+            keys = sorted(k for k in given if k.startswith("suffix_decoding_"))
+            refuse(keys, 'method suffix and a lookup branch with prompt_lookup_method "suffix"')
+        ngram = self.method == "ngram" or (
+            self.prompt_lookup_tokens is not None and self.prompt_lookup_method == "ngram"
+        )
+        if not ngram:
+            keys = sorted(k for k in given & {"prompt_lookup_min", "prompt_lookup_max"})
+            refuse(keys, "method ngram and a lookup branch (prompt_lookup_tokens)")
+        if self.method in ("ngram", "eagle", "eagle3") and self.speculative_token_tree is not None:
+            refuse(
+                ["speculative_token_tree"],
+                "static trees of methods draft_model and medusa (EAGLE's trees are dynamic: "
+                "topk / num_draft_tokens)",
+            )
+        if self.method == "ngram" and self.draft_dtype is not None:
+            refuse(["draft_dtype"], "a drafter's weights (method ngram has none)")
+        if self.topk == 1 and (self.num_draft_tokens or 0) > self.num_speculative_tokens + 1:
+            raise InvalidRequestError(
+                f"topk 1 drafts a chain of num_speculative_tokens + 1 = "
+                f"{self.num_speculative_tokens + 1} nodes: num_draft_tokens "
+                f"{self.num_draft_tokens} cannot be reached"
+            )
 
     def _check_suffix(self) -> None:
         from specdecode.errors import InvalidRequestError
@@ -439,7 +526,18 @@ class SpeculativeConfig:
 
         from specdecode.errors import InvalidRequestError
 
-        if not isinstance(raw, dict) or "method" not in raw:
+        if isinstance(raw, str):  # (the command line's JSON, given to the Python API)
+            import json
+
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"the speculative config is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise InvalidRequestError(
+                f"the speculative config must be a dict (or its JSON), got {type(raw).__name__}"
+            )
+        if "method" not in raw:
             raise InvalidRequestError("the speculative config needs a 'method'")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)

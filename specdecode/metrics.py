@@ -63,7 +63,14 @@ class SpecDecodeStats:
             "num_accepted_tokens": self.num_accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
+            # vLLM's: accepted at depth i+1 over all drafting steps (it falls with depth, as
+            # tau = 1 + its sum)
             "acceptance_by_position": [
+                a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_position
+            ],
+            # over the steps that drafted that deep (an adaptive depth drafts some shallower):
+            # how good the drafts at that depth were, where there were any
+            "acceptance_by_position_when_drafted": [
                 a / d if d else 0.0
                 for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=True)
             ],

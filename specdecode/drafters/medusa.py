@@ -15,6 +15,7 @@ import torch
 
 from specdecode.core import Sequence
 from specdecode.drafters.base import Drafter, DraftProposal, penalize
+from specdecode.errors import InvalidRequestError
 from specdecode.models.heads import MedusaHeads
 from specdecode.processors import columns_of, has_penalties
 from specdecode.tree import TreeShape
@@ -40,8 +41,11 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, heads: MedusaHeads, tree: TreeShape) -> None:
         depth = max(tree.depths)
-        if depth > heads.num_heads:
-            raise ValueError(f"the tree is {depth} deep but there are only {heads.num_heads} heads")
+        if depth > heads.num_heads:  # (a head drafts one depth)
+            raise InvalidRequestError(
+                f"speculative_token_tree is {depth} deep, but the Medusa head set has only "
+                f"{heads.num_heads} heads"
+            )
         self.heads = heads
         self.tree = tree
         # seq id -> (tokens committed, the last committed token's feature)

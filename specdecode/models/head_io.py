@@ -489,6 +489,31 @@ def head_weight_dtype(config: SpeculativeConfig, target_dtype: torch.dtype) -> t
     return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
 
 
+def _check_head_dtype(config: SpeculativeConfig, engine: LLMEngine) -> None:
+    """A head's `draft_dtype` is the dtype of its weights in the CPU kernels (float32,
+    bfloat16, int8, int4): refused where those do not run it, as a draft model's is, rather
+    than dropped."""
+    from specdecode import kernels
+    from specdecode.config import QUANTIZED_DRAFT_DTYPES
+    from specdecode.drafters.draft_model import quantized_draft_dtype
+
+    if config.draft_dtype is None:
+        return
+    if config.draft_dtype in QUANTIZED_DRAFT_DTYPES:
+        quantized_draft_dtype(config, engine)  # (its own clear errors)
+        return
+    if config.draft_dtype not in ("float32", "bfloat16"):
+        raise InvalidRequestError(
+            f"a head's draft_dtype is float32, bfloat16, int8 or int4 (got {config.draft_dtype})"
+        )
+    cpu = engine.model.norm.weight.device.type == "cpu"
+    if engine.config.kernels != "auto" or not cpu or not kernels.available():
+        raise InvalidRequestError(
+            "a head's draft_dtype sets its weights in the CPU kernels: it needs them (an x86 "
+            "CPU with AVX-512 or AVX2, --kernels auto, the model on the CPU)"
+        )
+
+
 def load_head_for(config: SpeculativeConfig, engine: LLMEngine, kind: str):
     path = resolve_head(config.model, kind, engine)
     if not path.is_dir():
@@ -498,6 +523,7 @@ def load_head_for(config: SpeculativeConfig, engine: LLMEngine, kind: str):
     if found != kind:
         what = f"a {found}" if found else "an unrecognised"
         raise InvalidRequestError(f"{path} holds {what} head, not {kind!r}")
+    _check_head_dtype(config, engine)
     head = load_head(path, engine.model, engine.config.allow_pickle)
     if engine.config.kernels == "auto":
         dtype = head_weight_dtype(config, engine.model.norm.weight.dtype)

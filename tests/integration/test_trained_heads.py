@@ -316,6 +316,29 @@ def test_medusa_deeper_than_its_heads_says_so(plain, tiny_llama_dir, heads, capl
         )
     assert max(llm.engine.drafter.tree.depths) == num_heads
     assert f"{num_heads} heads draft at most {num_heads} tokens deep" in caplog.text
+    deep = [[0] * (d + 1) for d in range(num_heads + 1)]  # a static tree a depth too deep
+    with pytest.raises(InvalidRequestError, match=f"has only {num_heads} heads"):
+        LLM(str(tiny_llama_dir), share_model_with=plain,
+            speculative_config={"method": "medusa", "model": str(root / "medusa"),
+                                "speculative_token_tree": deep})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "dtype, kernels, message",
+    [
+        ("int8", "off", "needs the CPU kernels"),
+        ("bfloat16", "off", "it needs them"),
+        ("float16", "auto", "float32, bfloat16, int8 or int4"),
+    ],
+)
+def test_a_heads_draft_dtype_is_refused_where_it_would_be_dropped(
+    tiny_llama_dir, heads, dtype, kernels, message
+):
+    root, _ = heads
+    with pytest.raises(InvalidRequestError, match=message):
+        LLM(str(tiny_llama_dir), kernels=kernels,
+            speculative_config={"method": "eagle3", "model": str(root / "eagle3"),
+                                "draft_dtype": dtype})  # fmt: skip
 
 
 def test_continuing_the_wrong_run_says_what_is_wrong(heads, tiny_llama_dir, tmp_path):

@@ -130,6 +130,7 @@ def test_training_never_replaces_a_model_unasked(tmp_path, capsys):
             "--draft-model adds a candidate",
         ),  # fmt: skip
         (["bench", "latency", "--compare", '[{"method": "ngram"}]'], "give that first"),
+        (["generate", "--prompt", "hi", "--speculative-policy", "static"], "it needs a spec"),
         # each mode of bench latency has flags of its own
         (["bench", "latency", "--num-prompts", "2"], "--num-prompts applies to its speculative"),
         (
