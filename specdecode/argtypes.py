@@ -5,6 +5,7 @@ measurement that could not write its results would be lost)."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 
@@ -76,20 +77,32 @@ def temperature_list(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """A file to write results to, in a folder that exists, and not itself a folder."""
+    """A file to write results to, in a folder that exists and can be written, and not itself
+    a folder."""
     path = Path(text).expanduser()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file in it")
-    if not path.resolve().parent.is_dir():
+    folder = path.resolve().parent
+    if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: its folder does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written here")
     return text
 
 
 def output_dir(text: str) -> str:
-    """A folder to write into (made if missing): not an existing file."""
+    """A folder to write into (made if missing): not an existing file, and one that can be
+    made and written (its nearest existing folder is a folder this user can write to)."""
     path = Path(text).expanduser()
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    there = path.resolve()
+    while not there.exists():
+        there = there.parent
+    if not there.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(there)!r} is a file, not a folder")
+    if not os.access(there, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written here")
     return text
 
 

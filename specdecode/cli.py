@@ -206,8 +206,16 @@ def engine_kwargs(args: argparse.Namespace, default_policy: str = "adaptive") ->
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors on one line, as every other error of the command line (the full usage of
+    a command with sixty flags buried the message); --help lists the flags."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdecode", description=__doc__)
+    parser = _Parser(prog="specdecode", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -137,7 +137,25 @@ class _Request(BaseModel):
         try:
             return StructuredOutput.coerce(given)
         except InvalidRequestError as e:
-            raise InvalidRequestError(str(e), param="response_format") from e
+            raise InvalidRequestError(str(e), param=self.structured_param()) from e
+
+    def structured_param(self) -> str:
+        """The field that asked for structured output, for an error's `param` (the request's
+        own name for it: guided_regex, say); response_format where several did."""
+        names = [
+            f
+            for f in (
+                "response_format",
+                "guided_json",
+                "guided_regex",
+                "guided_grammar",
+                "guided_choice",
+                "structured_outputs",
+            )  # fmt: skip
+            if getattr(self, f)
+            and (f != "response_format" or self.response_format.get("type") != "text")  # fmt: skip
+        ]
+        return names[0] if len(names) == 1 else "response_format"
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._check_unsupported()

@@ -325,7 +325,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 # the compiler itself too: its first build reads the whole vocabulary
                 await asyncio.to_thread(lambda: core.grammar_compiler().compile(so))
             except InvalidRequestError as e:
-                raise bad_request(str(e), "response_format") from e
+                raise bad_request(str(e), req.structured_param()) from e
         try:
             for i, (ids, params) in enumerate(jobs):
                 handles.append(engine.add(ids, params, f"{request_id}-{i}"))

@@ -37,13 +37,13 @@ def test_generate_takes_the_penalties(tiny_llama_dir):
     "args, message",
     [
         (["--model", "/definitely/not/here"], "model not found"),
-        (["--temperature", "-1"], None),  # a usage error at parse time (test_cli_checks)
+        (["--temperature", "-1"], "--temperature: must be at least 0"),  # (at parse time)
         (["--top-p", "2"], "top_p"),
         (["--max-tokens", "0"], "max_tokens"),
         (["--repetition-penalty", "0"], "repetition_penalty"),
         (["--chat-template", "no-such-template.jinja"], "not found"),
         (["--min-tokens", "20", "--max-tokens", "5"], "min_tokens"),
-        (["--prompt-repeat"], None),  # argparse usage error: exit 2 too
+        (["--prompt-repeat"], "unrecognized arguments: --prompt-repeat"),  # (argparse's)
     ],
 )
 def test_user_errors_are_one_line(tiny_llama_dir, args, message):

@@ -580,9 +580,13 @@ def test_response_format_json_schema_and_guided_regex(served, client):
         body(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 7}}}),
     )  # fmt: skip
     assert status == 400 and "json" in json.loads(data)["error"]["message"]
-    status, _ = raw(served.port, "POST", "/v1/completions",
-                    json.dumps({"prompt": "abc", "guided_regex": "é+"}).encode())  # fmt: skip
+    assert json.loads(data)["error"]["param"] == "response_format"
+    status, data = raw(served.port, "POST", "/v1/completions",
+                       json.dumps({"prompt": "abc", "guided_regex": "é+"}).encode())  # fmt: skip
     assert status == 400  # the vocabulary cannot write it
+    status, data = raw(served.port, "POST", "/v1/completions",
+                       json.dumps({"prompt": "abc", "guided_regex": "("}).encode())  # fmt: skip
+    assert status == 400 and json.loads(data)["error"]["param"] == "guided_regex"  # its own
     status, data = raw(served.port, "POST", "/v1/completions",
                        json.dumps({"prompt": "x" * 400}).encode())  # fmt: skip
     assert status == 400 and json.loads(data)["error"]["param"] == "prompt"  # not "messages"

@@ -88,6 +88,17 @@ def _fake_head(path):
     return path
 
 
+def test_an_output_folder_that_cannot_be_made_is_refused_before_measuring(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    for argv in (["bench", "serve", "--out", str(tmp_path / "afile" / "sub")],
+                 ["bench", "suite", "--out", str(tmp_path / "afile" / "a" / "b")]):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "afile' is a file, not a folder" in err[0]
+
+
 def test_export_never_overwrites_its_head_or_mixes_with_other_files(tmp_path, capsys):
     head = _fake_head(tmp_path / "head")
     assert main(["export", str(head), "--format", "sglang", "--out", str(head)]) == 2

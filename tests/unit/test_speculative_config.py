@@ -57,3 +57,9 @@ def test_what_applies_is_still_accepted():
     assert SpeculativeConfig.from_dict('{"method": "ngram"}').method == "ngram"
     with pytest.raises(InvalidRequestError, match="must be a dict"):
         SpeculativeConfig.from_dict(["ngram"])
+
+
+def test_the_error_is_importable_from_the_package():
+    import specdecode
+
+    assert specdecode.InvalidRequestError is InvalidRequestError
