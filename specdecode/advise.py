@@ -555,6 +555,8 @@ def advice(
         )
     if go:
         rec = {**measured[top["method"]].config, "num_speculative_tokens": top["depth"]}
+        if rec.get("topk") == 1 and rec.get("num_draft_tokens", 0) > top["depth"] + 1:
+            rec["num_draft_tokens"] = top["depth"] + 1  # (a chain of that depth: all it has)
         lines.append(
             f"Recommendation: speculate with {top['method']} at depth {top['depth']} "
             f"(predicted {top['speedup']:.2f}x throughput, time per output token "

@@ -85,7 +85,7 @@ def output_file(text: str) -> str:
     folder = path.resolve().parent
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: its folder does not exist")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    if not os.access(path if path.exists() else folder, os.W_OK):  # (opened for writing)
         raise argparse.ArgumentTypeError(f"{text!r} cannot be written here")
     return text
 

@@ -635,7 +635,7 @@ def cmd_data(args: argparse.Namespace) -> None:
         "final": (),
         "none": None,
     }[args.features]
-    written = generate(
+    generate(  # (it says what it wrote)
         llm,
         conversations,
         Path(args.out),
@@ -646,15 +646,6 @@ def cmd_data(args: argparse.Namespace) -> None:
         feature_layers=layers,
         source=args.source,
     )
-    from specdecode.train.datagen import rank_and_world
-
-    rank, world = rank_and_world()
-    total = -(-len(conversations) // args.shard_size)
-    mine = len(range(rank, total, world))  # (shard i is rank i % world's)
-    who = f"rank {rank} of {world}: " if world > 1 else ""
-    of = f"its {mine}" if world > 1 else str(total)
-    done = f"; {mine - len(written)} already there" if len(written) < mine else ""
-    print(f"{who}wrote {len(written)} of {of} shards to {args.out}{done}")
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -828,7 +819,7 @@ def _check_resume_flags(args: argparse.Namespace, given, resumed) -> None:
     """`given`: the settings the flags name; `resumed`: the saved run's. A flag the user set
     (not its default) to another value than the run's is refused: --resume continues that run
     as it was, which the flag would not change."""
-    defaults = build_parser().parse_args(["train", args.train, "--data", "d", "--out", "o"])
+    defaults = build_parser().parse_args(["train", args.train, "--data", "d", "--out", args.out])
     changed = [
         "--" + (flag or key).replace("_", "-")
         for key, flag in RESUMED_SETTINGS.items()

@@ -335,10 +335,10 @@ class SpeculativeConfig:
             from specdecode.tree import TreeShape
 
             if (
-                not isinstance(tree, list)
+                not isinstance(tree, (list, tuple))
                 or not tree
                 or not all(
-                    isinstance(c, list)
+                    isinstance(c, (list, tuple))
                     and c
                     and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in c)
                     for c in tree
@@ -361,7 +361,7 @@ class SpeculativeConfig:
                 f"unknown speculative method {self.method!r}; "
                 f"choose from {', '.join(SPECULATIVE_METHODS)}"
             )
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+        if self.num_speculative_tokens < 1:
             raise InvalidRequestError("num_speculative_tokens must be a positive integer")
         if self.method == "ngram" and self.model is not None:  # which one was meant?
             raise InvalidRequestError(
@@ -378,11 +378,9 @@ class SpeculativeConfig:
                     "prompt_lookup_tokens"
                 )
             self._check_suffix_numbers()
-        if self.topk is not None and (not isinstance(self.topk, int) or self.topk < 1):
+        if self.topk is not None and self.topk < 1:  # (types: _check_types)
             raise InvalidRequestError("topk must be a positive integer")
-        if self.num_draft_tokens is not None and (
-            not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 2
-        ):
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 2:
             raise InvalidRequestError("num_draft_tokens must be an integer >= 2 (root included)")
         chain = self.num_speculative_tokens + 1  # a chain's nodes, the root included
         if self.method not in ("eagle", "eagle3") and (
@@ -394,14 +392,12 @@ class SpeculativeConfig:
                 "EAGLE-2 trees: methods eagle and eagle3 only (a static tree for the others: "
                 "speculative_token_tree)"
             )
-        if self.disable_by_batch_size is not None and (
-            not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1
-        ):
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise InvalidRequestError("disable_by_batch_size must be a positive integer")
         if self.draft_vocab_size is not None:
             if self.method != "draft_model":
                 raise InvalidRequestError("draft_vocab_size applies to method draft_model only")
-            if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 2:
+            if self.draft_vocab_size < 2:
                 raise InvalidRequestError("draft_vocab_size must be an integer >= 2")
         if self.draft_dtype is not None and self.draft_dtype not in DRAFT_DTYPES:
             raise InvalidRequestError(
@@ -416,8 +412,7 @@ class SpeculativeConfig:
                     "prompt_lookup_tokens adds a lookup branch to a drafter's tree: methods "
                     f"{', '.join(LOOKUP_BRANCH_METHODS)} only (method ngram is lookup alone)"
                 )
-            n = self.prompt_lookup_tokens
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            if self.prompt_lookup_tokens < 1:
                 raise InvalidRequestError("prompt_lookup_tokens must be a positive integer")
 
     def _check_types(self) -> None:

@@ -59,7 +59,10 @@ def seed_comparison(result: dict) -> list[str]:
             + f"Best of any method on {name}: {best_any['speedup']:.2f}x ({best_any['method']}, "
             f"{best_any['workload']}, T={best_any['temperature']:g})."
         )
-        structured = [r for r in rows if r["workload"] in STRUCTURED and r["temperature"] == 0]
+        # a cell that drafted nothing has no acceptance to judge (older runs did not say)
+        idle = [r for r in rows if r.get("draft_tokens") == 0]
+        judged = [r for r in rows if r.get("draft_tokens") != 0]
+        structured = [r for r in judged if r["workload"] in STRUCTURED and r["temperature"] == 0]
         if structured:
             s = max(structured, key=lambda r: r["acceptance_rate"])
             fast = max(structured, key=lambda r: r["speedup"])
@@ -70,7 +73,7 @@ def seed_comparison(result: dict) -> list[str]:
                 f"best speedup {fast['speedup']:.2f}x ({fast['method']} on {fast['workload']}); "
                 f"mean acceptance by method: {_per_method(structured, 'acceptance_rate')}."
             )
-        chat = [r for r in rows if r["workload"] == "chat" and r["temperature"] >= 1.0]
+        chat = [r for r in judged if r["workload"] == "chat" and r["temperature"] >= 1.0]
         if chat:
             acc = _per_method(chat, "acceptance_rate")
             spd = _per_method(chat, "speedup", fmt="{:.2f}x")
@@ -82,9 +85,6 @@ def seed_comparison(result: dict) -> list[str]:
                 f"{best['acceptance_rate']:.0%}, {best['speedup']:.2f}x). Mean acceptance by "
                 f"method {acc}; mean speedup {spd}."
             )
-        # a cell that drafted nothing has no acceptance to judge (older runs did not say)
-        idle = [r for r in rows if r.get("draft_tokens") == 0]
-        judged = [r for r in rows if r.get("draft_tokens") != 0]
         low = [r for r in judged if r["acceptance_rate"] < 0.3]
         if low:
             losing = sum(r["speedup"] < 1 for r in low)
@@ -100,7 +100,11 @@ def seed_comparison(result: dict) -> list[str]:
                 "method/workload/temperature cells under 30% acceptance were slower than plain "
                 "decoding (acceptance here is accepted / drafted tokens, so wide trees sit low "
                 "even when they pay)."
-                + (f" {len(idle)} cells that drafted nothing are left out." if idle else "")
+            )
+        if idle:
+            out.append(
+                f"  {len(idle)} method/workload/temperature cells drafted nothing: they are left "
+                "out of the acceptance verdicts above and below."
             )
         above = [r for r in judged if r["acceptance_rate"] >= 0.3]
         if above:

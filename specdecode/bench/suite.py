@@ -712,9 +712,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default="transformers,llamacpp",
         help="comma list of transformers, llamacpp (or llama.cpp); empty: none",
     )
-    p.add_argument(
-        "--qwen-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "auto"]
-    )
+    p.add_argument("--qwen-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument(
         "--out", type=output_dir, default="bench-suite", help="directory for JSON, Markdown, PNGs"
     )

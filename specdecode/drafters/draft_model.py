@@ -341,6 +341,18 @@ def _frequent_ids(engine: LLMEngine, n: int) -> torch.Tensor:
     return torch.tensor(sorted(keep), device=engine.model.norm.weight.device)
 
 
+def kernels_ready(engine: LLMEngine) -> bool:
+    """Whether a drafter's weights can be packed for the CPU kernels here (--kernels auto, the
+    model on the CPU, the extension built)."""
+    from specdecode import kernels
+
+    return (
+        engine.config.kernels == "auto"
+        and engine.model.norm.weight.device.type == "cpu"
+        and kernels.available()
+    )
+
+
 def quantized_draft_dtype(config: SpeculativeConfig, engine: LLMEngine) -> torch.dtype | None:
     """torch.int8 / torch.int4 for a quantised `draft_dtype` (None otherwise), or a clear error
     where the CPU kernels cannot run it."""
@@ -348,12 +360,7 @@ def quantized_draft_dtype(config: SpeculativeConfig, engine: LLMEngine) -> torch
 
     if config.draft_dtype not in QUANTIZED_DRAFT_DTYPES:
         return None
-    ready = (
-        engine.config.kernels == "auto"
-        and engine.model.norm.weight.device.type == "cpu"
-        and kernels.available()
-    )
-    if not ready:
+    if not kernels_ready(engine):
         raise InvalidRequestError(
             f"draft_dtype {config.draft_dtype} needs the CPU kernels (an x86 CPU with AVX-512 or "
             "AVX2, --kernels auto, the model on the CPU)"

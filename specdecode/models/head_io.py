@@ -472,30 +472,21 @@ def head_weight_dtype(config: SpeculativeConfig, target_dtype: torch.dtype) -> t
     from specdecode import kernels
     from specdecode.engine.engine import resolve_dtype
 
-    if config.draft_dtype == "int8":
-        return torch.int8
-    if config.draft_dtype == "int4":
-        if not kernels.int4_ready():
-            raise InvalidRequestError(
-                "draft_dtype int4 needs the CPU kernels on a CPU with AVX512_VNNI; use int8 here"
-            )
-        return torch.int4
-    if config.draft_dtype:
-        dtype = resolve_dtype(config.draft_dtype)
-    elif target_dtype == torch.bfloat16 or kernels.cpu_isa() == "avx512":
-        dtype = torch.bfloat16
-    else:
-        dtype = torch.float32
-    return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+    if config.draft_dtype in ("int8", "int4"):  # (checked runnable: _check_head_dtype)
+        return torch.int8 if config.draft_dtype == "int8" else torch.int4
+    if config.draft_dtype:  # float32 or bfloat16 (_check_head_dtype)
+        return resolve_dtype(config.draft_dtype)
+    if target_dtype == torch.bfloat16 or kernels.cpu_isa() == "avx512":
+        return torch.bfloat16
+    return torch.float32
 
 
 def _check_head_dtype(config: SpeculativeConfig, engine: LLMEngine) -> None:
     """A head's `draft_dtype` is the dtype of its weights in the CPU kernels (float32,
     bfloat16, int8, int4): refused where those do not run it, as a draft model's is, rather
     than dropped."""
-    from specdecode import kernels
     from specdecode.config import QUANTIZED_DRAFT_DTYPES
-    from specdecode.drafters.draft_model import quantized_draft_dtype
+    from specdecode.drafters.draft_model import kernels_ready, quantized_draft_dtype
 
     if config.draft_dtype is None:
         return
@@ -506,8 +497,7 @@ def _check_head_dtype(config: SpeculativeConfig, engine: LLMEngine) -> None:
         raise InvalidRequestError(
             f"a head's draft_dtype is float32, bfloat16, int8 or int4 (got {config.draft_dtype})"
         )
-    cpu = engine.model.norm.weight.device.type == "cpu"
-    if engine.config.kernels != "auto" or not cpu or not kernels.available():
+    if not kernels_ready(engine):
         raise InvalidRequestError(
             "a head's draft_dtype sets its weights in the CPU kernels: it needs them (an x86 "
             "CPU with AVX-512 or AVX2, --kernels auto, the model on the CPU)"

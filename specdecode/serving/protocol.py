@@ -152,8 +152,8 @@ class _Request(BaseModel):
                 "guided_choice",
                 "structured_outputs",
             )  # fmt: skip
-            if getattr(self, f)
-            and (f != "response_format" or self.response_format.get("type") != "text")  # fmt: skip
+            if getattr(self, f) is not None
+            and (f != "response_format" or self.response_format.get("type") != "text")
         ]
         return names[0] if len(names) == 1 else "response_format"
 

@@ -141,6 +141,19 @@ def answered_ids(data_dir: Path) -> set[str]:
     return ids
 
 
+def drop_held_and_repeats(train: list[Example], held: list[Example]) -> list[Example]:
+    """The training examples of several data sets less every conversation held out in any of
+    them, each conversation once (sets drawn from the same source overlap: a held-out
+    conversation trained on through another set would leak into the held-out metrics)."""
+    seen = {e.conversation_id for e in held}
+    kept = []
+    for e in train:
+        if e.conversation_id not in seen:
+            seen.add(e.conversation_id)
+            kept.append(e)
+    return kept
+
+
 def iter_examples(data_dir: Path, features: bool = True) -> Iterator[Example]:
     for path in sorted(data_dir.glob("shard-*.safetensors")):
         yield from read_shard(path, features)
@@ -350,4 +363,8 @@ def generate(
             engine.feature_observers.remove(recorder)
             engine.runner.feature_layers = drafter_layers
         engine.manager.prefix_caching = caching
+    # (0 written reads as nothing done: it says how many were there already)
+    who, of = (f"rank {rank} of {world}: ", f"its {len(mine)}") if world > 1 else ("", num_shards)
+    there = f"; {len(mine) - len(written)} already there" if len(written) < len(mine) else ""
+    print(f"{who}wrote {len(written)} of {of} shards to {out}{there}", flush=True)
     return written

@@ -27,7 +27,7 @@ import torch
 
 from specdecode.errors import DataError
 from specdecode.models.llama import LlamaModel
-from specdecode.train.datagen import Example, iter_examples
+from specdecode.train.datagen import Example, drop_held_and_repeats, iter_examples
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +178,7 @@ def train_draft(
             )
         train += examples[: -cfg.eval_examples]
         held += examples[-cfg.eval_examples :]
+    train = drop_held_and_repeats(train, held)
     vocab_ids = frequent_tokens(train, cfg.draft_vocab, eos_ids)
     coverage = _coverage(held, vocab_ids)
     target.requires_grad_(False).eval()

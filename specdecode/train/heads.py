@@ -33,7 +33,12 @@ from specdecode.errors import DataError
 from specdecode.models.head_io import save_head
 from specdecode.models.heads import EAGLE3_VARIANTS, Eagle3Head, EagleHead, MedusaHeads
 from specdecode.models.llama import LlamaModel
-from specdecode.train.datagen import Example, iter_examples, shard_metadata
+from specdecode.train.datagen import (
+    Example,
+    drop_held_and_repeats,
+    iter_examples,
+    shard_metadata,
+)
 from specdecode.train.draft import frequent_tokens
 
 log = logging.getLogger(__name__)
@@ -194,13 +199,7 @@ def load_examples(
         train += examples[:-eval_examples]
         name = d.name if all(d.name != n for n, _ in held) else str(d)
         held.append((name, examples[-eval_examples:]))
-    seen = {e.conversation_id for _, exs in held for e in exs}
-    kept = []
-    for e in train:
-        if e.conversation_id not in seen:
-            seen.add(e.conversation_id)
-            kept.append(e)
-    return layers, kept, held
+    return layers, drop_held_and_repeats(train, [e for _, exs in held for e in exs]), held
 
 
 class _Trainer:
@@ -412,7 +411,7 @@ class _Trainer:
             log.log(level, "training stopped by %s after %d steps; saving the head", stopped, done)
         if skipped:
             log.warning("%d batches held no answer token within --max-len: skipped", skipped)
-            if done == 0 and stopped != "interrupt":  # nothing trained: no head to call one
+            if done == 0 and stopped is None:  # every step ran, none trained: no head
                 raise DataError(
                     f"no batch held an answer token within --max-len {cfg.max_len} (answers "
                     "follow their prompts): nothing was trained; raise --max-len"

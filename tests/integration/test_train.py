@@ -207,7 +207,9 @@ def test_draft_training_skips_batches_with_no_answer_within_max_len(llm, tiny_ll
         assert all(math.isfinite(v) for v in history[when].values()), history[when]
 
 
-def test_train_draft_takes_several_data_sets_from_the_command_line(llm, tiny_llama_dir, tmp_path):
+def test_train_draft_takes_several_data_sets_from_the_command_line(
+    llm, tiny_llama_dir, tmp_path, capsys
+):
     """`train draft --data A --data B` trains on both, holding out --eval-examples of each (a
     review found the first --data dropped and the held-out size fixed at 32)."""
     import json
@@ -224,10 +226,17 @@ def test_train_draft_takes_several_data_sets_from_the_command_line(llm, tiny_lla
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     history = config["specdecode_draft"]["training"]
     assert history["train_examples"] == 4 and history["held_out_examples"] == 2
+    # two sets of the same conversations: each trained on once, none of the held-out ones
+    overlap = [*argv[:7], str(tmp_path / "a"), "--out", str(tmp_path / "d2"), *argv[10:]]
+    assert main(overlap) == 0
+    config = json.loads((tmp_path / "d2" / "config.json").read_text())
+    assert config["specdecode_draft"]["training"]["train_examples"] == 2  # c0, c1 (c2 held)
     # it runs beside its target: on its own, or as a head to export, it is a clear error
-    for argv in (
-        ["generate", "--model", str(tmp_path / "d"), "--prompt", "hi"],
-        ["export", str(tmp_path / "d"), "--model", str(tiny_llama_dir), "--format", "vllm",
-         "--out", str(tmp_path / "x")],
+    for argv, message in (
+        (["generate", "--model", str(tmp_path / "d"), "--prompt", "hi"], "runs beside that target"),
+        (["export", str(tmp_path / "d"), "--model", str(tiny_llama_dir), "--format", "vllm",
+          "--out", str(tmp_path / "x")], "not a head"),
     ):  # fmt: skip
+        capsys.readouterr()
         assert main(argv) == 2
+        assert message in capsys.readouterr().err

@@ -588,7 +588,10 @@ def test_train_resume_from_the_command_line(heads, tiny_llama_dir, tmp_path, cap
     resumed = [*common[:-6], *common[-4:], "--out", str(tmp_path / "t"), "--resume"]
     assert main(resumed) == 2
     assert "has used its time budget of 0.002 minutes" in capsys.readouterr().err
-    assert main([*resumed, "--max-minutes", "0.004"]) == 0
+    more = ["--max-minutes", "5", "--steps", str(run["steps_done"] + 2)]  # (2 more steps)
+    assert main([*resumed, *more]) == 0
+    run = json.loads((tmp_path / "t" / "training.json").read_text())
+    assert run["stopped_by"] == "steps"
 
 
 def test_one_head_trains_on_two_data_sets_and_reports_each(heads, plain, tiny_llama_dir, tmp_path):

@@ -588,6 +588,9 @@ def test_response_format_json_schema_and_guided_regex(served, client):
                        json.dumps({"prompt": "abc", "guided_regex": "("}).encode())  # fmt: skip
     assert status == 400 and json.loads(data)["error"]["param"] == "guided_regex"  # its own
     status, data = raw(served.port, "POST", "/v1/completions",
+                       json.dumps({"prompt": "abc", "guided_choice": []}).encode())  # fmt: skip
+    assert status == 400 and json.loads(data)["error"]["param"] == "guided_choice"
+    status, data = raw(served.port, "POST", "/v1/completions",
                        json.dumps({"prompt": "x" * 400}).encode())  # fmt: skip
     assert status == 400 and json.loads(data)["error"]["param"] == "prompt"  # not "messages"
     choices = ["yes", 'say "no"', "maybe\\"]  # quotes and backslashes are literal

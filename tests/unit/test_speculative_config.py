@@ -50,6 +50,7 @@ def test_what_applies_is_still_accepted():
          "suffix_decoding_max_tree_depth": 16},
         {"method": "suffix", "suffix_decoding_min_token_prob": 0.2},
         {"method": "medusa", "speculative_token_tree": "[[0], [1], [0, 0]]"},
+        {"method": "medusa", "speculative_token_tree": [(0,), (1,), (0, 0)]},  # (vLLM's tuples)
         {"method": "eagle3", "topk": 1, "num_draft_tokens": 3, "num_speculative_tokens": 3},
     ):  # fmt: skip
         SpeculativeConfig.from_dict(raw)
