@@ -120,7 +120,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         "--speculative-num-draft-tokens",
         type=int,
         default=None,
-        help="tree nodes verified per step, the root included",
+        help="tree nodes verified per step, the root included (NGRAM, or any method without "
+        "--speculative-eagle-topk: a chain of N - 1 drafts)",
     )
 
 
@@ -180,6 +181,17 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
             put(key, value, "--speculative-config")
     if implied and "method" not in cfg:
         cfg["method"] = implied
+    chain_nodes = cfg.get("num_draft_tokens")
+    if (
+        cfg.get("method") not in ("eagle", "eagle3")
+        and isinstance(chain_nodes, int)
+        and chain_nodes >= 2
+        and "num_speculative_tokens" not in cfg
+        and cfg.get("topk", 1) == 1
+    ):
+        # SGLang's NGRAM / STANDALONE budget: N verified nodes, the root included, are N - 1
+        # drafted tokens; without the EAGLE-2 tree it is a chain that long
+        cfg["num_speculative_tokens"] = chain_nodes - 1
     if cfg and "method" not in cfg:
         raise InvalidRequestError(
             f"speculative flags ({', '.join(sorted(source.values()))}) given without a method: "

@@ -146,6 +146,30 @@ def test_sglang_flags_map_to_the_speculative_config():
     }
 
 
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_sglang_draft_budget_without_a_tree_is_a_chain(algorithm):
+    """SGLang's NGRAM (and a STANDALONE chain) take --speculative-num-draft-tokens N: N verified
+    nodes, the root included, so N - 1 drafted tokens (it was refused as an EAGLE-2 tree)."""
+    from specdecode.cli import build_parser, speculative_config
+    from specdecode.config import SpeculativeConfig
+    from specdecode.errors import InvalidRequestError
+
+    flags = ["--speculative-algorithm", algorithm, "--speculative-num-draft-tokens", "8"]
+    if algorithm == "STANDALONE":
+        flags += ["--speculative-draft-model-path", "d"]
+    cfg = speculative_config(build_parser().parse_args(["generate", "--prompt", "x", *flags]))
+    assert cfg["num_speculative_tokens"] == 7 and cfg["num_draft_tokens"] == 8
+    if algorithm == "NGRAM":
+        assert SpeculativeConfig.from_dict(cfg).num_speculative_tokens == 7
+    # steps given too: they must agree with the budget (a chain of 5 has 6 nodes)
+    steps = ["--speculative-num-steps", "5"]
+    args = build_parser().parse_args(["generate", "--prompt", "x", *flags, *steps])
+    assert speculative_config(args)["num_speculative_tokens"] == 5
+    if algorithm == "NGRAM":
+        with pytest.raises(InvalidRequestError, match="chain's"):
+            SpeculativeConfig.from_dict(speculative_config(args))
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
