@@ -166,15 +166,18 @@ DataDirs = Path | Sequence[Path]
 
 
 def load_examples(
-    data: DataDirs, eval_examples: int
+    data: DataDirs, eval_examples: int, final_only: bool = False
 ) -> tuple[tuple[int, ...], list[Example], list[tuple[str, list[Example]]]]:
     """(feature layers, train, [(directory name, its held-out)]) from one or more shard
     directories with features.
 
     The last `eval_examples` usable conversations of each directory are held out; a conversation
-    held out anywhere is never trained on, and one stored twice is trained on once."""
+    held out anywhere is never trained on, and one stored twice is trained on once. A head that
+    reads only the final state (`final_only`: Medusa, EAGLE-1) takes sets whose stored layer
+    inputs differ: each keeps its final state alone, and the layers are ()."""
     dirs = [data] if isinstance(data, Path) else list(data)
     layers, train, held = None, [], []
+    trim = final_only and len({shard_metadata(d).get("feature_layers") for d in dirs}) > 1
     for d in dirs:
         meta = shard_metadata(d)
         if "feature_layers" not in meta:
@@ -183,6 +186,8 @@ def load_examples(
                 "`specdecode data generate --features eagle3` (the default)"
             )
         these = tuple(json.loads(meta["feature_layers"]))
+        if trim:  # (the final state is the last of the stored slices, hidden size wide)
+            these, stored = (), len(these) + 1
         if layers is not None and these != layers:
             raise DataError(
                 f"{d} stores features of layers {list(these)}, {dirs[0]} of {list(layers)}: "
@@ -191,6 +196,10 @@ def load_examples(
         layers = these
         examples = [e for e in iter_examples(d) if e.features is not None]
         examples = [e for e in examples if len(e.input_ids) >= 4]
+        if trim:
+            for e in examples:
+                width = e.features.shape[-1] // stored
+                e.features = e.features[..., -width:].clone()
         if len(examples) <= eval_examples:
             raise DataError(
                 f"{d} holds {len(examples)} usable examples; need more than "
@@ -205,13 +214,22 @@ def load_examples(
 class _Trainer:
     """What Medusa and EAGLE training share: data, draft vocabulary, soft targets, the loop."""
 
-    def __init__(self, target: LlamaModel, data: DataDirs, cfg: HeadTrainConfig, eos_ids):
+    def __init__(
+        self,
+        target: LlamaModel,
+        data: DataDirs,
+        cfg: HeadTrainConfig,
+        eos_ids,
+        final_only: bool = False,
+    ):
         self.target, self.cfg = target, cfg
         self.device = target.norm.weight.device  # the head, its batches and labels live there
         # features are stored in bf16: an accelerator gets them so and widens them itself
         self._collate_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         self.hidden = target.config.hidden_size
-        self.feature_layers, self.train, self.held_sets = load_examples(data, cfg.eval_examples)
+        self.feature_layers, self.train, self.held_sets = load_examples(
+            data, cfg.eval_examples, final_only
+        )
         # the features are the target's layer inputs and its final state, H each: data made
         # by another model (another hidden size or depth) would train a head on nonsense
         width = (len(self.feature_layers) + 1) * self.hidden
@@ -614,7 +632,7 @@ def train_medusa(
     target: LlamaModel, data: DataDirs, out_dir: Path, cfg: HeadTrainConfig, eos_ids
 ) -> dict:
     torch.manual_seed(cfg.seed)
-    tr = _Trainer(target, data, cfg, eos_ids)
+    tr = _Trainer(target, data, cfg, eos_ids, final_only=True)
     # a continued head keeps its own number of heads and blocks (as EAGLE keeps its layer's
     # shape); --num-heads shapes new ones
     init = tr.init_head
@@ -675,7 +693,7 @@ def train_eagle(
     target: LlamaModel, data: DataDirs, out_dir: Path, cfg: HeadTrainConfig, eos_ids
 ) -> dict:
     torch.manual_seed(cfg.seed)
-    tr = _Trainer(target, data, cfg, eos_ids)
+    tr = _Trainer(target, data, cfg, eos_ids, final_only=True)
     # continuing a head whose fc has a bias (SafeAILab's EAGLE-1 layout) keeps it
     prev_fc = getattr(tr.init_head, "fc", None)
     head = EagleHead(_layer_config(target, tr), fc_bias=getattr(prev_fc, "bias", None) is not None)

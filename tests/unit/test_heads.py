@@ -457,11 +457,11 @@ def test_several_data_sets_train_together_each_holding_out_its_last(tmp_path):
     from specdecode.train.datagen import Example, write_shard
     from specdecode.train.heads import load_examples
 
-    def data_set(name, ids, layers=(1,)):
+    def data_set(name, ids, layers=(1,), width=8):
         d = tmp_path / name
         d.mkdir()
         exs = [Example(c, [1, 2, 3, 4, 5], [0, 0, 1, 1, 1]) for c in ids]
-        feats = [torch.zeros(4, 8) for _ in ids]
+        feats = [torch.arange(4.0 * width).reshape(4, width) for _ in ids]
         write_shard(
             d / "shard-00000.safetensors", exs, {"feature_layers": json.dumps(layers)}, feats
         )
@@ -477,8 +477,15 @@ def test_several_data_sets_train_together_each_holding_out_its_last(tmp_path):
     ]
     assert [e.conversation_id for e in train] == ["a", "b", "e", "f"]
     assert [e.conversation_id for e in load_examples(chat, 1)[1]] == ["a", "b", "c"]
+    other = data_set("other", ["x", "y"], layers=(0, 1), width=12)
     with pytest.raises(ValueError, match="same layers"):
-        load_examples([chat, data_set("other", ["x", "y"], layers=(0, 1))], 1)
+        load_examples([chat, other], 1)
+    # Medusa and EAGLE-1 read the final state alone: the sets train together on it
+    layers, train, held = load_examples([chat, other], 1, final_only=True)
+    assert layers == () and {e.features.shape[-1] for e in train + held[1][1]} == {4}
+    x = next(e for e in train if e.conversation_id == "x")
+    assert torch.equal(x.features, torch.arange(48.0).reshape(4, 12)[:, -4:])
+    assert load_examples([chat], 1, final_only=True)[0] == (1,)  # one set: nothing to trim
     with pytest.raises(ValueError, match="need more than 4"):
         load_examples([chat], 4)
 
