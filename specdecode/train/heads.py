@@ -855,7 +855,10 @@ def train_eagle3(
         for j, lg, p, _ in _unrolled_steps(tr, head, batch, inputs, steps):
             if lg.shape[0] == 0:
                 continue
-            total = total + 0.8**j * _soft_ce(lg, p).mean()
+            ce = _soft_ce(lg, p).mean()
+            total = total + 0.8**j * ce
+            if j == 0:  # the first step's, as the held-out "ce" (loss weighs every step)
+                metrics["ce"] = ce.item()
             if j in (0, steps - 1):
                 metrics[f"top1_s{j}"] = (lg.argmax(-1) == p.argmax(-1)).float().mean().item()
         return total, metrics

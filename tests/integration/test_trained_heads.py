@@ -929,7 +929,9 @@ def test_a_head_reading_the_last_layers_output_drafts_losslessly(plain, tiny_lla
     assert spec.engine.spec_stats.num_accepted_tokens > 0
 
 
-def test_an_eagle3_variant_head_continues_training_as_that_variant(heads, tiny_llama_dir, tmp_path):
+def test_an_eagle3_variant_head_continues_training_as_that_variant(
+    heads, tiny_llama_dir, tmp_path, capsys
+):
     """--init from a head with speculators' variants (as an imported EAGLE 3.1 checkpoint has):
     the run keeps them, and the head it writes says so and loads as one."""
     from specdecode.models.head_io import load_head, save_head
@@ -945,6 +947,8 @@ def test_an_eagle3_variant_head_continues_training_as_that_variant(heads, tiny_l
     cfg = HeadTrainConfig(draft_vocab=64, steps=3, batch_tokens=512, warmup=1, eval_examples=8,
                           lr=3e-2, init=str(tmp_path / "variant"))  # fmt: skip
     assert train_eagle3(target, root / "data", tmp_path / "out", cfg, [2])["steps_done"] == 3
+    # the bar shows the first step's ce beside the weighted loss, as held out reports it
+    assert re.search(r"ce=[\d.]+, loss=[\d.]+", capsys.readouterr().err)
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["norm_before_fc"] is True and written["norm_output"] is True
     again = load_head(tmp_path / "out", target)
