@@ -317,7 +317,12 @@ def _print(row: dict, rows: list[dict]) -> None:
     vs += ")" if vs else ""
     if row.get("repeat"):
         vs = f" (off again: runs {_off_spread(rows, c):.1%} apart"
-        vs += f", {_off_spread(rows, c, CPU):.1%} by CPU time)" if cpu else ")"
+        vs += f", {_off_spread(rows, c, CPU):.1%} by CPU time" if cpu else ""
+        # the rows above were printed against the first run; the table uses both runs' mean
+        mean = [(p, _ratio(rows, c, p)) for p in dict.fromkeys(r["policy"] for r in rows
+                if r["concurrency"] == c and r["policy"] != "off")]  # fmt: skip
+        mean = [f"{p} {v:.2f}x" for p, v in mean if v is not None]
+        vs += f"; against their mean: {', '.join(mean)})" if mean else ")"
     acc = f" acc {row['acceptance_rate']:.0%}" if row["acceptance_rate"] is not None else ""
     if row.get("drafting_share") is not None:
         acc += f", drafting {row['drafting_share']:.0%} of decisions"

@@ -214,3 +214,23 @@ def test_a_loss_is_a_ratio_below_plain_decodings_own_spread():
     both = summarize(rows)
     assert both["static_negative_from"] == 2 and both["whole_run_levels"] == [2]
     assert "concurrency 2: timed over the whole run" in both["text"]
+
+
+def test_the_printed_rows_end_a_level_with_ratios_against_both_off_runs(capsys):
+    """Each row prints as it finishes, against plain decoding's first run (the only one yet);
+    the second off run's line gives every policy's ratio against the mean the table uses."""
+    from specdecode.bench.serve import _print
+
+    rows = []
+    for row in (
+        _row(1, "off", 10.0),
+        {**_row(1, "adaptive", 16.5), "ttft_p50_ms": 5.0, "acceptance_rate": None},
+        _row(1, "off", 12.0, repeat=True),
+    ):
+        row.setdefault("ttft_p50_ms", 5.0)
+        row.setdefault("acceptance_rate", None)
+        rows.append(row)
+        _print(row, rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert "(1.65x off)" in lines[1]  # against the first run, 10 tok/s
+    assert "runs 18.2% apart; against their mean: adaptive 1.50x)" in lines[2]
