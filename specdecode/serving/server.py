@@ -343,7 +343,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         # tokens found in the prefix cache (read when the response ends: found on admission)
         n = req.n
         prompt_tokens = (prompt_tokens, handles[::n])
-        meta = (request_id, created, chat, prompt_tokens)
+        # a choice that fails mid-generation with a 400 is a grammar dead end: its field
+        param = req.structured_param() if so is not None else None
+        meta = (request_id, created, chat, prompt_tokens, param)
         echoes = [e if isinstance(e, str) else tokenizer.decode(e) for e in echoes]
         if req.stream:
             body = sse(handles, req.include_usage, meta, echoes)
@@ -354,15 +356,21 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             for h in handles:
                 h.abort()
 
+    def failure(u, param: str | None) -> APIError:
+        """A choice's failure as the error it answers: a 400 (a grammar dead end) names the
+        request's structured-output field."""
+        if u.error_status < 500:
+            return APIError(u.error_status, u.error, "invalid_request_error", param)
+        return APIError(u.error_status, u.error, "internal_error")
+
     async def collect(request: Request, handles: list[RequestHandle], meta, echoes: list[str]):
-        request_id, created, chat, prompt_tokens = meta
+        request_id, created, chat, prompt_tokens, param = meta
 
         async def drain(h: RequestHandle) -> dict:
             out = {"text": "", "tokens": 0, "logprobs": [], "finish": None}
             async for u in h.updates():
                 if u.error:
-                    kind = "invalid_request_error" if u.error_status < 500 else "internal_error"
-                    raise APIError(u.error_status, u.error, kind)
+                    raise failure(u, param)
                 out["text"] += u.text
                 out["tokens"] = u.num_output_tokens
                 out["logprobs"] += u.logprobs
@@ -490,7 +498,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def sse(
         handles: list[RequestHandle], include_usage: bool, meta, echoes: list[str]
     ) -> AsyncIterator[str]:
-        request_id, created, chat, prompt_tokens = meta
+        request_id, created, chat, prompt_tokens, param = meta
         obj = "chat.completion.chunk" if chat else "text_completion"
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -530,8 +538,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             while remaining:
                 i, u = await queue.get()
                 if u.error:
-                    kind = "invalid_request_error" if u.error_status < 500 else "internal_error"
-                    err = {"message": u.error, "type": kind, "code": u.error_status}
+                    e = failure(u, param)
+                    err = {"message": e.message, "type": e.type, "param": e.param, "code": e.status}
                     yield f"data: {json.dumps({'error': err})}\n\n"
                     remaining -= 1
                     continue
