@@ -141,6 +141,13 @@ def answered_ids(data_dir: Path) -> set[str]:
     return ids
 
 
+def first_of_each(examples: list[Example]) -> list[Example]:
+    """Each conversation once, where it first appears (overlapping sets hold some twice: held
+    out by both, it would count twice in the held-out metrics)."""
+    seen: set[str] = set()
+    return [e for e in examples if not (e.conversation_id in seen or seen.add(e.conversation_id))]
+
+
 def drop_held_and_repeats(train: list[Example], held: list[Example]) -> list[Example]:
     """The training examples of several data sets less every conversation held out in any of
     them, each conversation once (sets drawn from the same source overlap: a held-out

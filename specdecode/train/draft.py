@@ -27,7 +27,12 @@ import torch
 
 from specdecode.errors import DataError
 from specdecode.models.llama import LlamaModel
-from specdecode.train.datagen import Example, drop_held_and_repeats, iter_examples
+from specdecode.train.datagen import (
+    Example,
+    drop_held_and_repeats,
+    first_of_each,
+    iter_examples,
+)
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +183,7 @@ def train_draft(
             )
         train += examples[: -cfg.eval_examples]
         held += examples[-cfg.eval_examples :]
-    train = drop_held_and_repeats(train, held)
+    train, held = drop_held_and_repeats(train, held), first_of_each(held)
     vocab_ids = frequent_tokens(train, cfg.draft_vocab, eos_ids)
     coverage = _coverage(held, vocab_ids)
     target.requires_grad_(False).eval()

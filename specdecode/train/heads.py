@@ -36,6 +36,7 @@ from specdecode.models.llama import LlamaModel
 from specdecode.train.datagen import (
     Example,
     drop_held_and_repeats,
+    first_of_each,
     iter_examples,
     shard_metadata,
 )
@@ -233,7 +234,7 @@ class _Trainer:
         # the features are the target's layer inputs and its final state, H each: data made
         # by another model (another hidden size or depth) would train a head on nonsense
         width = (len(self.feature_layers) + 1) * self.hidden
-        self.held = [e for _, exs in self.held_sets for e in exs]
+        self.held = first_of_each([e for _, exs in self.held_sets for e in exs])
         if any(e.features.shape[-1] != width for e in self.train + self.held):
             raise DataError(
                 f"the data's features are not this target's (layers {list(self.feature_layers)}"

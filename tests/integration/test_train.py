@@ -230,7 +230,9 @@ def test_train_draft_takes_several_data_sets_from_the_command_line(
     overlap = [*argv[:7], str(tmp_path / "a"), "--out", str(tmp_path / "d2"), *argv[10:]]
     assert main(overlap) == 0
     config = json.loads((tmp_path / "d2" / "config.json").read_text())
-    assert config["specdecode_draft"]["training"]["train_examples"] == 2  # c0, c1 (c2 held)
+    training = config["specdecode_draft"]["training"]
+    assert training["train_examples"] == 2  # c0, c1 (c2 held)
+    assert training["held_out_examples"] == 1  # c2 held out by both sets, counted once
     # it runs beside its target: on its own, or as a head to export, it is a clear error
     for argv, message in (
         (["generate", "--model", str(tmp_path / "d"), "--prompt", "hi"], "runs beside that target"),

@@ -609,6 +609,14 @@ def test_one_head_trains_on_two_data_sets_and_reports_each(heads, plain, tiny_ll
         by_set = history[when]["by_data_set"]
         assert list(by_set) == ["data", "code"]
         assert all(len(m["top1_per_step"]) == 4 for m in by_set.values())
+    # the same set twice: its held-out conversations count once in the overall metrics
+    cfg.steps = 1
+    twice = train_eagle3(target, [tmp_path / "code"] * 2, tmp_path / "h2", cfg, [2])
+    assert (
+        twice["held_out_examples"] == 4
+        and twice["after"]["held_out_tokens"]
+        == (twice["after"]["by_data_set"]["code"]["held_out_tokens"])
+    )
 
 
 def test_an_eagle_heads_catch_up_is_what_it_has_not_run(plain, tiny_llama_dir, heads):

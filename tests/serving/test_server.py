@@ -585,8 +585,8 @@ def test_response_format_json_schema_and_guided_regex(served, client):
                        json.dumps({"prompt": "abc", "guided_regex": "é+"}).encode())  # fmt: skip
     # the vocabulary cannot write it: found mid-generation, named as the compile errors are
     assert status == 400 and json.loads(data)["error"]["param"] == "guided_regex"
-    status, data = raw(served.port, "POST", "/v1/completions",
-                       json.dumps({"prompt": "abc", "guided_regex": "é+", "stream": True}).encode())  # fmt: skip
+    streamed = {"prompt": "abc", "guided_regex": "é+", "stream": True}
+    status, data = raw(served.port, "POST", "/v1/completions", json.dumps(streamed).encode())
     event = json.loads(data.decode().split("data: ")[1])
     assert status == 200 and event["error"]["param"] == "guided_regex", data
     status, data = raw(served.port, "POST", "/v1/completions",
