@@ -141,13 +141,14 @@ def verify_choices(
     the first node with no such child (or a leaf) ends the path with the target's choice.
 
     - Greedy: the choice is the argmax. Identical to `verify` with one-hot p.
-    - Sampling: the choice is a draw from p at the node, by inverse CDF with the uniform of the
-      node's sequence position (`sampling.position_uniforms`). Every emitted token is then a draw
+    - Sampling: the choice is a draw from p at the node whose randomness is that of the node's
+      sequence position (`sampling.position_draws`). Every emitted token is then a draw
       from p at its position, so the output is distributed exactly as the target's; a child is
       accepted with probability p(child), as in the deterministic rule of `verify`. And because
-      plain decoding draws with the same uniforms, a seeded request gives the same tokens with or
-      without speculation, whatever the batch or the draft depth the controller picked, as long
-      as the logits agree bit for bit (fp32 here; a near-tie can flip in bf16)."""
+      plain decoding draws with the same randomness, a seeded request gives the same tokens with
+      or without speculation, whatever the batch or the draft depth the controller picked, as
+      long as p agrees (fp32 here, to ~1e-5: the draw moves only where its two best scores are
+      that close; a near-tie can flip in bf16)."""
     accepted, emitted = [], []
     for shape, toks, best in zip(shapes, tokens, target_choice, strict=True):
         kids = shape.children

@@ -90,8 +90,9 @@ struct Layout {
 
 // Attention of sequences with few new tokens straight from their cache slots: one task per
 // (sequence, kv head) reads each key and value row once for all the queries of its head group,
-// and each query row is summed in the same order whatever the number of queries (so verifying a
-// draft matches decoding it token by token). q rows at q + t * ldq (heads of D contiguous);
+// and each query row is summed in the same order whatever the number of queries and wherever a
+// tree's mask hides columns (so verifying a draft matches decoding it token by token, bit for
+// bit). q rows at q + t * ldq (heads of D contiguous);
 // out [T, H * D]. Sequences with more than kDenseQueries new tokens are skipped (dense path).
 void direct_attention(const float* qp, int64_t ldq, int64_t H, int64_t D, const CacheView& c,
                       int64_t Hkv, const Layout& lay, float* op) {
@@ -99,7 +100,8 @@ void direct_attention(const float* qp, int64_t ldq, int64_t H, int64_t D, const 
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   at::parallel_for(0, lay.B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<const float*> qrows, krows, vrows;
+    std::vector<const float*> qrows, krows, vrows, vsel;
+    std::vector<int64_t> seen;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, hk = task % Hkv;
       const int64_t n = lay.count(b);
@@ -134,10 +136,27 @@ void direct_attention(const float* qp, int64_t ldq, int64_t H, int64_t D, const 
                 scores[(i * G + g) * ctx + j] = -std::numeric_limits<float>::infinity();
       }
       for (int64_t r = 0; r < R; ++r) {
-        softmax_row(scores.data() + r * ctx, ctx);
         const int64_t i = r / G, g = r % G;
-        weighted_rows(scores.data() + r * ctx, vrows.data(), ctx, D,
-                      op + lay.query(b, i) * H * D + (hk * G + g) * D);
+        float* row = scores.data() + r * ctx;
+        const float* const* vis = vrows.data();
+        int64_t m = ctx;
+        if (lay.mask) {
+          // The columns this query sees, packed in order: the softmax's vector sum then adds
+          // them in the lanes decoding the same token alone would (a tree's masked siblings
+          // between them would shift every later key to another lane, and its rounding).
+          if (g == 0) {
+            seen.clear();
+            for (int64_t j = 0; j < ctx; ++j)
+              if (lay.sees(b, i, j)) seen.push_back(j);
+            vsel.resize(seen.size());
+            for (size_t k = 0; k < seen.size(); ++k) vsel[k] = vrows[seen[k]];
+          }
+          m = static_cast<int64_t>(seen.size());
+          for (int64_t k = 0; k < m; ++k) row[k] = row[seen[k]];  // (seen[k] >= k)
+          vis = vsel.data();
+        }
+        softmax_row(row, m);
+        weighted_rows(row, vis, m, D, op + lay.query(b, i) * H * D + (hk * G + g) * D);
       }
     }
   });

@@ -13,7 +13,7 @@ from specdecode.models.attention import build_metadata
 from specdecode.models.llama import LlamaModel
 from specdecode.processors import apply as apply_penalties
 from specdecode.processors import has_penalties, mask_stops, paths
-from specdecode.sampling import inverse_cdf, position_uniforms, warp
+from specdecode.sampling import position_draws, warp
 from specdecode.verify import DraftBatch, VerifyResult, verify, verify_choices
 
 
@@ -205,8 +205,7 @@ class ModelRunner:
                 choices.append(lg.argmax(-1).tolist())
                 continue
             positions = [seq.num_tokens + d for d in prop.shape.depths]
-            u = position_uniforms(self.sample_seed(seq), positions)
-            choices.append(inverse_cdf(warp(lg, seq.params), u))
+            choices.append(position_draws(warp(lg, seq.params), self.sample_seed(seq), positions))
         shapes, tokens = [p.shape for p in proposals], [p.tokens for p in proposals]
         result = verify_choices(shapes, tokens, choices)
         self._keep_accepted(seqs, result)
@@ -319,8 +318,7 @@ class ModelRunner:
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         if seq.params.greedy:
             return int(logits.argmax(-1))
-        u = position_uniforms(self.sample_seed(seq), [seq.num_tokens])
-        return inverse_cdf(warp(logits, seq.params), u)[0]
+        return position_draws(warp(logits, seq.params), self.sample_seed(seq), [seq.num_tokens])[0]
 
 
 def _logprobs(rows: torch.Tensor, tokens: list[int], seq: Sequence) -> list:
