@@ -204,7 +204,10 @@ class AsyncLLMEngine:
                 for seq in updated:
                     self._emit(seq)
         except BaseException as e:
-            log.exception("the engine loop stopped")
+            if isinstance(e, KeyboardInterrupt):  # Ctrl-C: a stop asked for, not a failure
+                log.info("the engine loop stopped: interrupted")
+            else:
+                log.exception("the engine loop stopped")
             self.step_error = f"{type(e).__name__}: {e}"
             raise
         finally:

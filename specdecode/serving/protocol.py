@@ -7,12 +7,21 @@ from __future__ import annotations
 import types
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from specdecode.argtypes import MAX_TEMPERATURE
 from specdecode.errors import InvalidRequestError
 from specdecode.sampling import SamplingParams
 from specdecode.structured import StructuredOutput
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`: a flag is a JSON boolean ("yes" is refused, as OpenAI does)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None  # (vLLM's; accepted, not acted on)
 
 
 class _Request(BaseModel):
@@ -23,7 +32,7 @@ class _Request(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # int64 (or uint64)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -75,12 +84,16 @@ class _Request(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_stream_options(self) -> None:
         """Options for a stream on a request that does not stream: refused, as vLLM does, not
         ignored (the client likely meant to stream, or expects the usage chunk it set up)."""
-        if self.stream_options and not self.stream:
+        if (
+            self.stream_options is not None
+            and self.stream_options.model_fields_set
+            and (not self.stream)
+        ):
             raise InvalidRequestError(
                 "stream_options can only be given with stream: true", param="stream_options"
             )
@@ -203,6 +216,14 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _needs_content(self):
+        # OpenAI's rule: only an assistant turn (one that called tools) may have no content; a
+        # user turn without it generated up to the whole context from the template alone
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
         from specdecode.core import content_text

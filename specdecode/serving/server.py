@@ -611,6 +611,7 @@ def run_server(args) -> None:
     http.start()
     watcher = threading.Thread(target=_stop_with, args=(http, engine), daemon=True)
     watcher.start()
+    previous = _drain_on_sigterm(server, engine)
     print(f"specdecode: serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     try:
         engine.run()
@@ -620,6 +621,10 @@ def run_server(args) -> None:
         server.should_exit = True
         engine.shutdown()
         http.join(timeout=10)
+        if previous is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous)
     if not server.started:
         raise SpecDecodeError(f"the HTTP server could not start on {args.host}:{args.port}")
 
@@ -645,6 +650,32 @@ def served_names(model: str | None, served_model_name: str | None) -> tuple[str,
     name = DEFAULT_HUB_ID if model is None else model
     hub = hub_id(model)
     return name, (hub,) if hub is not None and hub != name else ()
+
+
+SHUTDOWN_GRACE_S = 25.0  # SIGTERM: how long requests in flight may take to finish
+
+
+def _drain_on_sigterm(server, engine: AsyncLLMEngine):
+    """SIGTERM (`docker stop`, Kubernetes, systemd) stops the server gracefully: it accepts no
+    new connection, the requests in flight run to their end, and then the process exits 0;
+    past SHUTDOWN_GRACE_S the engine stops and what still runs ends with an error, as on
+    Ctrl-C. (uvicorn's own handlers work on the main thread only, where the engine runs; the
+    default action killed the process mid-response.) The previous handler, or None where
+    signals cannot be set here (not the main thread)."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def drain(signum, frame) -> None:
+        log.warning("SIGTERM: accepting no new requests; finishing those in flight (up to "
+                    "%.0f s)", SHUTDOWN_GRACE_S)  # fmt: skip
+        server.should_exit = True  # uvicorn closes its socket, then waits for the responses
+        timer = threading.Timer(SHUTDOWN_GRACE_S, engine.shutdown)
+        timer.daemon = True
+        timer.start()
+
+    return signal.signal(signal.SIGTERM, drain)
 
 
 def _stop_with(http: threading.Thread, engine: AsyncLLMEngine) -> None:

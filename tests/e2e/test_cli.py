@@ -313,6 +313,53 @@ def test_serve_the_default_model(tmp_path):
         proc.wait(30)
 
 
+def test_sigterm_lets_the_requests_in_flight_finish(tiny_llama_dir):
+    """SIGTERM (docker stop, Kubernetes) killed the server mid-response (uvicorn's handlers
+    work on the main thread only, which the engine holds): now a stream in flight runs to its
+    end, and the process exits 0."""
+    import http.client
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdecode.cli", "serve", "--model", str(tiny_llama_dir),
+         "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                body = {"prompt": "abc", "max_tokens": 48, "ignore_eos": True, "stream": True}
+                conn.request("POST", "/v1/completions", json.dumps(body),
+                             {"Content-Type": "application/json"})  # fmt: skip
+                resp = conn.getresponse()
+                break
+            except OSError:
+                assert time.time() < deadline, "the server did not come up"
+                time.sleep(0.5)
+        assert resp.status == 200
+        first = resp.readline()
+        assert first.startswith(b"data: "), first
+        proc.send_signal(signal.SIGTERM)
+        rest = resp.read().decode()
+        events = [json.loads(x) for x in rest.split("data: ")[1:] if x.strip() != "[DONE]"]
+        assert "data: [DONE]" in rest and not any("error" in e for e in events), rest
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(30) == 0
+        assert "SIGTERM: accepting no new requests" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
 def test_bench_structured_reports_each_mode(tiny_llama_dir, tmp_path):
     model = _roomy_tiny(tiny_llama_dir, tmp_path)
     out = tmp_path / "structured.json"

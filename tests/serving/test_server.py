@@ -751,6 +751,13 @@ def test_errors_name_the_field_at_fault(served):
         (body(stream_options={"include_usage": True}), "stream_options"),
         (body(stream=False, stream_options={"include_usage": True}), "stream_options"),
         (body(messages=[{"role": "user", "content": "ab\ud800cd"}]), "messages"),
+        # OpenAI's: a user turn needs content (it generated from the template alone), and a
+        # flag is a boolean
+        (body(messages=[{"role": "user"}]), "messages.0"),
+        (
+            body(stream=True, stream_options={"include_usage": "yes"}),
+            "stream_options.include_usage",
+        ),
     ]
     for payload, param in cases:
         got, data = raw(served.port, "POST", "/v1/chat/completions", payload)
