@@ -214,6 +214,15 @@ def test_greedy_equals_plain(plain, tiny_llama_dir, heads, method, extra):
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(30))] == want
     for prompt, w in zip(PROMPTS, want, strict=True):  # batch 1
         assert spec.generate(prompt, greedy(30))[0].outputs[0].token_ids == w
+    # and the logprobs bit for bit: a tree's masked columns do not change how a node's
+    # attention sums (they shifted its keys to other vector lanes: ~1e-5 apart)
+    lp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
+
+    def logprobs(llm):
+        outs = llm.generate(PROMPTS, lp)
+        return [[{t: x.logprob for t, x in d.items()} for d in o.outputs[0].logprobs] for o in outs]
+
+    assert logprobs(spec) == logprobs(plain)
     stats = spec.engine.spec_stats
     assert stats.num_draft_tokens > 0
     assert stats.num_accepted_tokens > 0, "the test must exercise accepted drafts"
