@@ -120,7 +120,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         "--speculative-num-draft-tokens",
         type=int,
         default=None,
-        help="tree nodes verified per step, the root included (NGRAM, or any method without "
+        help="tree nodes verified per step, the root included (NGRAM, or STANDALONE without "
         "--speculative-eagle-topk: a chain of N - 1 drafts)",
     )
 
@@ -183,7 +183,8 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
         cfg["method"] = implied
     chain_nodes = cfg.get("num_draft_tokens")
     if (
-        cfg.get("method") not in ("eagle", "eagle3")
+        cfg.get("method") in ("ngram", "draft_model")
+        and "speculative_token_tree" not in cfg
         and isinstance(chain_nodes, int)
         and chain_nodes >= 2
         and "num_speculative_tokens" not in cfg

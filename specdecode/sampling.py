@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from specdecode.errors import InvalidRequestError
@@ -212,12 +213,13 @@ RACE_BLOCK = 256  # tokens per block of `position_draws`' first race
 _MASK64 = (1 << 64) - 1
 
 
-def _position_seed(seed: int, position: int) -> int:
-    """A generator seed per (request seed, position): splitmix64 of the pair."""
-    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+def _position_noise(seed: int, position: int, n: int) -> torch.Tensor:
+    """n Exp(1) values that are a pure function of (seed, position): Philox keyed by both, 64
+    bits each (every 64-bit seed and position its own stream; the same numbers on every
+    platform), as -log(1 - u)."""
+    key = ((seed & _MASK64) << 64) | (position & _MASK64)
+    u = np.random.Generator(np.random.Philox(key=key)).random(n)
+    return torch.from_numpy(-np.log1p(-u))
 
 
 def position_draws(probs: torch.Tensor, seed: int, positions: list[int]) -> list[int]:
@@ -230,25 +232,25 @@ def position_draws(probs: torch.Tensor, seed: int, positions: list[int]) -> list
     same p gives the same token (see `verify_choices`). And nearly the same p too: a draw is
     the winner of an exponential race (argmax p_i / E_i, E_i ~ Exp(1), which picks i with
     probability p_i / sum p), run in two levels (a block of RACE_BLOCK tokens by its mass, then
-    a token of the block) so that it needs ~450 noise values, not one per token. A change of p
-    by a relative 1e-5 (what another batch shape, a prefix-cache hit or a tree's attention
-    order does in fp32) moves the draw only where the two best scores lie that close. An
-    inverse CDF over the vocabulary in id order, used before, moved it whenever the uniform fell
-    among tokens narrower than the shift: about one token in 500 at temperature 1."""
+    a token of the block, with independent noise) so that it needs ~450 noise values, not one
+    per token. A change of p by a relative 1e-5 (what another batch shape, a prefix-cache hit
+    or the library's attention over a large tree does in fp32) moves the draw only where the
+    two best scores lie that close. An inverse CDF over the vocabulary in id order moved it
+    whenever the uniform fell among tokens narrower than the shift: about once in 500 tokens
+    at temperature 1."""
     n, v = probs.shape
     blocks = -(-v // RACE_BLOCK)
     rows = torch.nn.functional.pad(probs.double(), (0, blocks * RACE_BLOCK - v))
     rows = rows.view(n, blocks, RACE_BLOCK)
     mass = rows.sum(-1).cpu()  # [N, blocks]
-    g = torch.Generator()  # (on the CPU: the same noise wherever the model runs)
-    out = []
-    for i, pos in enumerate(positions):
-        g.manual_seed(_position_seed(seed, pos))
-        block_noise = torch.empty(blocks, dtype=torch.float64).exponential_(generator=g)
-        token_noise = torch.empty(RACE_BLOCK, dtype=torch.float64).exponential_(generator=g)
-        b = int((mass[i] / block_noise).argmax())
-        out.append(b * RACE_BLOCK + int((rows[i, b].cpu() / token_noise).argmax()))
-    return out
+    noise = [_position_noise(seed, pos, blocks + RACE_BLOCK) for pos in positions]
+    chosen = [int((mass[i] / e[:blocks]).argmax()) for i, e in enumerate(noise)]
+    within = rows[torch.arange(n, device=rows.device), torch.tensor(chosen, device=rows.device)]
+    within = within.cpu()  # [N, RACE_BLOCK]: one transfer from a device
+    return [
+        b * RACE_BLOCK + int((within[i] / e[blocks:]).argmax())
+        for i, (b, e) in enumerate(zip(chosen, noise, strict=True))
+    ]
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

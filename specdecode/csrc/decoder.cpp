@@ -127,14 +127,9 @@ void direct_attention(const float* qp, int64_t ldq, int64_t H, int64_t D, const 
         vrows[j] = c.v + hk * c.head_stride + lay.slot(b, j) * c.slot_stride;
       }
       scores.resize(R * ctx);
-      for (int64_t j = 0; j < ctx; ++j) {
+      // (a masked column's score is computed and never read: each row keeps its own below)
+      for (int64_t j = 0; j < ctx; ++j)
         dot_rows(qrows.data(), R, krows[j], D, scale, scores.data() + j, ctx);
-        if (lay.mask)
-          for (int64_t i = 0; i < n; ++i)
-            if (!lay.sees(b, i, j))
-              for (int64_t g = 0; g < G; ++g)
-                scores[(i * G + g) * ctx + j] = -std::numeric_limits<float>::infinity();
-      }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t i = r / G, g = r % G;
         float* row = scores.data() + r * ctx;

@@ -276,6 +276,20 @@ def _content_hash(path: Path) -> str:
     return known[stamp]
 
 
+def _link_files(src: Path, dst: Path) -> bool:
+    """Hard-link every file of `src` into the empty directory `dst`; False (and `dst` emptied)
+    where the filesystem cannot (the caller converts instead)."""
+    try:
+        for f in src.iterdir():
+            if f.is_file():
+                os.link(f, dst / f.name)
+        return True
+    except OSError:
+        for f in dst.iterdir():
+            f.unlink()
+        return False
+
+
 def convert_gguf_cached(gguf_path: Path, name: str | None = None) -> Path:
     """Convert `gguf_path` once; later calls return the cached directory (about 1 s to load).
     The directory is named by the file's content (and the converter's version), not its path:
@@ -284,17 +298,22 @@ def convert_gguf_cached(gguf_path: Path, name: str | None = None) -> Path:
     out = cache_root() / "models" / f"{name or gguf_path.stem}-{key[:12]}"
     if (out / "config.json").is_file():
         return out
-    # the same file converted under another name (the default model, then its file given as
-    # --model; a pulled model's .gguf given by path): one copy, whatever it was called
-    for done in sorted(out.parent.glob(f"*-{key[:12]}")):
-        if (done / "config.json").is_file():
-            return done
+    # the same file converted under another name (the default model's, then its file given by
+    # path; a pulled model's .gguf given by path): a path takes that conversion as it is; a
+    # name gets its own directory (the shipped and built heads are found by it) whose files
+    # are hard links to the other's: one copy on disk either way
+    done = [d for d in sorted(out.parent.glob(f"*-{key[:12]}")) if (d / "config.json").is_file()]
+    if done and name is None:
+        return done[0]
     out.parent.mkdir(parents=True, exist_ok=True)
-    log.info("converting %s to %s (once)", gguf_path.name, out)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
     try:
+        if done and _link_files(done[0], tmp):
+            os.replace(tmp, out)
+            return out
         from specdecode.models.gguf_convert import convert_gguf
 
+        log.info("converting %s to %s (once)", gguf_path.name, out)
         convert_gguf(gguf_path, tmp)
         os.replace(tmp, out)
     except BaseException:

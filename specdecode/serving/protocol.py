@@ -18,7 +18,7 @@ from specdecode.structured import StructuredOutput
 class StreamOptions(BaseModel):
     """OpenAI's `stream_options`: a flag is a JSON boolean ("yes" is refused, as OpenAI does)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # (unknown keys kept: they count as given)
 
     include_usage: StrictBool | None = None
     continuous_usage_stats: StrictBool | None = None  # (vLLM's; accepted, not acted on)
@@ -89,11 +89,10 @@ class _Request(BaseModel):
     def check_stream_options(self) -> None:
         """Options for a stream on a request that does not stream: refused, as vLLM does, not
         ignored (the client likely meant to stream, or expects the usage chunk it set up)."""
-        if (
-            self.stream_options is not None
-            and self.stream_options.model_fields_set
-            and (not self.stream)
-        ):
+        given = self.stream_options is not None and (
+            self.stream_options.model_fields_set or self.stream_options.model_extra
+        )
+        if given and not self.stream:  # (vLLM's: an empty one asks for nothing)
             raise InvalidRequestError(
                 "stream_options can only be given with stream: true", param="stream_options"
             )

@@ -611,7 +611,7 @@ def run_server(args) -> None:
     http.start()
     watcher = threading.Thread(target=_stop_with, args=(http, engine), daemon=True)
     watcher.start()
-    previous = _drain_on_sigterm(server, engine)
+    restore = _drain_on_sigterm(server, engine)
     print(f"specdecode: serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     try:
         engine.run()
@@ -621,10 +621,8 @@ def run_server(args) -> None:
         server.should_exit = True
         engine.shutdown()
         http.join(timeout=10)
-        if previous is not None:
-            import signal
-
-            signal.signal(signal.SIGTERM, previous)
+        if restore is not None:
+            restore()
     if not server.started:
         raise SpecDecodeError(f"the HTTP server could not start on {args.host}:{args.port}")
 
@@ -656,26 +654,39 @@ SHUTDOWN_GRACE_S = 25.0  # SIGTERM: how long requests in flight may take to fini
 
 
 def _drain_on_sigterm(server, engine: AsyncLLMEngine):
-    """SIGTERM (`docker stop`, Kubernetes, systemd) stops the server gracefully: it accepts no
-    new connection, the requests in flight run to their end, and then the process exits 0;
-    past SHUTDOWN_GRACE_S the engine stops and what still runs ends with an error, as on
-    Ctrl-C. (uvicorn's own handlers work on the main thread only, where the engine runs; the
-    default action killed the process mid-response.) The previous handler, or None where
-    signals cannot be set here (not the main thread)."""
+    """SIGTERM (Kubernetes, systemd, `docker stop -t 30`) stops the server gracefully: it
+    accepts no new connection, the requests in flight run to their end, and then the process
+    exits 0; past SHUTDOWN_GRACE_S, or at a second SIGTERM, the engine stops and what still
+    runs ends with an error, as on Ctrl-C. (uvicorn's own handlers work on the main thread
+    only, where the engine runs; the default action killed the process mid-response.) The
+    handler only sets flags; a watcher thread does the rest. Returns a function that puts the
+    previous handler back, or None where signals cannot be set (not the main thread)."""
     import signal
+    import time
 
     if threading.current_thread() is not threading.main_thread():
         return None
+    received: list[int] = []
 
-    def drain(signum, frame) -> None:
+    def drain(signum, frame) -> None:  # (signal-safe: no locks, no logging)
+        received.append(signum)
+        server.should_exit = True  # uvicorn closes its socket, then waits for the responses
+
+    def watch() -> None:
+        while not received:
+            time.sleep(0.1)
         log.warning("SIGTERM: accepting no new requests; finishing those in flight (up to "
                     "%.0f s)", SHUTDOWN_GRACE_S)  # fmt: skip
-        server.should_exit = True  # uvicorn closes its socket, then waits for the responses
-        timer = threading.Timer(SHUTDOWN_GRACE_S, engine.shutdown)
-        timer.daemon = True
-        timer.start()
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        while time.monotonic() < deadline and len(received) < 2:
+            time.sleep(0.1)
+        engine.shutdown()
 
-    return signal.signal(signal.SIGTERM, drain)
+    previous = signal.signal(signal.SIGTERM, drain)
+    threading.Thread(target=watch, name="specdecode-sigterm", daemon=True).start()
+    return lambda: signal.signal(
+        signal.SIGTERM, previous if previous is not None else signal.SIG_DFL
+    )
 
 
 def _stop_with(http: threading.Thread, engine: AsyncLLMEngine) -> None:

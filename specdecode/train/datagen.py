@@ -148,6 +148,18 @@ def first_of_each(examples: list[Example]) -> list[Example]:
     return [e for e in examples if not (e.conversation_id in seen or seen.add(e.conversation_id))]
 
 
+def hold_out(
+    sets: list[tuple[str, list[Example]]], n: int
+) -> tuple[list[Example], list[tuple[str, list[Example]]], list[Example]]:
+    """Several named data sets -> (train, [(name, its held-out)], all held out): the last `n`
+    examples of each are held out; training takes the rest less every conversation held out
+    anywhere, each conversation once, and the held-out ones together count each once."""
+    held = [(name, examples[-n:]) for name, examples in sets]
+    train = [e for _, examples in sets for e in examples[:-n]]
+    every = [e for _, exs in held for e in exs]
+    return drop_held_and_repeats(train, every), held, first_of_each(every)
+
+
 def drop_held_and_repeats(train: list[Example], held: list[Example]) -> list[Example]:
     """The training examples of several data sets less every conversation held out in any of
     them, each conversation once (sets drawn from the same source overlap: a held-out

@@ -27,12 +27,7 @@ import torch
 
 from specdecode.errors import DataError
 from specdecode.models.llama import LlamaModel
-from specdecode.train.datagen import (
-    Example,
-    drop_held_and_repeats,
-    first_of_each,
-    iter_examples,
-)
+from specdecode.train.datagen import Example, hold_out, iter_examples
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +168,7 @@ def train_draft(
 
     torch.manual_seed(cfg.seed)
     # one or more data sets, the last eval_examples of each held out (as the heads' training)
-    train, held = [], []
+    sets = []
     for d in [data_dir] if isinstance(data_dir, (str, Path)) else data_dir:
         examples = list(iter_examples(Path(d), features=False))  # (a head's features: unused)
         if len(examples) <= cfg.eval_examples:
@@ -181,9 +176,8 @@ def train_draft(
                 f"{d} holds {len(examples)} examples; need more than {cfg.eval_examples} (the "
                 "last ones are held out for evaluation: --eval-examples)"
             )
-        train += examples[: -cfg.eval_examples]
-        held += examples[-cfg.eval_examples :]
-    train, held = drop_held_and_repeats(train, held), first_of_each(held)
+        sets.append((str(d), examples))
+    train, _, held = hold_out(sets, cfg.eval_examples)
     vocab_ids = frequent_tokens(train, cfg.draft_vocab, eos_ids)
     coverage = _coverage(held, vocab_ids)
     target.requires_grad_(False).eval()

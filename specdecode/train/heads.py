@@ -35,8 +35,7 @@ from specdecode.models.heads import EAGLE3_VARIANTS, Eagle3Head, EagleHead, Medu
 from specdecode.models.llama import LlamaModel
 from specdecode.train.datagen import (
     Example,
-    drop_held_and_repeats,
-    first_of_each,
+    hold_out,
     iter_examples,
     shard_metadata,
 )
@@ -168,17 +167,14 @@ DataDirs = Path | Sequence[Path]
 
 def load_examples(
     data: DataDirs, eval_examples: int, final_only: bool = False
-) -> tuple[tuple[int, ...], list[Example], list[tuple[str, list[Example]]]]:
-    """(feature layers, train, [(directory name, its held-out)]) from one or more shard
-    directories with features.
-
-    The last `eval_examples` usable conversations of each directory are held out; a conversation
-    held out anywhere is never trained on, and one stored twice is trained on once. A head that
-    reads only the final state (`final_only`: Medusa, EAGLE-1) takes sets whose stored layer
-    inputs differ: each keeps its final state alone, and the layers are ()."""
+) -> tuple[tuple[int, ...], list[Example], list[tuple[str, list[Example]]], list[Example]]:
+    """(feature layers, train, [(directory name, its held-out)], all held out) from one or more
+    shard directories with features (`datagen.hold_out`: the last `eval_examples` usable
+    conversations of each are held out). A head that reads only the final state
+    (`final_only`: Medusa, EAGLE-1) keeps that alone, whatever layers the sets store (they
+    may differ), and the layers are ()."""
     dirs = [data] if isinstance(data, Path) else list(data)
-    layers, train, held = None, [], []
-    trim = final_only and len({shard_metadata(d).get("feature_layers") for d in dirs}) > 1
+    layers, sets = None, []
     for d in dirs:
         meta = shard_metadata(d)
         if "feature_layers" not in meta:
@@ -187,8 +183,9 @@ def load_examples(
                 "`specdecode data generate --features eagle3` (the default)"
             )
         these = tuple(json.loads(meta["feature_layers"]))
-        if trim:  # (the final state is the last of the stored slices, hidden size wide)
-            these, stored = (), len(these) + 1
+        stored = len(these) + 1  # slices of the hidden size: the layer inputs, then the final
+        if final_only:
+            these = ()
         if layers is not None and these != layers:
             raise DataError(
                 f"{d} stores features of layers {list(these)}, {dirs[0]} of {list(layers)}: "
@@ -197,7 +194,7 @@ def load_examples(
         layers = these
         examples = [e for e in iter_examples(d) if e.features is not None]
         examples = [e for e in examples if len(e.input_ids) >= 4]
-        if trim:
+        if final_only and stored > 1:
             for e in examples:
                 width = e.features.shape[-1] // stored
                 e.features = e.features[..., -width:].clone()
@@ -206,10 +203,10 @@ def load_examples(
                 f"{d} holds {len(examples)} usable examples; need more than "
                 f"{eval_examples} (the last ones are held out)"
             )
-        train += examples[:-eval_examples]
-        name = d.name if all(d.name != n for n, _ in held) else str(d)
-        held.append((name, examples[-eval_examples:]))
-    return layers, drop_held_and_repeats(train, [e for _, exs in held for e in exs]), held
+        name = d.name if all(d.name != n for n, _ in sets) else str(d)
+        sets.append((name, examples))
+    train, held_sets, held = hold_out(sets, eval_examples)
+    return layers, train, held_sets, held
 
 
 class _Trainer:
@@ -228,13 +225,12 @@ class _Trainer:
         # features are stored in bf16: an accelerator gets them so and widens them itself
         self._collate_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         self.hidden = target.config.hidden_size
-        self.feature_layers, self.train, self.held_sets = load_examples(
+        self.feature_layers, self.train, self.held_sets, self.held = load_examples(
             data, cfg.eval_examples, final_only
         )
         # the features are the target's layer inputs and its final state, H each: data made
         # by another model (another hidden size or depth) would train a head on nonsense
         width = (len(self.feature_layers) + 1) * self.hidden
-        self.held = first_of_each([e for _, exs in self.held_sets for e in exs])
         if any(e.features.shape[-1] != width for e in self.train + self.held):
             raise DataError(
                 f"the data's features are not this target's (layers {list(self.feature_layers)}"

@@ -168,6 +168,12 @@ def test_sglang_draft_budget_without_a_tree_is_a_chain(algorithm):
     if algorithm == "NGRAM":
         with pytest.raises(InvalidRequestError, match="chain's"):
             SpeculativeConfig.from_dict(speculative_config(args))
+        # Medusa's tree is its own (static): a node budget there is refused, not read as depth
+        medusa = ["--speculative-algorithm", "MEDUSA", "--speculative-num-draft-tokens", "8"]
+        cfg = speculative_config(build_parser().parse_args(["generate", "--prompt", "x", *medusa]))
+        assert "num_speculative_tokens" not in cfg
+        with pytest.raises(InvalidRequestError, match="EAGLE-2 trees"):
+            SpeculativeConfig.from_dict(cfg)
 
 
 @pytest.mark.parametrize(

@@ -750,6 +750,7 @@ def test_errors_name_the_field_at_fault(served):
         (body(stop_token_ids=[-1]), "stop_token_ids"),
         (body(stream_options={"include_usage": True}), "stream_options"),
         (body(stream=False, stream_options={"include_usage": True}), "stream_options"),
+        (body(stream_options={"continuous_usage_stats": False, "x": 1}), "stream_options"),
         (body(messages=[{"role": "user", "content": "ab\ud800cd"}]), "messages"),
         # OpenAI's: a user turn needs content (it generated from the template alone), and a
         # flag is a boolean

@@ -469,7 +469,7 @@ def test_several_data_sets_train_together_each_holding_out_its_last(tmp_path):
 
     chat = data_set("chat", ["a", "b", "c", "d"])
     code = data_set("code", ["b", "e", "f", "c"])  # b stored twice; c held out by code
-    layers, train, held = load_examples([chat, code], eval_examples=1)
+    layers, train, held, _ = load_examples([chat, code], eval_examples=1)
     assert layers == (1,)
     assert [(name, [e.conversation_id for e in exs]) for name, exs in held] == [
         ("chat", ["d"]),
@@ -481,11 +481,16 @@ def test_several_data_sets_train_together_each_holding_out_its_last(tmp_path):
     with pytest.raises(ValueError, match="same layers"):
         load_examples([chat, other], 1)
     # Medusa and EAGLE-1 read the final state alone: the sets train together on it
-    layers, train, held = load_examples([chat, other], 1, final_only=True)
-    assert layers == () and {e.features.shape[-1] for e in train + held[1][1]} == {4}
+    layers, train, held, every = load_examples([chat, other], 1, final_only=True)
+    assert layers == () and {e.features.shape[-1] for e in train + every} == {4}
     x = next(e for e in train if e.conversation_id == "x")
     assert torch.equal(x.features, torch.arange(48.0).reshape(4, 12)[:, -4:])
-    assert load_examples([chat], 1, final_only=True)[0] == (1,)  # one set: nothing to trim
+    # one set too: the final state alone is kept in memory
+    layers, train, _, _ = load_examples([chat], 1, final_only=True)
+    assert layers == () and {e.features.shape[-1] for e in train} == {4}
+    # a conversation both sets hold out counts once among all held out
+    twice = load_examples([chat, chat], 1)
+    assert [n for n, _ in twice[2]] == ["chat", str(chat)] and len(twice[3]) == 1
     with pytest.raises(ValueError, match="need more than 4"):
         load_examples([chat], 4)
 

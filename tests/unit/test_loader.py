@@ -254,8 +254,11 @@ def test_gguf_conversions_are_shared_by_content_not_path(tmp_path, monkeypatch):
     out_a = loader.convert_gguf_cached(first)
     out_b = loader.convert_gguf_cached(tmp_path / "b" / "m.gguf")
     assert out_a == out_b and len(calls) == 1
-    # under another name (the default model's, then its file given by path): the same copy
-    assert loader.convert_gguf_cached(first, name="Default-Model") == out_a and len(calls) == 1
+    # under a name (the default model's, a pulled model's: its heads are found by it): its own
+    # directory, hard links to the conversion there is, no second conversion
+    named = loader.convert_gguf_cached(first, name="Default-Model")
+    assert named.name.startswith("Default-Model-") and len(calls) == 1
+    assert (named / "config.json").stat().st_ino == (out_a / "config.json").stat().st_ino
     index = json.loads((tmp_path / "cache" / "models" / "gguf-sha256.json").read_text())
     assert len(index) == 2 and len(set(index.values())) == 1
     other = tmp_path / "c.gguf"

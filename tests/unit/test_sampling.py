@@ -110,6 +110,12 @@ def test_position_draws_follow_p_and_never_pick_a_zero():
     freq = torch.bincount(torch.tensor(draws), minlength=p.shape[1]).float() / 20000
     torch.testing.assert_close(freq, p[0], atol=0.02, rtol=0)
     assert freq[p[0] == 0].sum() == 0
+    # every bit of a 64-bit seed names its own stream (a generator seeded with the low 32 bits
+    # gave seeds 1 and 1 + 2**32 the same draws)
+    flat = torch.full((1, 1000), 1e-3)
+    assert [position_draws(flat, 1, [t]) for t in range(20)] != [
+        position_draws(flat, 1 + 2**32, [t]) for t in range(20)
+    ]
     # a pure function of (seed, position): rows batched or alone, the same tokens
     rows = p.expand(5, -1)
     assert position_draws(rows, 7, list(range(5))) == [
