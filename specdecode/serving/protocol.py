@@ -218,10 +218,10 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _needs_content(self):
-        # OpenAI's rule: only an assistant turn (one that called tools) may have no content; a
-        # user turn without it generated up to the whole context from the template alone
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
+        # a user turn without content (OpenAI refuses it) generated up to the whole context
+        # from the template alone; other roles' null content reads as empty, as in vLLM
+        if self.content is None and self.role == "user":
+            raise ValueError("a user message needs content")
         return self
 
     def text(self) -> str:
