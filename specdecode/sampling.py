@@ -240,13 +240,13 @@ def position_draws(probs: torch.Tensor, seed: int, positions: list[int]) -> list
     at temperature 1."""
     n, v = probs.shape
     blocks = -(-v // RACE_BLOCK)
-    rows = torch.nn.functional.pad(probs.double(), (0, blocks * RACE_BLOCK - v))
+    rows = torch.nn.functional.pad(probs.float(), (0, blocks * RACE_BLOCK - v))
     rows = rows.view(n, blocks, RACE_BLOCK)
-    mass = rows.sum(-1).cpu()  # [N, blocks]
+    mass = rows.sum(-1, dtype=torch.float64).cpu()  # [N, blocks]
     noise = [_position_noise(seed, pos, blocks + RACE_BLOCK) for pos in positions]
     chosen = [int((mass[i] / e[:blocks]).argmax()) for i, e in enumerate(noise)]
     within = rows[torch.arange(n, device=rows.device), torch.tensor(chosen, device=rows.device)]
-    within = within.cpu()  # [N, RACE_BLOCK]: one transfer from a device
+    within = within.double().cpu()  # [N, RACE_BLOCK]: one transfer from a device
     return [
         b * RACE_BLOCK + int((within[i] / e[blocks:]).argmax())
         for i, (b, e) in enumerate(zip(chosen, noise, strict=True))
