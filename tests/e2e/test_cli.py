@@ -277,35 +277,44 @@ def test_bench_serve_sweeps_policies(tiny_llama_dir, tmp_path):
     assert (out / "serve.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow
-def test_serve_the_default_model(tmp_path):
-    """`specdecode serve` in a subprocess with the real model, asked through the openai client."""
+def _serve(*flags: str) -> tuple[subprocess.Popen, int]:
+    """`specdecode serve FLAGS` in a subprocess on a free port, once /health answers."""
     import socket
     import time
     import urllib.request
-
-    import openai
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(port),
-         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'],
+        [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(port), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    deadline = time.time() + 120
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stderr.read())
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, port
+        except OSError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError("the server did not come up")
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_serve_the_default_model(tmp_path):
+    """`specdecode serve` in a subprocess with the real model, asked through the openai client."""
+    import openai
+
+    proc, port = _serve(
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'
+    )  # fmt: skip
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "the server did not come up"
-            time.sleep(0.5)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         model = client.models.list().data[0].id
         r = client.chat.completions.create(
@@ -325,31 +334,14 @@ def test_sigterm_lets_the_requests_in_flight_finish(tiny_llama_dir):
     end, and the process exits 0."""
     import http.client
     import signal
-    import socket
-    import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specdecode.cli", "serve", "--model", str(tiny_llama_dir),
-         "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc, port = _serve("--model", str(tiny_llama_dir))
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-                body = {"prompt": "abc", "max_tokens": 48, "ignore_eos": True, "stream": True}
-                conn.request("POST", "/v1/completions", json.dumps(body),
-                             {"Content-Type": "application/json"})  # fmt: skip
-                resp = conn.getresponse()
-                break
-            except OSError:
-                assert time.time() < deadline, "the server did not come up"
-                time.sleep(0.5)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        body = {"prompt": "abc", "max_tokens": 48, "ignore_eos": True, "stream": True}
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        resp = conn.getresponse()
         assert resp.status == 200
         first = resp.readline()
         assert first.startswith(b"data: "), first
