@@ -261,6 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1 << 20,
         help="largest request body accepted",
     )
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=number(0),
+        default=25.0,
+        help="seconds SIGTERM lets the requests in flight finish, taking no new ones (vLLM's "
+        "flag; 0: they end at once with an error, vLLM's default)",
+    )
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_args(gen)

@@ -611,7 +611,7 @@ def run_server(args) -> None:
     http.start()
     watcher = threading.Thread(target=_stop_with, args=(http, engine), daemon=True)
     watcher.start()
-    restore = _drain_on_sigterm(server, engine)
+    restore = _drain_on_sigterm(server, engine, args.shutdown_timeout)
     print(f"specdecode: serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     try:
         engine.run()
@@ -650,17 +650,15 @@ def served_names(model: str | None, served_model_name: str | None) -> tuple[str,
     return name, (hub,) if hub is not None and hub != name else ()
 
 
-SHUTDOWN_GRACE_S = 25.0  # SIGTERM: how long requests in flight may take to finish
-
-
-def _drain_on_sigterm(server, engine: AsyncLLMEngine):
+def _drain_on_sigterm(server, engine: AsyncLLMEngine, grace: float):
     """SIGTERM (Kubernetes, systemd, `docker stop -t 30`) stops the server gracefully: it
     accepts no new connection, the requests in flight run to their end, and then the process
-    exits 0; past SHUTDOWN_GRACE_S, or at a second SIGTERM, the engine stops and what still
-    runs ends with an error, as on Ctrl-C. (uvicorn's own handlers work on the main thread
-    only, where the engine runs; the default action killed the process mid-response.) The
-    handler only sets flags; a watcher thread does the rest. Returns a function that puts the
-    previous handler back, or None where signals cannot be set (not the main thread)."""
+    exits 0; past `grace` seconds (`--shutdown-timeout`), or at a second SIGTERM, the engine
+    stops and what still runs ends with an error, as on Ctrl-C. (uvicorn's own handlers work
+    on the main thread only, where the engine runs; the default action killed the process
+    mid-response.) The handler only sets flags; a watcher thread does the rest. Returns a
+    function that puts the previous handler back, or None where signals cannot be set (not
+    the main thread)."""
     import signal
     import time
 
@@ -676,8 +674,8 @@ def _drain_on_sigterm(server, engine: AsyncLLMEngine):
         while not received:
             time.sleep(0.1)
         log.warning("SIGTERM: accepting no new requests; finishing those in flight (up to "
-                    "%.0f s)", SHUTDOWN_GRACE_S)  # fmt: skip
-        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+                    "%g s)", grace)  # fmt: skip
+        deadline = time.monotonic() + grace
         while time.monotonic() < deadline and len(received) < 2:
             time.sleep(0.1)
         engine.shutdown()

@@ -358,6 +358,40 @@ def test_sigterm_lets_the_requests_in_flight_finish(tiny_llama_dir):
             proc.wait(30)
 
 
+@pytest.mark.parametrize("grace", [0.0, 30.0])
+def test_sigterm_stops_the_engine_after_the_shutdown_timeout_or_a_second_signal(grace):
+    """`--shutdown-timeout 0` (vLLM's default) stops the engine at once; a longer one waits,
+    unless a second SIGTERM comes; the previous handler is put back."""
+    import os
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    from specdecode.serving.server import _drain_on_sigterm
+
+    stopped = []
+    server = SimpleNamespace(should_exit=False)
+    engine = SimpleNamespace(shutdown=lambda: stopped.append(time.monotonic()))
+    before = signal.getsignal(signal.SIGTERM)
+    restore = _drain_on_sigterm(server, engine, grace)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not server.should_exit and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.should_exit  # uvicorn takes no new connection
+        time.sleep(0.5)
+        if grace:
+            assert not stopped  # the requests in flight go on
+            os.kill(os.getpid(), signal.SIGTERM)
+        while not stopped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(stopped) == 1
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_bench_structured_reports_each_mode(tiny_llama_dir, tmp_path):
     model = _roomy_tiny(tiny_llama_dir, tmp_path)
     out = tmp_path / "structured.json"
