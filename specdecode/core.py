@@ -50,7 +50,8 @@ class Sequence:
     streamed: int = 0  # characters of `text` already handed to a stream consumer
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     # with params.logprobs: per output token (its log-probability, [(token, logprob)] top-n)
-    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # per output token: (logprob, top-n [(token id, logprob)], its rank in the vocabulary)
+    output_logprobs: list[tuple[float, list[tuple[int, float]], int]] = field(default_factory=list)
     # structured output: the grammar matcher (xgrammar), tokens it forced (jump-ahead)
     matcher: Any = None
     num_forced_tokens: int = 0

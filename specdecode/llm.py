@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Iterator
+import numbers
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -46,14 +47,16 @@ class LLM:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
+            return _token_ids(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and "prompt" in prompt:
             return self.encode(prompt["prompt"])
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
+        if isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
+            return _token_ids(prompt)
         raise InvalidRequestError(f"cannot understand the prompt {prompt!r:.80}")
 
-    def apply_chat_template(self, messages: Messages) -> str:
+    def apply_chat_template(self, messages: Messages, **options: Any) -> str:
+        """The conversation as prompt text; `options`: vLLM's `add_generation_prompt`,
+        `continue_final_message`, `chat_template` and `chat_template_kwargs`."""
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError("each chat message needs a 'role' and a 'content'")
@@ -62,10 +65,13 @@ class LLM:
             {**m, "content": content_text(m["content"])} if isinstance(m["content"], list) else m
             for m in messages
         ]
-        return self.engine.render_chat(messages, "generate()")
+        return self.engine.render_chat(messages, "generate()", **options)
 
     def _chat_ids(self, messages: Messages) -> list[int]:
-        text = self.apply_chat_template(messages)
+        return self._text_ids(self.apply_chat_template(messages))
+
+    def _text_ids(self, text: str) -> list[int]:
+        """A rendered chat's ids (its special tokens are in the text already)."""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     # ---- generation ----------------------------------------------------------------------------
@@ -74,21 +80,48 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
+        """`use_tqdm`: a progress bar over the prompts' requests (vLLM's flag; off here)."""
         if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+            isinstance(prompts, list) and prompts and _is_id(prompts[0])
         ):
             prompts = [prompts]
-        return self._run([self.encode(p) for p in prompts], sampling_params, list(prompts))
+        elif isinstance(prompts, (list, tuple)) or (
+            isinstance(prompts, Iterable) and not isinstance(prompts, bytes)
+        ):
+            prompts = list(prompts)  # (a generator is read once)
+        else:
+            raise InvalidRequestError(
+                f"prompts must be a string, token ids, a dict or a list of them: {prompts!r:.80}"
+            )
+        return self._run([self.encode(p) for p in prompts], sampling_params, prompts, use_tqdm)
 
     def chat(
         self,
         messages: Messages | Seq[Messages],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """One conversation or a list of them; the options are vLLM's (`continue_final_message`
+        with `add_generation_prompt=False` continues a final assistant message). Each
+        output's `prompt` is the rendered template."""
+        if not isinstance(messages, (list, tuple)):
+            raise InvalidRequestError("chat() takes a list of messages or a list of conversations")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [self._chat_ids(list(c)) for c in conversations]
-        return self._run(ids, sampling_params, [None] * len(ids))
+        options = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "chat_template": chat_template,
+            "chat_template_kwargs": chat_template_kwargs,
+        }
+        texts = [self.apply_chat_template(list(c), **options) for c in conversations]
+        return self._run([self._text_ids(t) for t in texts], sampling_params, texts, use_tqdm)
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False
@@ -111,7 +144,9 @@ class LLM:
         finally:  # a consumer that stops early (or an error) leaves nothing running
             self.engine.abort(seq)
 
-    def _run(self, ids: list[list[int]], params, prompts: list) -> list[RequestOutput]:
+    def _run(
+        self, ids: list[list[int]], params, prompts: list, use_tqdm: bool = False
+    ) -> list[RequestOutput]:
         if params is None:
             params = SamplingParams()
         plist = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
@@ -129,12 +164,21 @@ class LLM:
         flat = [s for choices in seqs for s in choices]
         for seq in flat:
             self.engine.add_sequence(seq)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(flat), desc="generating", unit="request")
         try:  # until these are done (a stream() left suspended shares the steps, not the wait)
             while not all(seq.finished for seq in flat):
                 self.engine.step()
+                if bar is not None:
+                    bar.update(sum(s.finished for s in flat) - bar.n)
         finally:  # interrupted (Ctrl-C, an error): the rest must not run in the next call
             for seq in flat:
                 self.engine.abort(seq)
+            if bar is not None:
+                bar.close()
         decode = functools.cache(lambda t: self.tokenizer.decode([t]))
         return [
             RequestOutput(
@@ -147,6 +191,17 @@ class LLM:
             )
             for choices, pr in zip(seqs, prompts, strict=True)
         ]
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _token_ids(ids) -> list[int]:
+    """Token ids as Python ints (numpy's too); anything else is refused before it runs."""
+    if isinstance(ids, (str, bytes)) or not all(_is_id(t) for t in ids):
+        raise InvalidRequestError(f"prompt_token_ids must be integers, got {ids!r:.80}")
+    return [int(t) for t in ids]
 
 
 def _prompt_text(prompt) -> str | None:
@@ -172,17 +227,18 @@ def _completion(index: int, s, decode) -> CompletionOutput:
         if wanted
         else None,
         # (vLLM's: the sum of the sampled tokens' logprobs where they were asked for)
-        cumulative_logprob=sum(lp for lp, _ in s.output_logprobs) if wanted else None,
+        cumulative_logprob=sum(e[0] for e in s.output_logprobs) if wanted else None,
         stop_reason=s.stop_reason,
     )
 
 
 def _logprob_entry(tok: int, entry, decode) -> dict[int, Logprob]:
-    """(logprob, [(token id, logprob)] top-n) -> {token id: Logprob}, the sampled token first
-    (always there: vLLM lists it even where it is not among the top-n)."""
-    lp, top = entry
+    """(logprob, [(token id, logprob)] top-n, rank) -> {token id: Logprob}, the sampled token
+    first with its rank in the vocabulary (always there: vLLM lists it even where it is not
+    among the top-n)."""
+    lp, top, rank = entry
     ranks = {t: r for r, (t, _) in enumerate(top, 1)}
-    out = {tok: Logprob(lp, ranks.get(tok), decode(tok))}
+    out = {tok: Logprob(lp, rank, decode(tok))}
     for t, v in top:
         out.setdefault(t, Logprob(v, ranks[t], decode(t)))
     return out

@@ -210,6 +210,8 @@ class LLMEngine:
                 f"{self.max_model_len}, leaving no room to generate"
             )
         vocab = self.model_config.vocab_size
+        if not all(type(t) is int for t in prompt_token_ids):
+            raise InvalidRequestError("prompt token ids must be integers")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
@@ -226,16 +228,34 @@ class LLMEngine:
             seq.matcher = self.grammar_compiler().matcher(params.structured_output)
         return seq
 
-    def render_chat(self, messages: list[dict], instead: str) -> str:
-        """Chat messages -> prompt text, with --chat-template or else the tokenizer's template.
-        `instead`: what to use when the model has none (named in the error)."""
-        template = self.chat_template
+    def render_chat(
+        self,
+        messages: list[dict],
+        instead: str,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> str:
+        """Chat messages -> prompt text, with `chat_template`, else --chat-template, else the
+        tokenizer's template (vLLM's options: `continue_final_message` leaves the last
+        assistant message open instead of starting a new one; `chat_template_kwargs` go to
+        the template). `instead`: what to use when the model has none (named in the error)."""
+        template = chat_template or self.chat_template
         if not (template or getattr(self.tokenizer, "chat_template", None)):
             raise InvalidRequestError(f"this model has no chat template; use {instead}")
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message continues the last message: it needs "
+                "add_generation_prompt=False"
+            )
         try:
             return self.tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=True
-            )
+                messages, chat_template=template, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}),
+            )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - templates raise on roles they do not accept
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {e}", param="messages"
@@ -644,7 +664,7 @@ _JUMP_AHEAD = 256  # forced tokens a step appends at most, counted from a run's 
 
 def _forced_entry(token: int, n: int | None) -> tuple:
     """The logprobs entry of a token the grammar forced: probability 1, no model figure."""
-    return (0.0, [(token, 0.0)] if n else [])
+    return (0.0, [(token, 0.0)] if n else [], 1)
 
 
 def _speculative_config(raw) -> SpeculativeConfig | None:

@@ -322,7 +322,8 @@ class ModelRunner:
 
 
 def _logprobs(rows: torch.Tensor, tokens: list[int], seq: Sequence) -> list:
-    """Log-probabilities of `tokens` under the raw distributions `rows` [n, V], with the top-n."""
+    """(logprob, top-n, rank) of each of `tokens` under the raw distributions `rows` [n, V]:
+    its rank in the whole vocabulary (1 = the likeliest), as vLLM gives it, top-n or not."""
     logp = rows.float().log_softmax(-1)
     n = seq.params.logprobs
     out = []
@@ -331,7 +332,8 @@ def _logprobs(rows: torch.Tensor, tokens: list[int], seq: Sequence) -> list:
         if n:
             vals, idx = logp[r].topk(n)
             top = list(zip(idx.tolist(), vals.tolist(), strict=True))
-        out.append((float(logp[r, tok]), top))
+        lp = logp[r, tok]
+        out.append((float(lp), top, int((logp[r] > lp).sum()) + 1))
     return out
 
 

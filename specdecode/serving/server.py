@@ -459,7 +459,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         last ones, then the output's), extended with them; `text_offset`: characters of the
         choice's text before them."""
         pieces, offsets, pos = [], [], text_offset
-        for tok, (lp, top) in entries:
+        for tok, (lp, top, _) in entries:
             window = context[-DETOKENIZE_CONTEXT:]
             pieces.append(
                 (

@@ -152,6 +152,40 @@ def test_chat_template_is_applied(llm):
     assert out.prompt_token_ids == llm.encode("<user>hi<assistant>")
 
 
+def test_the_offline_api_reads_prompts_and_chat_options_as_vllm_does(llm, capsys):
+    """Token ids of the wrong type are refused before anything runs (they failed the whole
+    batch mid-step); numpy ids, generators, `use_tqdm` and chat's template options are read as
+    vLLM reads them; a chat output's prompt is the rendered template; the sampled token's
+    rank is its rank in the vocabulary, top-n or not."""
+    import numpy as np
+
+    before = llm.engine.num_prompt_tokens
+    for bad in ({"prompt_token_ids": [1.0, 2.0]}, {"prompt_token_ids": ["a", "b"]}, [True]):
+        with pytest.raises(InvalidRequestError):
+            llm.generate([PROMPTS[0], bad], greedy(2))
+    with pytest.raises(InvalidRequestError, match="prompts must be"):
+        llm.generate(5, greedy(2))
+    assert llm.engine.num_prompt_tokens == before and not llm.engine.has_unfinished()
+    ids = llm.encode(PROMPTS[0])
+    want = llm.generate({"prompt_token_ids": ids}, greedy(3))[0].outputs[0].token_ids
+    assert llm.generate(list(np.array(ids)), greedy(3))[0].outputs[0].token_ids == want
+    outs = llm.generate((p for p in PROMPTS[:2]), greedy(3), use_tqdm=True)
+    assert len(outs) == 2 and "generating" in capsys.readouterr().err
+    hi = [{"role": "user", "content": "hi"}]
+    assert llm.chat(hi, greedy(2))[0].prompt == "<user>hi<assistant>"
+    assert llm.chat(hi, greedy(2), add_generation_prompt=False)[0].prompt == "<user>hi"
+    own = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert llm.chat(hi, greedy(2), chat_template=own)[0].prompt == "[hi]"
+    with pytest.raises(InvalidRequestError, match="add_generation_prompt=False"):
+        llm.chat(hi, greedy(2), continue_final_message=True)
+    sampled = SamplingParams(temperature=2.0, seed=3, max_tokens=16, logprobs=0)
+    o = llm.generate(PROMPTS[0], sampled)[0].outputs[0]
+    ranks = [e[t].rank for t, e in zip(o.token_ids, o.logprobs, strict=True)]
+    assert all(isinstance(r, int) and r >= 1 for r in ranks) and max(ranks) > 1
+    o = llm.generate(PROMPTS[0], greedy(4, logprobs=0))[0].outputs[0]
+    assert [e[t].rank for t, e in zip(o.token_ids, o.logprobs, strict=True)] == [1] * 4
+
+
 def test_context_limit(llm, tiny_llama_dir):
     with pytest.raises(InvalidRequestError, match="context"):
         llm.generate("x" * 256, greedy(5))
