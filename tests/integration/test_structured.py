@@ -208,7 +208,8 @@ def test_logprobs_stay_aligned_and_raw_under_a_grammar(plain, tiny_llama_dir, sp
     # "a" was the only token allowed first: masked, its logprob would be 0; raw it is not, and
     # the top-3 is the unconstrained model's at the same position
     assert entries[0][out.token_ids[0]].logprob < 0
-    assert _top(entries[0]) == _top(free[0].outputs[0].logprobs[0])
+    assert _top(entries[0], 3) == _top(free[0].outputs[0].logprobs[0], 3)
+    assert entries[0][out.token_ids[0]].rank > 3  # not among them, ranked all the same
     forced = [e for t, e in zip(out.token_ids, entries, strict=True) if _placeholder(t, e)]
     assert len(forced) >= 4  # "cdef" after the digit, at least
 
@@ -264,9 +265,10 @@ def test_a_forced_run_begun_among_drafts_counts_towards_the_jump_ahead_bound(
     assert spec.engine.spec_stats.num_accepted_tokens > 0
 
 
-def _top(entry: dict) -> list:
-    """A logprobs entry's top-n: (rank, token id, logprob), by rank."""
-    return sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None)
+def _top(entry: dict, n: int) -> list:
+    """A logprobs entry's top-n: (rank, token id, logprob), by rank (the sampled token, listed
+    first, has its rank too, top-n or not)."""
+    return sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank <= n)
 
 
 def _placeholder(tok: int, entry: dict) -> bool:
