@@ -49,8 +49,8 @@ class Sequence:
     read_offset: int = 0
     streamed: int = 0  # characters of `text` already handed to a stream consumer
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
-    # with params.logprobs: per output token (its log-probability, [(token, logprob)] top-n)
-    # per output token: (logprob, top-n [(token id, logprob)], its rank in the vocabulary)
+    # with params.logprobs, per output token: (logprob, top-n [(token id, logprob)], its rank
+    # in the whole vocabulary)
     output_logprobs: list[tuple[float, list[tuple[int, float]], int]] = field(default_factory=list)
     # structured output: the grammar matcher (xgrammar), tokens it forced (jump-ahead)
     matcher: Any = None

@@ -87,9 +87,7 @@ class LLM:
             isinstance(prompts, list) and prompts and _is_id(prompts[0])
         ):
             prompts = [prompts]
-        elif isinstance(prompts, (list, tuple)) or (
-            isinstance(prompts, Iterable) and not isinstance(prompts, bytes)
-        ):
+        elif isinstance(prompts, Iterable) and not isinstance(prompts, bytes):
             prompts = list(prompts)  # (a generator is read once)
         else:
             raise InvalidRequestError(
