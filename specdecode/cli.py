@@ -268,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds SIGTERM lets the requests in flight finish, taking no new ones (vLLM's "
         "flag; 0: they end at once with an error, vLLM's default)",
     )
+    srv.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="use a chat template a request sends (`chat_template`, vLLM's flag); refused "
+        "by default: a template is code the server runs",
+    )
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_args(gen)

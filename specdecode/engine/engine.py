@@ -237,24 +237,36 @@ class LLMEngine:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
+        documents: list[dict] | None = None,
     ) -> str:
         """Chat messages -> prompt text, with `chat_template`, else --chat-template, else the
         tokenizer's template (vLLM's options: `continue_final_message` leaves the last
         assistant message open instead of starting a new one; `chat_template_kwargs` go to
-        the template). `instead`: what to use when the model has none (named in the error)."""
+        the template as variables; `documents` to templates that read them, as in
+        transformers). `instead`: what to use when the model has none (named in the error)."""
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted(set(extra) & _render_arguments(self.tokenizer))
+        if reserved:  # apply_chat_template's own arguments, not template variables
+            raise InvalidRequestError(
+                f"chat_template_kwargs cannot set {', '.join(reserved)}: "
+                + ("give it as an option of its own" if set(reserved) <= _RENDER_OPTIONS
+                   else "not a template variable"),
+                param="chat_template_kwargs",
+            )  # fmt: skip
         template = chat_template or self.chat_template
         if not (template or getattr(self.tokenizer, "chat_template", None)):
             raise InvalidRequestError(f"this model has no chat template; use {instead}")
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError(
                 "continue_final_message continues the last message: it needs "
-                "add_generation_prompt=False"
+                "add_generation_prompt=False",
+                param="continue_final_message",
             )
         try:
             return self.tokenizer.apply_chat_template(
                 messages, chat_template=template, tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}),
+                continue_final_message=continue_final_message, documents=documents, **extra,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - templates raise on roles they do not accept
             raise InvalidRequestError(
@@ -657,6 +669,22 @@ class LLMEngine:
     def run_to_completion(self) -> Iterator[list[Sequence]]:
         while self.has_unfinished():
             yield self.step()
+
+
+# options of a chat rendering that a request gives as fields of their own
+_RENDER_OPTIONS = {
+    "chat_template", "add_generation_prompt", "continue_final_message", "documents", "tools"
+}  # fmt: skip
+
+
+def _render_arguments(tokenizer) -> set[str]:
+    """The keyword arguments of the tokenizer's `apply_chat_template` (whatever else it is
+    given goes to the template as a variable)."""
+    import inspect
+
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    named = {p.name for p in params if p.kind is not p.VAR_KEYWORD}
+    return (named - {"self"}) | {"conversation", "messages"}
 
 
 _JUMP_AHEAD = 256  # forced tokens a step appends at most, counted from a run's first

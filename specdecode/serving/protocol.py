@@ -236,6 +236,43 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM's chat options
+    echo: StrictBool = False  # the reply starts with the last message, where it is the reply's
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    chat_template: str | None = None  # needs serve --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+
+    def template_options(self, trusted: bool) -> dict[str, Any]:
+        """`render_chat`'s keyword options. vLLM's `chat_template_kwargs` may carry the
+        template itself; a template sent with a request (code the server runs, however
+        sandboxed) is taken only from a server started to trust it, as in vLLM."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        template = self.chat_template
+        if "chat_template" in kwargs:
+            given = kwargs.pop("chat_template")
+            if template is not None and given is not None and given != template:
+                raise InvalidRequestError(
+                    "two chat templates given (chat_template and "
+                    "chat_template_kwargs.chat_template)", param="chat_template",
+                )  # fmt: skip
+            template = template if template is not None else given
+        if template is not None and not isinstance(template, str):
+            raise InvalidRequestError("chat_template must be a string", param="chat_template")
+        if template is not None and not trusted:
+            raise InvalidRequestError(
+                "this server does not take a chat template from a request: start it with "
+                "--trust-request-chat-template to allow one", param="chat_template",
+            )  # fmt: skip
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "chat_template": template,
+            "chat_template_kwargs": kwargs,
+            "documents": self.documents,
+        }
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

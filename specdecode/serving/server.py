@@ -50,6 +50,7 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20  # 1 MiB of JSON
     max_n: int = 16
     max_prompts: int = 64  # prompts in one /v1/completions request
+    trust_request_chat_template: bool = False  # a request's chat_template is used (vLLM's flag)
 
 
 class APIError(Exception):
@@ -275,14 +276,20 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         req = await read_json(request, ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            text = core.render_chat(messages, "/v1/completions")
+            options = req.template_options(config.trust_request_chat_template)
+            text = core.render_chat(messages, "/v1/completions", **options)
         except InvalidRequestError as e:
             raise bad_request(str(e), e.param) from e
-        ids = encode(text, "messages", add_special_tokens=False)
+        ids = encode(text, "messages", add_special_tokens=req.add_special_tokens)
         max_tokens = check_length(len(ids), req, "messages")
         params = req.sampling_params(max_tokens, req.requested_logprobs())
         jobs = [(ids, params.for_choice(j)) for j in range(req.n)]
-        return await respond(request, req, jobs, len(ids), chat=True)
+        # echo (vLLM's): the reply starts with the last message where that is the reply's own
+        # (an assistant message the model continues)
+        last = messages[-1]
+        echo = last["content"] if req.echo and last["role"] == "assistant" else ""
+        echoes = [echo] * req.n if echo else []
+        return await respond(request, req, jobs, len(ids), chat=True, echoes=echoes)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -394,7 +401,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         for i, (h, r) in enumerate(zip(handles, results, strict=True)):
             choice: dict = {"index": i}
             if chat:
-                choice["message"] = {"role": "assistant", "content": r["text"]}
+                content = (echoes[i] if echoes else "") + r["text"]
+                choice["message"] = {"role": "assistant", "content": content}
             else:
                 choice["text"] = (echoes[i] if echoes else "") + r["text"]
             wants = h.seq.params.logprobs is not None
@@ -526,10 +534,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                         for i in range(len(handles))
                     ]  # fmt: skip
                 )
-            elif echoes:  # each choice's text starts with its prompt
+            if echoes:  # each choice's text starts with its prompt (chat: the last message)
+                key = "delta" if chat else "text"
                 yield chunk(
                     [
-                        {"index": i, "text": e, "logprobs": None, "finish_reason": None}
+                        {
+                            "index": i,
+                            key: {"content": e} if chat else e,
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
                         for i, e in enumerate(echoes)
                     ]  # fmt: skip
                 )
@@ -597,6 +611,7 @@ def run_server(args) -> None:
             api_key=api_key,
             max_request_bytes=args.max_request_bytes,
             max_n=args.max_n,
+            trust_request_chat_template=args.trust_request_chat_template,
         ),
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:

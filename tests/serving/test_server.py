@@ -29,8 +29,11 @@ QUESTIONS = ["abcabcabc", "Hello Hello", "xyz", "1212121212", "count: 1 2 3", "a
 
 
 class Served:
-    def __init__(self, engine: AsyncLLMEngine, api_key: str | None, aliases=()) -> None:
-        config = ServerConfig(MODEL, api_key=api_key, max_request_bytes=20_000, aliases=aliases)
+    def __init__(
+        self, engine: AsyncLLMEngine, api_key: str | None, aliases=(), trust=False
+    ) -> None:
+        config = ServerConfig(MODEL, api_key=api_key, max_request_bytes=20_000, aliases=aliases,
+                              trust_request_chat_template=trust)  # fmt: skip
         app = build_app(engine, config)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -722,6 +725,79 @@ def test_a_served_chat_template_of_ones_own(tiny_llama_dir):
     finally:
         served.stop()
         eng.shutdown()
+
+
+TAGGED = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}{{ tail }}"
+)
+
+
+def test_vllm_chat_options(engine, served, client, plain):
+    """vLLM's chat fields: a request's own template (only where the server trusts one),
+    `add_generation_prompt`, `chat_template_kwargs` as template variables,
+    `continue_final_message` with `echo` (the reply starts with the message it continues)."""
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    extra = {"ignore_eos": True}
+    for field in ({"chat_template": TAGGED}, {"chat_template_kwargs": {"chat_template": TAGGED}}):
+        with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template") as e:
+            client.chat.completions.create(model=MODEL, messages=chat_messages("abc"),
+                                           max_tokens=2, extra_body=field)  # fmt: skip
+        assert e.value.body["param"] == "chat_template"
+    trusted = Served(engine, api_key=None, trust=True)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{trusted.port}/v1", api_key="none")
+
+        def ask(messages, **body):
+            return c.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=6,
+                temperature=0,
+                extra_body={**extra, **body},
+            )
+
+        def want(text):
+            return plain.generate(text, p)[0].outputs[0].text
+
+        r = ask(chat_messages("abc"), chat_template=TAGGED)
+        assert r.choices[0].message.content == want("<user>abc<assistant>")
+        assert r.usage.prompt_tokens == len("<user>abc<assistant>")  # a token per character
+        r = ask(chat_messages("abc"), chat_template_kwargs={"chat_template": TAGGED, "tail": "!"},
+                add_generation_prompt=False)  # fmt: skip
+        assert r.choices[0].message.content == want("<user>abc!")
+        docs = "{{ documents[0].title }}{{ messages[0].content }}"
+        r = ask(chat_messages("abc"), chat_template=docs, documents=[{"title": "xy", "text": ""}])
+        assert r.choices[0].message.content == want("xyabc")
+        prefill = [*chat_messages("abc"), {"role": "assistant", "content": "abcab"}]
+        r = ask(prefill, chat_template=TAGGED, add_generation_prompt=False,
+                continue_final_message=True, echo=True)  # fmt: skip
+        assert r.choices[0].message.content == "abcab" + want("<user>abc<assistant>abcab")
+        chunks = c.chat.completions.create(
+            model=MODEL, messages=prefill, max_tokens=6, temperature=0, stream=True,
+            extra_body={**extra, "chat_template": TAGGED, "add_generation_prompt": False,
+                        "continue_final_message": True, "echo": True},
+        )  # fmt: skip
+        pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices]
+        assert pieces[:2] == ["", "abcab"]
+        assert "".join(pieces) == r.choices[0].message.content
+        # echo repeats only the reply's own role; the model's template by default
+        r = ask(chat_messages("abc"), echo=True)
+        assert r.choices[0].message.content == expected(plain, "abc", 6)
+        bad = [
+            ({"continue_final_message": True}, "add_generation_prompt=False",
+             "continue_final_message"),
+            ({"chat_template_kwargs": {"tokenize": True}}, "tokenize", "chat_template_kwargs"),
+            ({"chat_template_kwargs": {"add_generation_prompt": False}}, "option of its own",
+             "chat_template_kwargs"),
+            ({"add_generation_prompt": "no"}, "boolean", "add_generation_prompt"),
+        ]  # fmt: skip
+        for body, message, param in bad:
+            with pytest.raises(openai.BadRequestError, match=message) as e:
+                ask(prefill, **body)
+            assert e.value.body["param"] == param, body
+    finally:
+        trusted.stop()
 
 
 def test_a_repeated_prefix_is_reported_cached(served, client):
