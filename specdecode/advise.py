@@ -47,6 +47,7 @@ class TrafficRequest:
     params: SamplingParams  # as the server would sample it (its defaults, its checks)
     prompt: str | None = None
     messages: list[dict] | None = None
+    chat_options: dict = field(default_factory=dict)  # rendering options, as the server's
 
     @property
     def temperature(self) -> float:
@@ -128,6 +129,8 @@ def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature)
         params = body.sampling_params(max_tokens, None)
         if kind is ChatCompletionRequest:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            # a template a line carries is the user's own traffic (the server took it)
+            options = body.template_options(trusted=True)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"])
@@ -135,7 +138,7 @@ def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature)
     except InvalidRequestError as e:
         raise ValueError(str(e)) from None
     if kind is ChatCompletionRequest:
-        return TrafficRequest(n, params, messages=messages)
+        return TrafficRequest(n, params, messages=messages, chat_options=options)
     return TrafficRequest(n, params, prompt=obj["prompt"])
 
 
@@ -360,7 +363,10 @@ def run_advise(args: argparse.Namespace) -> dict:
             traffic.unused = len(traffic.requests) - n
             break
         try:
-            p = base._chat_ids(r.messages) if r.messages else base.encode(r.prompt)
+            if r.messages:
+                p = base._text_ids(base.apply_chat_template(r.messages, **r.chat_options))
+            else:
+                p = base.encode(r.prompt)
             base.engine.make_sequence(p, _params([r])[0])  # validates length and sampling
         except InvalidRequestError as e:
             traffic.bad_lines.append(f"{Path(args.traffic).name} line {r.line}: {e}")

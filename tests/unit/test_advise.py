@@ -116,6 +116,14 @@ def test_traffic_lines_are_read_as_the_server_reads_their_bodies(tmp_path):
     assert b.stop == ["\n"] and b.ignore_eos and b.structured_output is not None
     t = read_traffic(p, default_max_tokens=9, default_temperature=0.0)
     assert [r.temperature for r in t.requests] == [0.0, 3.0]
+    # vLLM's chat rendering fields are kept for the rendering (a prefill continued)
+    line = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+            "add_generation_prompt": False, "continue_final_message": True,
+            "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    p.write_text(json.dumps(line))
+    (r,) = read_traffic(p, default_max_tokens=9).requests
+    assert r.chat_options["continue_final_message"] and not r.chat_options["add_generation_prompt"]
+    assert r.chat_options["chat_template_kwargs"] == {"enable_thinking": False}
 
 
 def test_one_token_answers_predict_no_gain_and_no_division_by_zero():
