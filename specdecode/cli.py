@@ -791,7 +791,7 @@ def _check_train_out(out, resume: bool, init: str | None, heads: bool) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from specdecode.export import check_out, export_head, export_notes, serve_command
+    from specdecode.export import MARK, check_out, export_head, export_notes, serve_command
     from specdecode.models.head_io import head_kind
     from specdecode.models.loader import hub_id, load_model
 
@@ -801,16 +801,27 @@ def cmd_export(args: argparse.Namespace) -> None:
     # verifier, and vLLM serves one alone only if that is a Hub id
     hub = args.target_name or hub_id(args.model)
     name = hub or str(loaded.path)
+    # a --target-name that is a local folder is no Hub id (vLLM refuses a local verifier)
+    remote = bool(hub) and _is_hub_id(hub)
     head = Path(args.head)
     kind = head_kind(head) or "eagle3"
     config = export_head(head, loaded.model, args.format, Path(args.out), name, args.allow_pickle)
-    ours = json.loads((head / "config.json").read_text()).get("specdecode_head") or {}
     print(f"wrote {args.out}; serve it with:")
     heads = config.get("num_heads")
-    print("  " + serve_command(args.format, kind, name, str(args.out), heads, remote=bool(hub)))
-    draft_vocab = ours.get("draft_vocab_size")
-    for note in export_notes(args.format, kind, draft_vocab, bool(hub), config):
+    print("  " + serve_command(args.format, kind, name, str(args.out), heads, remote=remote))
+    # the draft vocabulary of the head as loaded (ours, or an imported token_map)
+    draft_vocab = json.loads((Path(args.out) / MARK).read_text())["draft_vocab"]
+    for note in export_notes(args.format, kind, draft_vocab, remote, config):
         print(f"note: {note}")
+
+
+def _is_hub_id(name: str) -> bool:
+    """A Hugging Face repository id ("org/name"), not a path that exists here."""
+    import re
+
+    if Path(name).expanduser().exists():
+        return False
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", name) is not None
 
 
 def cmd_models(args: argparse.Namespace) -> None:

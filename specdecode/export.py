@@ -63,23 +63,32 @@ def _llama_layer(tensors: dict[str, torch.Tensor], fmt: str, hidden: int) -> Non
 
 
 _COPIED = ("training.json",)  # from the head, where it has them
-_WRITTEN = {"config.json", "model.safetensors", *_COPIED}
+# what an export is known by: the only folder `export` replaces is one it wrote (a trained or
+# downloaded head has the same config.json and model.safetensors)
+MARK = "specdecode_export.json"
+_WRITTEN = {"config.json", "model.safetensors", *_COPIED, MARK}
 
 
 def check_out(head: Path, out: Path) -> None:
-    """Before anything is written: the export must not land on the head it reads, nor mix with
-    a folder's other files (a previous export there is replaced)."""
+    """Before anything is written: the export must not land on the head it reads, nor on a
+    folder's other files or a model it did not write (a previous export there is replaced)."""
     if not head.is_dir():
         raise InvalidRequestError(f"head {str(head)!r} is not a directory")
     if out.exists() and out.resolve() == head.resolve():
         raise InvalidRequestError(
             f"--out {str(out)!r} is the head itself; the export would overwrite it"
         )
-    others = sorted(p.name for p in out.iterdir() if p.name not in _WRITTEN) if out.is_dir() else []
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    others = [n for n in names if n not in _WRITTEN]
     if others:
         raise InvalidRequestError(
             f"--out {str(out)!r} holds other files ({', '.join(others[:3])}); name an empty or "
             "new folder"
+        )
+    if names and MARK not in names:
+        raise InvalidRequestError(
+            f"--out {str(out)!r} holds a model that `export` did not write (a head, or an "
+            "export from before exports were marked); name an empty or new folder, or remove it"
         )
 
 
@@ -109,6 +118,8 @@ def export_head(
     from specdecode.models.loader import write_safetensors
 
     out.mkdir(parents=True, exist_ok=True)
+    for name in _WRITTEN:  # a previous export's files: none of them outlives this one
+        (out / name).unlink(missing_ok=True)
     write_safetensors(
         {
             k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
@@ -120,6 +131,10 @@ def export_head(
     for f in _COPIED:
         if (Path(head_dir) / f).is_file():
             shutil.copy(Path(head_dir) / f, out / f)
+    vocab = None if head.vocab_ids is None else int(head.vocab_ids.numel())
+    kind = getattr(head, "kind", "medusa")
+    mark = {"written_by": "specdecode export", "format": fmt, "kind": kind, "draft_vocab": vocab}
+    (out / MARK).write_text(json.dumps(mark, indent=2))
     return config
 
 
@@ -185,6 +200,12 @@ def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | N
         config["num_aux_hidden_states"] = len(aux)  # (what sizes vLLM's fc: 3 unless said)
         config.update(head.variant)  # vLLM's llama_eagle3 reads each flag from the config
     else:  # SGLang counts a feature as the output of the layer before
+        if c.num_layers in aux:  # (vLLM captures the last layer's output; SGLang does not)
+            raise InvalidRequestError(
+                f"this head reads the last layer's output (layer id {c.num_layers}), which "
+                "SGLang does not capture (it takes features where they enter a layer); export "
+                "it with --format vllm or --format speculators"
+            )
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]}
         config.update({k: v for k, v in head.variant.items() if v})  # (read by 0.5.23)
     return tensors, config

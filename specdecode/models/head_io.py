@@ -13,6 +13,7 @@ The target's embeddings and LM head are never stored: heads attach to the target
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +30,43 @@ if TYPE_CHECKING:
     from specdecode.engine.engine import LLMEngine
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
+log = logging.getLogger(__name__)
+
+
+def target_signature(model: LlamaModel) -> dict:
+    """What a head records of the target it was trained on: its depth and a sample of its
+    embeddings (16 rows x 8 columns spread over the table), compared by cosine so that another
+    precision or quantization of the same model matches and another model does not."""
+    w = model.embed_tokens.weight
+    step = max(1, w.shape[0] // 16)
+    rows = torch.arange(min(16, w.shape[0])) * step + min(7, step - 1)
+    sample = w.detach()[rows.to(w.device), :8].float().flatten().cpu()
+    return {
+        "num_hidden_layers": model.config.num_layers,
+        "embedding_sample": [round(float(x), 5) for x in sample],
+    }
+
+
+def _check_target(path: Path, recorded: dict | None, target: LlamaModel) -> None:
+    """Warn where a head was trained on another target than the one it is given (same width
+    and vocabulary, or it would not load): it drafts poorly there (the output stays exact)."""
+    if not isinstance(recorded, dict):
+        return  # (heads from elsewhere, or trained before heads recorded it)
+    now = target_signature(target)
+    why = None
+    if recorded.get("num_hidden_layers") not in (None, now["num_hidden_layers"]):
+        why = f"{recorded['num_hidden_layers']} layers, this one has {now['num_hidden_layers']}"
+    sample = recorded.get("embedding_sample")
+    if why is None and isinstance(sample, list) and len(sample) == len(now["embedding_sample"]):
+        a, b = torch.tensor(sample, dtype=torch.float64), torch.tensor(now["embedding_sample"])
+        cos = float(torch.nn.functional.cosine_similarity(a, b.double(), dim=0))
+        if cos < 0.9:
+            why = f"its embeddings differ (cosine {cos:.2f} on a sample)"
+    if why is not None:
+        log.warning(
+            "%s was trained on another target model (%s): it will draft poorly for this one "
+            "(the output is still exact)", path, why,
+        )  # fmt: skip
 
 
 def _unfused(module: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -39,7 +77,10 @@ def _unfused(module: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Te
     return out
 
 
-def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> None:
+def save_head(
+    head, out_dir: Path, target_config: ModelConfig, info: dict, target: dict | None = None
+) -> None:
+    """Write `head` (safetensors + config.json); `target`: its target's `target_signature`."""
     from specdecode.models.loader import write_safetensors
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -77,6 +118,7 @@ def save_head(head, out_dir: Path, target_config: ModelConfig, info: dict) -> No
     config["specdecode_head"] = {
         "kind": kind,
         "draft_vocab_size": int(head.vocab_ids.numel()) if head.vocab_ids is not None else None,
+        **({"target": target} if target is not None else {}),
         **info,
     }
     # written aside, then renamed: a run killed while saving a checkpoint keeps the last one
@@ -234,6 +276,7 @@ def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
         )
     if hidden != tc.hidden_size or raw.get("vocab_size", tc.vocab_size) != tc.vocab_size:
         raise InvalidRequestError(f"{path} was trained for a different target model")
+    _check_target(path, (raw.get("specdecode_head") or {}).get("target"), target)
     tensors = _load_tensors(path, allow_pickle)
     vocab_ids = tensors.pop("vocab_ids", None)
     lc = tc if kind == "medusa" else head_layer_config(raw, tc)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.errors import DataError
-from specdecode.models.head_io import save_head
+from specdecode.models.head_io import save_head, target_signature
 from specdecode.models.heads import EAGLE3_VARIANTS, Eagle3Head, EagleHead, MedusaHeads
 from specdecode.models.llama import LlamaModel
 from specdecode.train.datagen import (
@@ -221,6 +221,7 @@ class _Trainer:
         final_only: bool = False,
     ):
         self.target, self.cfg = target, cfg
+        self.signature = target_signature(target)  # recorded in the head's config.json
         self.device = target.norm.weight.device  # the head, its batches and labels live there
         # features are stored in bf16: an accelerator gets them so and widens them itself
         self._collate_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
@@ -446,7 +447,7 @@ class _Trainer:
             config={**self._recorded_config(), "bf16": use_bf16},
             **info,
         )
-        save_head(module, out_dir, self.target.config, {"training": history})
+        save_head(module, out_dir, self.target.config, {"training": history}, self.signature)
         self._save_state(opt, out_dir, done, position, skipped, seconds)
         (out_dir / "training.json").write_text(json.dumps(history, indent=2))
         return history
@@ -464,7 +465,7 @@ class _Trainer:
         the run), replaced at the end."""
         info = {"checkpoint": True, "steps_done": done, "train_seconds": round(seconds, 1)}
         info["config"] = self._recorded_config()
-        save_head(module, out_dir, self.target.config, {"training": info})
+        save_head(module, out_dir, self.target.config, {"training": info}, self.signature)
         self._save_state(opt, out_dir, done, position, skipped, seconds)
         (out_dir / "training.json").write_text(json.dumps(info, indent=2))
         log.info("checkpoint after %d steps written to %s", done, out_dir)

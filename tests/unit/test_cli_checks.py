@@ -109,6 +109,10 @@ def test_export_never_overwrites_its_head_or_mixes_with_other_files(tmp_path, ca
     (busy / "keep.txt").write_text("mine")
     assert main(["export", str(head), "--format", "vllm", "--out", str(busy)]) == 2
     assert "holds other files (keep.txt)" in capsys.readouterr().err
+    other = _fake_head(tmp_path / "other")  # a head: the files an export writes, unmarked
+    assert main(["export", str(head), "--format", "vllm", "--out", str(other)]) == 2
+    assert "did not write" in capsys.readouterr().err
+    assert (other / "model.safetensors").read_bytes() == b"weights"
     a_file = tmp_path / "file-head"
     a_file.write_text("x")
     assert main(["export", str(a_file), "--format", "vllm", "--out", str(tmp_path / "o")]) == 2

@@ -334,6 +334,51 @@ def test_export_refusals(target, tmp_path):
         export_head(tmp_path / "m", target, "sglang", tmp_path / "x")
     config = export_head(tmp_path / "m", target, "vllm", tmp_path / "mv")
     assert config["original_lm_head"] and config["num_heads"] == 2
+    # SGLang captures features where they enter a layer: not the last layer's output
+    last = Eagle3Head(CFG, V, aux_layers=(0, 1, CFG.num_layers))
+    last.attach(target.embed_tokens, None)
+    save_head(last, tmp_path / "last", CFG, {})
+    with pytest.raises(InvalidRequestError, match="last layer's output"):
+        export_head(tmp_path / "last", target, "sglang", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_export_replaces_only_its_own_exports(target, tmp_path):
+    """A folder holding a head (a trained one, or one downloaded: the same two files) is never
+    replaced; a previous export is, whole: none of its files outlives the new one."""
+    head = _randomise(EagleHead(CFG, fc_bias=True))
+    head.attach(target.embed_tokens, target.lm_head.weight, None)
+    save_head(head, tmp_path / "a", CFG, {})
+    (tmp_path / "a" / "training.json").write_text("{}")
+    save_head(head, tmp_path / "b", CFG, {})
+    before = (tmp_path / "b" / "model.safetensors").read_bytes()
+    with pytest.raises(InvalidRequestError, match="did not write"):
+        export_head(tmp_path / "a", target, "sglang", tmp_path / "b")
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == before
+    export_head(tmp_path / "a", target, "sglang", tmp_path / "out")
+    assert (tmp_path / "out" / "training.json").is_file()
+    export_head(tmp_path / "b", target, "sglang", tmp_path / "out")  # b has no training.json
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == ["config.json", "model.safetensors", "specdecode_export.json"]
+
+
+def test_a_head_warns_on_another_target(target, tmp_path, caplog):
+    """A head records its target (depth, an embedding sample); given another model of the same
+    width and vocabulary, loading warns (it drafts poorly there), and the same model in
+    another precision does not."""
+    from specdecode.models.head_io import target_signature
+
+    head = _randomise(EagleHead(CFG, fc_bias=True))
+    head.attach(target.embed_tokens, target.lm_head.weight, None)
+    save_head(head, tmp_path / "e", CFG, {}, target_signature(target))
+    with caplog.at_level("WARNING"):
+        load_head(tmp_path / "e", target)
+        torch.manual_seed(0)  # the fixture's seed: the same weights, here rounded to bf16
+        load_head(tmp_path / "e", LlamaModel(CFG).eval().to(torch.bfloat16).float())
+        assert not caplog.records
+        torch.manual_seed(1)
+        load_head(tmp_path / "e", LlamaModel(CFG).eval())
+    assert "trained on another target model" in caplog.text and "embeddings" in caplog.text
 
 
 def test_medusa_with_a_draft_vocabulary_exports_over_the_whole_vocabulary(target, tmp_path):
@@ -400,7 +445,7 @@ def test_serve_commands_draft_as_many_tokens_as_a_medusa_head_has_heads():
     assert '"method": "eagle3"' in eagle and '"num_speculative_tokens": 5' in eagle
 
 
-def test_serve_commands_and_notes_say_what_the_serving_side_needs():
+def test_serve_commands_and_notes_say_what_the_serving_side_needs(tmp_path):
     """vLLM serves a speculators checkpoint alone only if its verifier is a Hub id: with a
     local target the command names the target; Medusa left vLLM after 0.32; an EAGLE-1 head's
     draft vocabulary does not travel."""
@@ -408,6 +453,10 @@ def test_serve_commands_and_notes_say_what_the_serving_side_needs():
     from specdecode.models.registry import REGISTRY
 
     assert serve_command("speculators", "eagle3", "org/t", "out/s") == "vllm serve out/s"
+    from specdecode.cli import _is_hub_id
+
+    assert _is_hub_id("HuggingFaceTB/SmolLM2-135M-Instruct") and not _is_hub_id("/models/t")
+    assert not _is_hub_id("a/b/c") and not _is_hub_id(str(tmp_path))  # (a folder that exists)
     local = serve_command("speculators", "eagle3", "/models/t", "out/s", remote=False)
     assert local.startswith("vllm serve /models/t --speculative-config") and "out/s" in local
     assert any("local directory" in n for n in export_notes("speculators", "eagle3", remote=False))
