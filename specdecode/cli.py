@@ -791,11 +791,19 @@ def _check_train_out(out, resume: bool, init: str | None, heads: bool) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from specdecode.export import MARK, check_out, export_head, export_notes, serve_command
+    from specdecode.export import (
+        MARK,
+        check_format,
+        check_out,
+        export_head,
+        export_notes,
+        serve_command,
+    )
     from specdecode.models.head_io import head_kind
     from specdecode.models.loader import hub_id, load_model
 
     check_out(Path(args.head), Path(args.out))  # (before the target loads)
+    check_format(head_kind(Path(args.head)), args.format)
     loaded = load_model(args.model)
     # the target's Hugging Face id where it is known: a speculators checkpoint names its
     # verifier, and vLLM serves one alone only if that is a Hub id

@@ -211,12 +211,20 @@ def _eagle3(head: Eagle3Head, target: LlamaModel, fmt: str, target_name: str | N
     return tensors, config
 
 
-def _eagle(head: EagleHead, fmt: str):
-    if fmt == "speculators":
+def check_format(kind: str | None, fmt: str) -> None:
+    """The formats that carry a kind of head (checked before the target loads, and again
+    on the loaded head)."""
+    if kind == "eagle" and fmt == "speculators":
         raise InvalidRequestError(
             "vLLM's speculators format carries EAGLE-3 heads; export an EAGLE-1 head with "
             "--format vllm or sglang"
         )
+    if kind == "medusa" and fmt != "vllm":
+        raise InvalidRequestError("Medusa heads export to vLLM only (--format vllm)")
+
+
+def _eagle(head: EagleHead, fmt: str):
+    check_format("eagle", fmt)
     has_bias = getattr(head.fc, "bias", None) is not None
     if fmt == "vllm" and has_bias:
         raise InvalidRequestError(
@@ -234,8 +242,7 @@ def _eagle(head: EagleHead, fmt: str):
 
 
 def _medusa(head: MedusaHeads, target: LlamaModel, fmt: str):
-    if fmt != "vllm":
-        raise InvalidRequestError("Medusa heads export to vLLM only (--format vllm)")
+    check_format("medusa", fmt)
     c = target.config
     tensors = {}
     for i, blocks in enumerate(head.medusa_head):
