@@ -83,11 +83,25 @@ def output_file(text: str) -> str:
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file in it")
     folder = path.resolve().parent
+    if folder.exists() and not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(folder)!r} is a file, not a folder")
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: its folder does not exist")
-    if not os.access(path if path.exists() else folder, os.W_OK):  # (opened for writing)
+    if not _writable(folder) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text!r} cannot be written here")
     return text
+
+
+def _writable(folder: Path) -> bool:
+    """Whether a file can be made in `folder`: tried, not asked (os.access says yes to root
+    on read-only mounts and /proc)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
 
 
 def output_dir(text: str) -> str:
@@ -101,7 +115,7 @@ def output_dir(text: str) -> str:
         there = there.parent
     if not there.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: {str(there)!r} is a file, not a folder")
-    if not os.access(there, os.W_OK):
+    if not _writable(there):
         raise argparse.ArgumentTypeError(f"{text!r} cannot be written here")
     return text
 

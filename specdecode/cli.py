@@ -500,7 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workloads",
         type=b.workload_list,
         default=None,
-        help="speculative mode: comma-separated subset of code,sql,json,chat (default: all)",
+        help="speculative mode: comma list of code, sql, json, writing, chat (default: "
+        "code,sql,json,chat)",
     )
     lat.add_argument(
         "--temperatures",

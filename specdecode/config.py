@@ -499,7 +499,7 @@ class SpeculativeConfig:
         def integer(key: str, least: int) -> None:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
-                raise InvalidRequestError(f"{key} must be an integer >= {least}")
+                raise InvalidRequestError(f"{key} must be an integer >= {least}, got {v!r}")
 
         integer("suffix_decoding_max_tree_depth", 3)
         integer("suffix_decoding_max_cached_requests", 0)
@@ -510,10 +510,14 @@ class SpeculativeConfig:
 
         factor = self.suffix_decoding_max_spec_factor
         if not number(factor) or factor <= 0:
-            raise InvalidRequestError("suffix_decoding_max_spec_factor must be a number > 0")
+            raise InvalidRequestError(
+                f"suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}"
+            )
         prob = self.suffix_decoding_min_token_prob
         if not number(prob) or not 0 <= prob <= 1:
-            raise InvalidRequestError("suffix_decoding_min_token_prob must be in [0, 1]")
+            raise InvalidRequestError(
+                f"suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}"
+            )
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:

@@ -69,7 +69,9 @@ def seed_comparison(result: dict) -> list[str]:
             out.append(
                 f"**>85% acceptance and 4x+ on structured output** ({name}, code/SQL/JSON at "
                 f"T=0): {_verdict(s['acceptance_rate'] > 0.85, fast['speedup'] >= 4)}. Best "
-                f"acceptance {s['acceptance_rate']:.0%} ({s['method']} on {s['workload']}); "
+                f"acceptance {s['acceptance_rate']:.0%} ({s['method']} on {s['workload']}"
+                + (f", {s['draft_tokens']} drafted tokens" if s.get("draft_tokens") else "")
+                + "); "
                 f"best speedup {fast['speedup']:.2f}x ({fast['method']} on {fast['workload']}); "
                 f"mean acceptance by method: {_per_method(structured, 'acceptance_rate')}."
             )
@@ -192,16 +194,19 @@ def write_report(
     full matrix on the default model and a smaller one on the Qwen pair, plus an optional
     `advise --validate` result."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    runs = _labelled(runs)
     merged = {"targets": [t for r, _ in runs for t in r["targets"]]}
     when = datetime.date.today().isoformat()
     commands = "\n".join(r["command"].strip() for r, _ in runs)
     if advise and advise.get("command"):
         commands += "\n" + advise["command"].strip()
-    minutes = sum(r.get("seconds", 0) for r, _ in runs) / 60
+    minutes = round(sum(r.get("seconds", 0) for r, _ in runs) / 60)
+    spent = "under a minute" if minutes < 1 else f"{minutes} minute{'s' * (minutes != 1)}"
+    references = [f"- {x}" for r, _ in runs for x in _references(r)]
     lines = [
         "# Benchmarks",
         "",
-        f"Generated on {when} from the runs below ({minutes:.0f} minutes of measurement) on "
+        f"Generated on {when} from the runs below ({spent} of measurement) on "
         f"{runs[0][0]['machine']}. Every ratio compares runs made side by side in one run. "
         "To regenerate this page, run these and then `specdecode bench report` with their "
         "output directories (the last line):",
@@ -225,10 +230,7 @@ def write_report(
         "Acceptance and tau of a seeded run are reproducible; tok/s of one cell (a few prompts) "
         "varies from run to run on a shared VM, so single cells near 1.0x are not significant.",
         "",
-        "## References on the same prompts",
-        "",
-        *[f"- {x}" for r, _ in runs for x in _references(r)],
-        "",
+        *(["## References on the same prompts", "", *references, ""] if references else []),
     ]
     if advise:
         title = "prediction against measurement" if advise.get("validation") else "advice"
@@ -242,7 +244,7 @@ def write_report(
         ]
     for r, d in runs:
         rel = os.path.relpath(d, path.parent)
-        names = ", ".join(t["target"] for t in r["targets"])
+        names = ", ".join(t["target"] for t in r["targets"]) or "no target"
         lines += [f"## Results: {names}", "", f"`{r['command'].strip()}`", ""]
         lines += [
             f"![speedup against concurrency]({rel}/speedup_vs_concurrency.png)"
@@ -254,6 +256,22 @@ def write_report(
             markdown(r),
         ]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _labelled(runs: list[tuple[dict, Path]]) -> list[tuple[dict, Path]]:
+    """Runs whose targets share a name (the same model measured twice) have each such target
+    named with its run's folder, in every bullet and heading."""
+    from collections import Counter
+
+    counts = Counter(t["target"] for r, _ in runs for t in r["targets"])
+    out = []
+    for r, d in runs:
+        targets = [
+            {**t, "target": f"{t['target']} ({d.name or d})"} if counts[t["target"]] > 1 else t
+            for t in r["targets"]
+        ]
+        out.append(({**r, "targets": targets}, d))
+    return out
 
 
 def _read_json(path: Path):
@@ -270,8 +288,11 @@ def _read_json(path: Path):
 def run_report(args) -> None:
     from specdecode.errors import InvalidRequestError
 
-    runs = []
+    runs, seen = [], set()
     for d in args.runs:
+        if Path(d).resolve() in seen:
+            raise InvalidRequestError(f"{d} is given twice: name each run's folder once")
+        seen.add(Path(d).resolve())
         f = Path(d) / "suite.json"
         if not f.is_file():
             raise InvalidRequestError(f"{f} not found: give directories written by bench suite")

@@ -153,6 +153,12 @@ def _overrides(items: list[str]) -> dict[str, dict]:
         if not isinstance(cfg, dict):
             raise InvalidRequestError(f"--method-config {method}: must be a JSON object")
         out[method] = {"method": method, **cfg}
+        from specdecode.config import SpeculativeConfig
+
+        try:  # its values checked now, before any model loads
+            SpeculativeConfig.from_dict(out[method])
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"--method-config {method}: {e}") from e
     return out
 
 
@@ -205,7 +211,8 @@ def run_target(target: Target, args: argparse.Namespace) -> dict:
         max_num_seqs=max([*levels, 1]),
         enable_prefix_caching=False,  # every configuration pays its own prefill
     )
-    print(f"== {target.name}: loading the target and {len(target.configs)} drafters", flush=True)
+    n = len(target.configs)
+    print(f"== {target.name}: loading the target and {n} drafter{'s' * (n != 1)}", flush=True)
     plain = LLM(target.model, speculative_policy="off", **common)
     # one copy of the weights for all: a buffer's speed here depends on where it lands
     engines = {
@@ -534,7 +541,7 @@ def markdown(result: dict) -> str:
                 vals = " | ".join(
                     f"{by[(m, p, c)]['vs_off']:.2f}x" if (m, p, c) in by else "-" for c in levels
                 )
-                lines.append(f"| {m} | {p} | {vals} |")
+                lines.append(f"| {_sweep_label(m)} | {p} | {vals} |")
         lines.append("")
     for name, why in result.get("missing_targets", {}).items():
         lines.append(f"- target {name}: {why}.")
@@ -549,40 +556,10 @@ def plots(result: dict, out: Path) -> list[Path]:
 
     paths = []
     targets = result["targets"]
-    # speedup against concurrency
-    fig, axes = plt.subplots(
-        1, max(1, len(targets)), figsize=(6 * max(1, len(targets)), 4), squeeze=False
-    )
-    for ax, t in zip(axes[0], targets, strict=False):
-        for m in _spec_methods(t):
-            for policy, style in (("static", "-"), ("adaptive", "--")):
-                pts = sorted(
-                    (r["concurrency"], r["vs_off"])
-                    for r in t["concurrency"]
-                    if r["method"] == m and r["policy"] == policy
-                )
-                if pts:
-                    color = f"C{METHODS.index(m)}"
-                    ax.plot(
-                        *zip(*pts, strict=True),
-                        style,
-                        marker="o",
-                        color=color,
-                        label=f"{m} {policy}",
-                    )
-        ax.axhline(1.0, color="gray", lw=1)
-        ax.set_xscale("log", base=2)
-        ax.set(
-            xlabel="concurrent requests",
-            ylabel="throughput vs off",
-            title=f"{t['target']}: {t['concurrency_workload']}, T=0",
-        )
-        ax.grid(alpha=0.3)
-        _legend(ax)
-    fig.tight_layout()
-    paths.append(out / "speedup_vs_concurrency.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    # speedup against concurrency (where a sweep ran)
+    if any(t["concurrency"] for t in targets):
+        paths.append(_concurrency_plot(plt, targets, out))
+
     # acceptance against temperature (mean over workloads)
     fig, axes = plt.subplots(
         1, max(1, len(targets)), figsize=(6 * max(1, len(targets)), 4), squeeze=False
@@ -650,6 +627,49 @@ def plots(result: dict, out: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
     return paths
+
+
+def _concurrency_plot(plt, targets: list[dict], out: Path) -> Path:
+    fig, axes = plt.subplots(
+        1, max(1, len(targets)), figsize=(6 * max(1, len(targets)), 4), squeeze=False
+    )
+    for ax, t in zip(axes[0], targets, strict=False):
+        for m in _spec_methods(t):
+            for policy, style in (("static", "-"), ("adaptive", "--")):
+                pts = sorted(
+                    (r["concurrency"], r["vs_off"])
+                    for r in t["concurrency"]
+                    if r["method"] == m and r["policy"] == policy
+                )
+                if pts:
+                    color = f"C{METHODS.index(m)}"
+                    ax.plot(
+                        *zip(*pts, strict=True),
+                        style,
+                        marker="o",
+                        color=color,
+                        label=f"{_sweep_label(m)} {policy}",
+                    )
+        ax.axhline(1.0, color="gray", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set(
+            xlabel="concurrent requests",
+            ylabel="throughput vs off",
+            title=f"{t['target']}: {t['concurrency_workload']}, T=0",
+        )
+        ax.grid(alpha=0.3)
+        _legend(ax)
+    fig.tight_layout()
+    path = out / "speedup_vs_concurrency.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _sweep_label(method: str) -> str:
+    """A method's name in the concurrency sweep, whose clients cycle through the prompts: there
+    suffix decoding learns nothing from earlier answers (see `bench.serve.closed_loop`)."""
+    return "suffix (no corpus)" if method == "suffix" else method
 
 
 def _legend(ax) -> None:

@@ -51,11 +51,18 @@ def test_suite_runs_every_workload_method_and_level(roomy, tmp_path):
     text = report.read_text()
     assert "against the seed's figures" in text and "bench suite" in text
     assert "speedup_vs_concurrency.png" in text
-    # the page can also be rebuilt from several runs' directories
+    # the page can also be rebuilt from several runs' directories; two runs of one target
+    # are told apart by their folders, and a folder given twice is refused
+    import shutil
+
+    shutil.copytree(out, tmp_path / "rerun")
     again = tmp_path / "again.md"
-    r = run("bench", "report", str(out), str(out), "--out", str(again))
+    r = run("bench", "report", str(out), str(tmp_path / "rerun"), "--out", str(again))
     assert r.returncode == 0, r.stderr
-    assert again.read_text().count("## Results:") == 2
+    text = again.read_text()
+    assert text.count("## Results:") == 2 and "(suite)" in text and "(rerun)" in text
+    r = run("bench", "report", str(out), str(out), "--out", str(again))
+    assert r.returncode == 2 and "given twice" in r.stderr
     r = run("bench", "report", str(tmp_path / "nowhere"), "--out", str(again))
     assert r.returncode == 2 and "not found" in r.stderr
     (tmp_path / "bad.json").write_text("{not json")

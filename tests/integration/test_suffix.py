@@ -105,8 +105,8 @@ def test_bad_suffix_configs(tiny_llama_dir):
         ({"suffix_decoding_min_token_prob": 1.5}, "min_token_prob"),
         ({"suffix_decoding_max_spec_factor": float("inf")}, "max_spec_factor"),
         ({"suffix_decoding_max_spec_factor": float("nan")}, "max_spec_factor"),
-        ({"suffix_decoding_min_token_prob": "0.1"}, "min_token_prob"),
-        ({"suffix_decoding_max_tree_depth": 24.0}, "max_tree_depth"),
+        ({"suffix_decoding_min_token_prob": "0.1"}, "min_token_prob .* got '0.1'"),
+        ({"suffix_decoding_max_tree_depth": 24.0}, "max_tree_depth .* got 24.0"),
         ({"topk": 4}, "topk"),
     ]
     for extra, match in bad:

@@ -234,3 +234,31 @@ def test_the_printed_rows_end_a_level_with_ratios_against_both_off_runs(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "(1.65x off)" in lines[1]  # against the first run, 10 tok/s
     assert "runs 18.2% apart; against their mean: adaptive 1.50x)" in lines[2]
+
+
+def test_a_suite_report_leaves_out_what_did_not_run(tmp_path):
+    """No references, no concurrency sweep: no empty section and no empty plot; a short run's
+    time reads as such; the structured verdict says how many tokens its acceptance is from."""
+    from specdecode.bench.report import write_report
+    from specdecode.bench.suite import plots
+
+    def row(method, speedup, acc, drafted):
+        return {"workload": "json", "temperature": 0.0, "method": method, "tok_s": 10 * speedup,
+                "speedup": speedup, "acceptance_rate": acc, "tau": 1 + acc, "vs_off": speedup,
+                "draft_tokens": drafted}  # fmt: skip
+
+    result = {
+        "command": "specdecode bench suite --references ''", "machine": "a VM", "seconds": 20,
+        "max_tokens": 8, "num_prompts": 1, "workloads": ["json"], "temperatures": [0.0],
+        "targets": [{"target": "t", "dtype": "float32", "skipped": {}, "concurrency": [],
+                     "configs": {"ngram": {"method": "ngram"}},
+                     "concurrency_workload": "json",
+                     "rows": [row("off", 1.0, 0.0, 0), row("ngram", 1.02, 0.93, 14)]}],
+    }  # fmt: skip
+    paths = plots(result, tmp_path)
+    assert "speedup_vs_concurrency.png" not in [p.name for p in paths]
+    assert not (tmp_path / "speedup_vs_concurrency.png").exists()
+    write_report([(result, tmp_path)], tmp_path / "B.md")
+    text = (tmp_path / "B.md").read_text()
+    assert "References" not in text and "under a minute" in text
+    assert "14 drafted tokens" in text and "speedup_vs_concurrency" not in text

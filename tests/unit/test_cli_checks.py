@@ -99,6 +99,45 @@ def test_an_output_folder_that_cannot_be_made_is_refused_before_measuring(tmp_pa
         assert len(err) == 1 and "afile' is a file, not a folder" in err[0]
 
 
+def test_output_paths_are_tried_not_asked(tmp_path, capsys):
+    """Where no file can be made (/proc, even for root, whom os.access always answers yes),
+    every kind of output flag is refused at the start, in one line; a file named inside a
+    file says so."""
+    import os
+    from pathlib import Path
+
+    if not Path("/proc/self").is_dir() or os.name != "posix":
+        pytest.skip("needs Linux's /proc")
+    (tmp_path / "afile").write_text("x")
+    cases = [
+        (["bench", "suite", "--out", "/proc/sd-x"], "cannot be written here"),
+        (["bench", "report", str(tmp_path), "--out", "/proc/sd-r.md"], "cannot be written here"),
+        (["bench", "latency", "--json", "/proc/sd-x.json"], "cannot be written here"),
+        (["bench", "report", str(tmp_path), "--out", str(tmp_path / "afile" / "r.md")],
+         "is a file, not a folder"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], argv
+
+
+def test_a_suite_method_config_is_checked_before_anything_loads(tmp_path, capsys):
+    out = tmp_path / "suite"
+    bad = [
+        ('ngram={"num_speculative_tokens": -3}', "--method-config ngram: num_speculative"),
+        ("ngram=[1]", "must be a JSON object"),
+        ('beam={"x": 1}', "known method"),
+        ('suffix={"suffix_decoding_max_tree_depth": "24"}', "got '24'"),
+    ]
+    for item, message in bad:
+        assert main(["bench", "suite", "--method-config", item, "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err
+    assert not out.exists()  # (nothing made, nothing loaded)
+
+
 def test_export_never_overwrites_its_head_or_mixes_with_other_files(tmp_path, capsys):
     head = _fake_head(tmp_path / "head")
     assert main(["export", str(head), "--format", "sglang", "--out", str(head)]) == 2
