@@ -230,14 +230,9 @@ class ChatMessage(BaseModel):
         return content_text(self.content)
 
 
-class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # vLLM's chat options
-    echo: StrictBool = False  # the reply starts with the last message, where it is the reply's
+class _ChatRendering(BaseModel):
+    """vLLM's fields for rendering chat messages into a prompt (chat completions, /tokenize)."""
+
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     add_special_tokens: StrictBool = False
@@ -273,6 +268,15 @@ class ChatCompletionRequest(_Request):
             "chat_template_kwargs": kwargs,
             "documents": self.documents,
         }
+
+
+class ChatCompletionRequest(_ChatRendering, _Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: StrictBool = False  # (vLLM's) the reply starts with the last message, if the reply's
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -330,3 +334,29 @@ def _allows_none(annotation: Any) -> bool:
     if get_origin(annotation) in (Union, types.UnionType):
         return any(_allows_none(a) for a in get_args(annotation))
     return False
+
+
+class TokenizeRequest(_ChatRendering):
+    """vLLM's /tokenize body: a `prompt` (special tokens added unless told not to) or chat
+    `messages` (rendered as chat completions render them; no special tokens added)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: StrictBool | None = None
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either a prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]

@@ -1,10 +1,10 @@
 """`specdecode serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the async engine.
 
 Endpoints: POST /v1/chat/completions and /v1/completions (SSE streaming, usage, n, stop, seed,
-logprobs, completions' echo), GET /v1/models, GET or HEAD /health and /metrics (Prometheus; the
-spec-decode counters under vLLM's names). Safe by default: binds 127.0.0.1, optional API key,
-limits on body size, n, prompt and max_tokens; every bad input is a 4xx with an OpenAI-style
-error body, and the server keeps serving.
+logprobs, completions' echo), POST /tokenize and /detokenize (vLLM's), GET /v1/models, GET or
+HEAD /health and /metrics (Prometheus; the spec-decode counters under vLLM's names). Safe by
+default: binds 127.0.0.1, optional API key, limits on body size, n, prompt and max_tokens;
+every bad input is a 4xx with an OpenAI-style error body, and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -35,7 +35,12 @@ from specdecode.serving.async_engine import (
     StreamUpdate,
 )
 from specdecode.serving.metrics import ServerMetrics
-from specdecode.serving.protocol import ChatCompletionRequest, CompletionRequest
+from specdecode.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +70,15 @@ def _error(status: int, message: str, type_: str, param: str | None = None) -> J
 
 
 class _ApiKey:
-    """`Authorization: Bearer KEY` required on /v1/ routes (/health and /metrics stay open)."""
+    """`Authorization: Bearer KEY` required on /v1/ routes and the tokenizer's (/health and
+    /metrics stay open)."""
 
     def __init__(self, app, key: str) -> None:
         self.app, self.want = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(got, self.want):
                 response = _error(401, "invalid or missing API key", "authentication_error")
@@ -218,9 +225,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             raise APIError(
                 404, f"the model {req.model!r} does not exist", "not_found_error", "model"
             )
-        if req.n > config.max_n:
+        if getattr(req, "n", 1) > config.max_n:
             raise bad_request(f"n must be at most {config.max_n}", "n")
-        req.check_stream_options()
+        if hasattr(req, "check_stream_options"):
+            req.check_stream_options()
         return req
 
     def check_length(prompt_len: int, req, field: str) -> int:
@@ -310,6 +318,36 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             if req.echo:  # the prompt as sent; token ids as they decode (as vLLM does)
                 echoes += [p] * req.n
         return await respond(request, req, jobs, prompt_tokens, chat=False, echoes=echoes)
+
+    # vLLM's tokenizer endpoints: what a prompt costs before sending it, and ids back to text
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await read_json(request, TokenizeRequest)
+        if req.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                options = req.template_options(config.trust_request_chat_template)
+                text = core.render_chat(messages, "a prompt", **options)
+            except InvalidRequestError as e:
+                raise bad_request(str(e), e.param) from e
+            special, param = bool(req.add_special_tokens), "messages"
+        else:
+            text, param = req.prompt, "prompt"
+            special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = encode(text, param, add_special_tokens=special)
+        out = {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await read_json(request, DetokenizeRequest)
+        size = len(tokenizer)
+        bad = next((t for t in req.tokens if not 0 <= t < size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary (0..{size - 1})", "tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
 
     def encode(text: str, param: str, **kwargs) -> list[int]:
         try:

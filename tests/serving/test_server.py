@@ -800,6 +800,51 @@ def test_vllm_chat_options(engine, served, client, plain):
         trusted.stop()
 
 
+def test_tokenize_and_detokenize(served, engine, plain):
+    """vLLM's /tokenize (a prompt, or messages rendered as chat completions render them) and
+    /detokenize; behind the API key like /v1/."""
+
+    def post(path, body, port=served.port, headers=None):
+        status, data = raw(port, "POST", path, json.dumps(body).encode(), headers)
+        return status, json.loads(data)
+
+    status, r = post("/tokenize", {"prompt": "abcabc", "return_token_strs": True})
+    assert status == 200
+    assert r["tokens"] == plain.encode("abcabc") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == engine.engine.max_model_len
+    assert "".join(r["token_strs"]).endswith("abcabc")
+    chat = client_prompt_ids(plain, "xyz")
+    status, r = post("/tokenize", {"messages": chat_messages("xyz")})
+    assert status == 200 and r["tokens"] == chat and "token_strs" not in r
+    assert post("/detokenize", {"tokens": r["tokens"]})[1] == {
+        "prompt": plain.tokenizer.decode(chat)
+    }
+    for path, body, param in [
+        ("/tokenize", {"prompt": "a", "messages": chat_messages("b")}, None),
+        ("/tokenize", {}, None),
+        ("/tokenize", {"messages": chat_messages("b"), "chat_template": "x"}, "chat_template"),
+        ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
+    ]:  # fmt: skip
+        status, r = post(path, body)
+        assert status in (400, 404) and r["error"]["param"] == param, (body, r)
+    keyed = Served(engine, api_key=KEY)
+    try:
+        assert post("/tokenize", {"prompt": "a"}, keyed.port)[0] == 401
+        auth = {"Authorization": f"Bearer {KEY}"}
+        assert post("/detokenize", {"tokens": [97]}, keyed.port, auth)[0] == 200
+    finally:
+        keyed.stop()
+
+
+def client_prompt_ids(plain: LLM, q: str) -> list[int]:
+    """The ids a chat request's prompt has (the model's template, no special tokens added)."""
+    return plain.tokenizer(
+        plain.apply_chat_template(chat_messages(q)), add_special_tokens=False
+    ).input_ids
+
+
 def test_a_repeated_prefix_is_reported_cached(served, client):
     """usage.prompt_tokens_details.cached_tokens (OpenAI's field) and vLLM's prefix-cache
     counters: a prompt sharing an earlier one's first blocks reports them, n > 1 once."""
