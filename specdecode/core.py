@@ -52,6 +52,8 @@ class Sequence:
     # with params.logprobs, per output token: (logprob, top-n [(token id, logprob)], its rank
     # in the whole vocabulary)
     output_logprobs: list[tuple[float, list[tuple[int, float]], int]] = field(default_factory=list)
+    # with params.prompt_logprobs, the same for prompt tokens 1, 2, ... (token 0 has none)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]], int]] = field(default_factory=list)
     # structured output: the grammar matcher (xgrammar), tokens it forced (jump-ahead)
     matcher: Any = None
     num_forced_tokens: int = 0
@@ -84,6 +86,14 @@ class Sequence:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (the prefix cache is skipped)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+        )
 
     @property
     def finished(self) -> bool:
@@ -123,6 +133,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (as vLLM reports)
+    # with SamplingParams.prompt_logprobs, vLLM's shape: None for the first prompt token, then
+    # per token {token id: Logprob}, the prompt's token first, then the top-n
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def content_text(content) -> str:

@@ -186,6 +186,7 @@ class LLM:
                 outputs=[_completion(j, s, decode) for j, s in enumerate(choices)],
                 finished=True,
                 num_cached_tokens=choices[0].num_cached_tokens,
+                prompt_logprobs=_prompt_logprobs(choices[0], decode),
             )
             for choices, pr in zip(seqs, prompts, strict=True)
         ]
@@ -228,6 +229,17 @@ def _completion(index: int, s, decode) -> CompletionOutput:
         cumulative_logprob=sum(e[0] for e in s.output_logprobs) if wanted else None,
         stop_reason=s.stop_reason,
     )
+
+
+def _prompt_logprobs(seq, decode) -> list | None:
+    """vLLM's prompt_logprobs: None for the first token (nothing before it), then an entry per
+    prompt token (the first choice's: the others do not compute them again)."""
+    if seq.params.prompt_logprobs is None:
+        return None
+    ids = seq.prompt_token_ids
+    return [None] + [
+        _logprob_entry(tok, e, decode) for tok, e in zip(ids[1:], seq.prompt_logprobs, strict=True)
+    ]
 
 
 def _logprob_entry(tok: int, entry, decode) -> dict[int, Logprob]:

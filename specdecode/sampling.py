@@ -32,6 +32,9 @@ class SamplingParams:
     # None: no log-probabilities; n >= 0: the sampled token's log-probability and the n most
     # likely tokens', from the model's raw distribution (before temperature, top-k, top-p)
     logprobs: int | None = None
+    # None: none; n >= 0: each prompt token's log-probability given the tokens before it and
+    # the n most likely tokens' there (vLLM's; such a request skips the prefix cache)
+    prompt_logprobs: int | None = None
     # a StructuredOutput (or its dict: {"json": schema} | {"json_object": True} | {"regex": r}
     # | {"grammar": ebnf}); see specdecode/structured.py
     structured_output: Any = None
@@ -108,6 +111,14 @@ class SamplingParams:
                 f"sampled one), got {self.logprobs!r}",
                 "logprobs",
             )
+        if self.prompt_logprobs is not None and (
+            not _integer(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad(
+                f"prompt_logprobs must be an integer in [0, 20] (the top tokens to list besides "
+                f"the prompt's own), got {self.prompt_logprobs!r}",
+                "prompt_logprobs",
+            )
         if any(not s for s in self.stop):
             raise bad("stop strings must be non-empty", "stop")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -151,7 +162,9 @@ class SamplingParams:
         if self.n == 1 and (self.seed is None or j == 0):
             return self
         seed = None if self.seed is None else (self.seed + j) % 2**64
-        return replace(self, n=1, seed=seed)
+        # the prompt's logprobs are the prompt's: the first choice computes them
+        prompt_logprobs = self.prompt_logprobs if j == 0 else None
+        return replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
     @property
     def greedy(self) -> bool:

@@ -92,6 +92,7 @@ class ModelRunner:
             meta,
             self.feature_layers or (),
         )
+        self._prompt_logprobs(batch, proposals, num_new, out.hidden)
         result = self._postprocess(batch, proposals, num_new, out.hidden, samples_drafts)
         self.features = {}
         if self.feature_layers is not None:
@@ -104,6 +105,26 @@ class ModelRunner:
                 self.features[i] = rows
                 start += n
         return result
+
+    def _prompt_logprobs(self, batch, proposals, num_new, hidden) -> None:
+        """Where a prefill chunk's request wants its prompt's logprobs: each fed position's
+        distribution scores the prompt token after it (positions already scored, before a
+        preemption, are not scored again), a few hundred rows at a time."""
+        start_row = 0
+        for seq, n, prop in zip(batch.seqs, num_new, proposals, strict=True):
+            rows, start_row = range(start_row, start_row + n), start_row + n
+            if prop is not None or not seq.wants_prompt_logprobs:
+                continue
+            start = seq.blocks.length
+            # position p scores prompt token p + 1; tokens 1..len(prompt_logprobs) are done
+            first = max(start, len(seq.prompt_logprobs))
+            last = min(start + n, len(seq.prompt_token_ids) - 1)
+            for lo in range(first, last, 256):
+                hi = min(last, lo + 256)
+                picked = [rows[p - start] for p in range(lo, hi)]
+                logits = self.model.compute_logits(hidden[picked])
+                targets = seq.prompt_token_ids[lo + 1 : hi + 1]
+                seq.prompt_logprobs += _logprobs(logits, targets, seq.params.prompt_logprobs)
 
     def _postprocess(self, batch, proposals, num_new, hidden, samples_drafts):
         offsets = [0]
@@ -142,7 +163,9 @@ class ModelRunner:
             else:
                 result[i] = [self._sample(seq, logits[j : j + 1])]
             if batch.seqs[i].params.logprobs is not None:
-                self.logprobs[i] = _logprobs(raw[j : j + 1], result[i], batch.seqs[i])
+                self.logprobs[i] = _logprobs(
+                    raw[j : j + 1], result[i], batch.seqs[i].params.logprobs
+                )
         for seq, n, prop in zip(batch.seqs, num_new, proposals, strict=True):
             if prop is None:
                 seq.blocks.length += n
@@ -162,7 +185,7 @@ class ModelRunner:
                 self.accepted_nodes[i] = verified.accepted[j]
                 if batch.seqs[i].params.logprobs is not None:  # rows that emitted the tokens
                     rows = spec_raw[j][[0, *verified.accepted[j]]]
-                    self.logprobs[i] = _logprobs(rows, result[i], batch.seqs[i])
+                    self.logprobs[i] = _logprobs(rows, result[i], batch.seqs[i].params.logprobs)
         return result
 
     def _verify(
@@ -321,11 +344,10 @@ class ModelRunner:
         return position_draws(warp(logits, seq.params), self.sample_seed(seq), [seq.num_tokens])[0]
 
 
-def _logprobs(rows: torch.Tensor, tokens: list[int], seq: Sequence) -> list:
+def _logprobs(rows: torch.Tensor, tokens: list[int], n: int | None) -> list:
     """(logprob, top-n, rank) of each of `tokens` under the raw distributions `rows` [n, V]:
     its rank in the whole vocabulary (1 = the likeliest), as vLLM gives it, top-n or not."""
     logp = rows.float().log_softmax(-1)
-    n = seq.params.logprobs
     out = []
     for r, tok in enumerate(tokens):
         top = []

@@ -95,7 +95,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             found = 0
-            if not seq.blocks.block_table:  # its first tokens may be cached already
+            # its first tokens may be cached already (not read where the prompt's logprobs
+            # are wanted: each position needs its own forward)
+            if not seq.blocks.block_table and not seq.wants_prompt_logprobs:
                 found = self.manager.match(seq.blocks, seq.token_ids(0, seq.num_tokens))
             n = min(seq.num_uncommitted, budget)
             # a one-token prompt decodes (and may draft) on its first step: room for the tree

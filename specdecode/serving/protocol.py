@@ -46,7 +46,7 @@ class _Request(BaseModel):
     # neutral values pass)
     use_beam_search: bool = False
     best_of: int | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # tool calling is not implemented: tools are refused unless the request says not to call
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -102,8 +102,11 @@ class _Request(BaseModel):
             raise InvalidRequestError("best_of is not supported (only 1)", param="best_of")
         if self.use_beam_search:
             raise InvalidRequestError("use_beam_search is not supported", param="use_beam_search")
-        if self.prompt_logprobs is not None:  # 0 asks for the prompt tokens' own
-            raise InvalidRequestError("prompt_logprobs is not supported", param="prompt_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError(
+                "prompt_logprobs are returned with the whole response, not streamed",
+                param="prompt_logprobs",
+            )
         for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
             if getattr(self, tools) and getattr(self, choice) != "none":
                 raise InvalidRequestError(
@@ -182,6 +185,7 @@ class _Request(BaseModel):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=self.requested_prompt_logprobs(),
             structured_output=self.structured_output(),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
@@ -190,6 +194,9 @@ class _Request(BaseModel):
             min_tokens=self.min_tokens or 0,
             logit_bias=self._logit_bias(),
         )
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -305,17 +312,21 @@ class CompletionRequest(_Request):
         return "max_tokens"
 
     def requested_logprobs(self) -> int | None:
-        if self.echo and self.logprobs is not None:
-            # vLLM's echo with logprobs lists the prompt tokens' logprobs, which this engine
-            # does not compute: refused rather than answered without them
+        if self.echo and self.logprobs is not None and self.stream:
             raise InvalidRequestError(
-                "echo with logprobs is not supported: it needs the prompt tokens' logprobs, "
-                "which this server does not compute (echo alone, or logprobs alone, is)",
+                "echo with logprobs lists the prompt's tokens with the whole response; it is "
+                "not streamed",
                 param="echo",
             )
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        # echo with logprobs lists the prompt's tokens with theirs (as vLLM does)
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -396,7 +396,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             body = sse(handles, req.include_usage, meta, echoes)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
-            return await collect(request, handles, meta, echoes)
+            asked = getattr(req, "prompt_logprobs", None) is not None
+            return await collect(request, handles, meta, echoes, asked)
         finally:
             for h in handles:
                 h.abort()
@@ -408,8 +409,17 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             return APIError(u.error_status, u.error, "invalid_request_error", param)
         return APIError(u.error_status, u.error, "internal_error")
 
-    async def collect(request: Request, handles: list[RequestHandle], meta, echoes: list[str]):
+    async def collect(
+        request: Request,
+        handles: list[RequestHandle],
+        meta,
+        echoes: list[str],
+        prompt_logprobs: bool = False,
+    ):
+        """The whole response; `prompt_logprobs`: the request asked for them (vLLM's field),
+        where echo with logprobs computes them for its own use."""
         request_id, created, chat, prompt_tokens, param = meta
+        firsts = prompt_tokens[1]  # each prompt's first choice
 
         async def drain(h: RequestHandle) -> dict:
             out = {"text": "", "tokens": 0, "logprobs": [], "finish": None}
@@ -445,19 +455,57 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 choice["text"] = (echoes[i] if echoes else "") + r["text"]
             wants = h.seq.params.logprobs is not None
             context = h.seq.prompt_token_ids[-DETOKENIZE_CONTEXT:]
-            lp = format_logprobs(r["logprobs"], chat, context)[0] if wants else None
+            # the prompt's first choice holds its prompt logprobs (the others skip them)
+            first = firsts[i // (len(handles) // len(firsts))].seq
+            if echoes and wants:  # completions' echo with logprobs: the prompt's tokens first
+                lp = echo_logprobs(first, r["logprobs"])
+            else:
+                lp = format_logprobs(r["logprobs"], chat, context)[0] if wants else None
             choice["logprobs"] = lp
             choice["finish_reason"] = r["finish"]
             choice["stop_reason"] = h.seq.stop_reason  # (vLLM's: the stop string or token id)
+            if prompt_logprobs and not chat:  # vLLM's field, per choice
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(first)
             choices.append(choice)
         completion = sum(r["tokens"] for r in results)
-        return {
+        body = {
             "id": request_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": config.served_model_name,
             "choices": choices,
             "usage": usage(*prompt_tokens, completion),
+        }
+        if prompt_logprobs and chat:  # vLLM's field, for the one prompt
+            body["prompt_logprobs"] = vllm_prompt_logprobs(firsts[0].seq)
+        return body
+
+    def vllm_prompt_logprobs(seq) -> list:
+        """vLLM's `prompt_logprobs`: None for the first token, then per prompt token
+        {token id: {logprob, rank, decoded_token}}, its own token first, then the top-n."""
+        decode_one = functools.lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t]))
+        out: list = [None]
+        for tok, (lp, top, rank) in zip(seq.prompt_token_ids[1:], seq.prompt_logprobs, strict=True):
+            entry = {str(tok): {"logprob": lp, "rank": rank, "decoded_token": decode_one(tok)}}
+            for r, (t, v) in enumerate(top, 1):
+                entry.setdefault(str(t), {"logprob": v, "rank": r, "decoded_token": decode_one(t)})
+            out.append(entry)
+        return out
+
+    def echo_logprobs(seq, entries: list) -> dict:
+        """Completions' logprobs with echo (vLLM's, what evaluation harnesses read): the
+        prompt's tokens, the first with no logprob (null), then the generated ones, with text
+        offsets into the echoed text."""
+        ids = seq.prompt_token_ids
+        head = token_text([], ids[0])
+        scored = list(zip(ids[1:], seq.prompt_logprobs, strict=True))
+        prompt, pos = format_logprobs(scored, False, [ids[0]], text_advance([], ids[0]))
+        out, _ = format_logprobs(entries, False, list(ids[-DETOKENIZE_CONTEXT:]), pos)
+        return {
+            "tokens": [head, *prompt["tokens"], *out["tokens"]],
+            "token_logprobs": [None, *prompt["token_logprobs"], *out["token_logprobs"]],
+            "top_logprobs": [None, *prompt["top_logprobs"], *out["top_logprobs"]],
+            "text_offset": [0, *prompt["text_offset"], *out["text_offset"]],
         }
 
     def usage(prompt_tokens: int, firsts: list[RequestHandle], completion: int) -> dict:

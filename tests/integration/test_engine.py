@@ -60,6 +60,41 @@ def test_preemption_loses_nothing(tiny_llama_dir, llm):
     assert small.engine.scheduler.num_preemptions > 0
 
 
+def test_prompt_logprobs_equal_a_full_forward(tiny_llama_dir, llm):
+    """vLLM's prompt_logprobs: each prompt token's log-probability after the tokens before
+    it equals transformers' over the whole prompt, with its rank and top-n, whether the
+    prompt is fed whole, in chunks of 8, to a speculative engine, or recomputed after a
+    preemption; a prefix-cached repeat still scores every position; one entry set for n."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = llm.encode(text)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    want = [float(ref[p - 1, t]) for p, t in enumerate(ids) if p]
+    ranks = [int((ref[p - 1] > ref[p - 1, t]).sum()) + 1 for p, t in enumerate(ids) if p]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    small = 7 * 16 * 512 / 2**30  # 6 blocks: four of these cannot run at once
+    engines = [llm, LLM(str(tiny_llama_dir), max_num_batched_tokens=8),
+               LLM(str(tiny_llama_dir), speculative_config=spec, speculative_policy="static"),
+               LLM(str(tiny_llama_dir), kv_cache_memory_gb=small)]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=30, prompt_logprobs=3, n=2, ignore_eos=True)
+    for engine in engines:
+        for out in engine.generate([text] * (4 if engine is engines[-1] else 2), params):
+            got = out.prompt_logprobs
+            assert got[0] is None and len(got) == len(ids)
+            assert [d[t].logprob for d, t in zip(got[1:], ids[1:], strict=True)] == (
+                pytest.approx(want, abs=1e-4)
+            )
+            assert [d[t].rank for d, t in zip(got[1:], ids[1:], strict=True)] == ranks
+            top = [t for t, lp in got[5].items() if lp.rank <= 3]
+            assert top == ref[4].topk(3).indices.tolist()
+            assert out.outputs[1].logprobs is None and len(out.outputs) == 2
+    assert engines[-1].engine.scheduler.num_preemptions > 0
+    assert llm.generate(text, greedy(2))[0].prompt_logprobs is None
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
+
+
 def test_seeds_reproduce_and_differ(llm):
     a = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=3, max_tokens=30))
     b = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=3, max_tokens=30))

@@ -264,10 +264,16 @@ def test_unsupported_sampling_fields_are_refused_unless_neutral():
 
     neutral = CompletionRequest(prompt="x", best_of=1)
     assert neutral.sampling_params(4, None).max_tokens == 4
-    for field, value in (("best_of", 2), ("use_beam_search", True),
-                         ("prompt_logprobs", 1), ("prompt_logprobs", 0)):  # fmt: skip
+    for field, value in (("best_of", 2), ("use_beam_search", True)):
         with pytest.raises(InvalidRequestError, match=field):
             CompletionRequest(prompt="x", **{field: value}).sampling_params(4, None)
+    # prompt logprobs come with the whole response
+    assert (
+        CompletionRequest(prompt="x", prompt_logprobs=0).sampling_params(4, None).prompt_logprobs
+        == 0
+    )
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        CompletionRequest(prompt="x", prompt_logprobs=1, stream=True).sampling_params(4, None)
     # tool calling is not implemented: tools pass only where the request says not to call one
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     for choice in (None, "auto", "required", {"type": "function", "function": {"name": "f"}}):
@@ -937,10 +943,45 @@ def test_echo_prepends_the_prompt_to_each_choice(client, plain):
                                        echo=True, stream=True, extra_body=extra)  # fmt: skip
     pieces = [c.choices[0].text for c in chunks if c.choices]
     assert pieces[0] == "xyz" and "".join(pieces) == "xyz" + want["xyz"]
-    # with logprobs, vLLM lists the prompt tokens' own: not computed here, so refused
-    with pytest.raises(openai.BadRequestError, match="prompt tokens' logprobs") as e:
-        client.completions.create(model=MODEL, prompt="xyz", max_tokens=2, echo=True, logprobs=1)
+    # with logprobs, the prompt's tokens are listed with theirs: not streamed
+    with pytest.raises(openai.BadRequestError, match="not streamed") as e:
+        client.completions.create(model=MODEL, prompt="xyz", max_tokens=2, echo=True, logprobs=1,
+                                  stream=True)  # fmt: skip
     assert e.value.body["param"] == "echo"
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(client, plain):
+    """vLLM's `prompt_logprobs`, and echo with logprobs (what evaluation harnesses send to
+    score a text): the prompt's tokens come first, the first with no logprob; each scores as
+    it did when it was generated, and the text offsets index the echoed text."""
+    ids = [ord(c) for c in "abcabcab"]
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    gen = plain.generate({"prompt_token_ids": ids}, p)[0].outputs[0]
+    want = [d[t].logprob for t, d in zip(gen.token_ids, gen.logprobs, strict=True)]
+    full = ids + gen.token_ids
+    r = client.completions.create(model=MODEL, prompt=full, max_tokens=1, temperature=0,
+                                  echo=True, logprobs=1, n=2)  # fmt: skip
+    for choice in r.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(full) + 1 and lp.token_logprobs[0] is None
+        assert lp.top_logprobs[0] is None and len(lp.top_logprobs[1]) in (1, 2)
+        assert lp.token_logprobs[len(ids) : len(full)] == pytest.approx(want, abs=1e-4)
+        assert lp.text_offset[: len(full)] == list(range(len(full)))  # a character a token
+        assert "".join(lp.tokens) == choice.text
+    r = client.completions.create(model=MODEL, prompt=full, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})  # fmt: skip
+    got = r.model_dump()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(full)
+    for tok, entry, lp in zip(gen.token_ids, got[len(ids) :], want, strict=True):
+        assert list(entry)[0] == str(tok) and 1 <= len(entry) <= 3
+        assert entry[str(tok)]["logprob"] == pytest.approx(lp, abs=1e-4)
+    extra = {"prompt_logprobs": 0}
+    chat = client.chat.completions.create(
+        model=MODEL, messages=chat_messages("abc"), max_tokens=2, extra_body=extra
+    )
+    body = chat.model_dump()
+    assert len(body["prompt_logprobs"]) == chat.usage.prompt_tokens
+    assert all(len(e) == 1 for e in body["prompt_logprobs"][1:])
 
 
 @pytest.fixture(scope="module")
