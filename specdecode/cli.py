@@ -1,4 +1,4 @@
-"""Command line: `specdecode generate | serve | bench | data | train | export | models`.
+"""Command line: `specdecode generate | serve | advise | bench | data | train | export | models`.
 
 User errors print one line and exit 2."""
 

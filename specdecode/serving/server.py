@@ -263,7 +263,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             return _error(503, "the engine is not running", "internal_error")
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         card = {
             "id": config.served_model_name,

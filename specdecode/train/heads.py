@@ -1,4 +1,4 @@
-"""`specdecode train medusa | eagle`: train draft heads on a frozen target's own generations.
+"""`specdecode train medusa | eagle | eagle3`: draft heads on a frozen target's own generations.
 
 Input: shards from `specdecode data generate` with the target's features (its final feature at
 every token, plus EAGLE-3's layer inputs); the target is needed only for its embeddings and LM

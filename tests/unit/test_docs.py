@@ -22,7 +22,7 @@ def documented_commands(text: str) -> list[str]:
     for lang, block in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
         if lang not in ("", "bash", "sh", "shell", "console"):
             continue
-        for line in block.replace("\\\n", " ").splitlines():
+        for line in _joined(block.replace("\\\n", " ").splitlines()):
             line = line.strip().removeprefix("$ ")
             line = re.sub(r"^torchrun .*?-m specdecode\.cli ", "specdecode ", line)
             if line.startswith("specdecode "):
@@ -30,10 +30,48 @@ def documented_commands(text: str) -> list[str]:
     for inline in re.findall(r"`(specdecode [^`]+)`", text.replace("\n", " ")):
         if " --" in inline:
             found.append(inline)
-    # A comment or a second command on the line is not part of this one; "[...]" marks a
-    # value elided in prose.
+    # A comment or a second command on the line is not part of this one; a quoted "..." is a
+    # placeholder value (a prompt), where "[...]" marks a value elided in prose.
     cut = [re.split(r"\s+#\s|\s+(?:\||&&|;)\s", c)[0] for c in found]
+    cut = [c.replace('"..."', '"x"') for c in cut]
     return [c for c in cut if "..." not in c]
+
+
+def _joined(lines: list[str]) -> list[str]:
+    """Shell lines, a quoted value that spans lines (a JSON config) joined into its command."""
+    out: list[str] = []
+    open_quote = False
+    for line in lines:
+        if open_quote:
+            out[-1] += " " + line.strip()
+        else:
+            out.append(line)
+        try:
+            shlex.split(out[-1].split(" #")[0] if not open_quote else out[-1])
+            open_quote = False
+        except ValueError:
+            open_quote = True
+    return out
+
+
+def orphan_flag_lines(text: str) -> list[str]:
+    """Lines of a shell block that start with a flag where the line before does not continue
+    (a command cut in two: copied, it fails)."""
+    bad = []
+    for lang, block in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
+        if lang not in ("", "bash", "sh", "shell", "console"):
+            continue
+        lines = block.splitlines()
+        for before, line in zip(["", *lines], lines, strict=False):
+            if line.lstrip().startswith("--") and not before.rstrip().endswith("\\"):
+                bad.append(line.strip())
+    return bad
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_no_command_is_cut_in_two(doc):
+    assert orphan_flag_lines(doc.read_text()) == []
+    assert orphan_flag_lines("```bash\n# a note\n    --port 1\n```") == ["--port 1"]
 
 
 def test_the_docs_show_commands():
