@@ -48,6 +48,7 @@ class TrafficRequest:
     prompt: str | None = None
     messages: list[dict] | None = None
     chat_options: dict = field(default_factory=dict)  # rendering options, as the server's
+    add_special_tokens: bool = False  # (a chat body's: the template writes them)
 
     @property
     def temperature(self) -> float:
@@ -138,7 +139,10 @@ def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature)
     except InvalidRequestError as e:
         raise ValueError(str(e)) from None
     if kind is ChatCompletionRequest:
-        return TrafficRequest(n, params, messages=messages, chat_options=options)
+        return TrafficRequest(
+            n, params, messages=messages, chat_options=options,
+            add_special_tokens=body.add_special_tokens,
+        )  # fmt: skip
     return TrafficRequest(n, params, prompt=obj["prompt"])
 
 
@@ -364,7 +368,8 @@ def run_advise(args: argparse.Namespace) -> dict:
             break
         try:
             if r.messages:
-                p = base._text_ids(base.apply_chat_template(r.messages, **r.chat_options))
+                text = base.apply_chat_template(r.messages, **r.chat_options)
+                p = list(base.tokenizer(text, add_special_tokens=r.add_special_tokens).input_ids)
             else:
                 p = base.encode(r.prompt)
             base.engine.make_sequence(p, _params([r])[0])  # validates length and sampling

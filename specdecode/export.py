@@ -118,8 +118,13 @@ def export_head(
     from specdecode.models.loader import write_safetensors
 
     out.mkdir(parents=True, exist_ok=True)
-    for name in _WRITTEN:  # a previous export's files: none of them outlives this one
+    for name in _WRITTEN - {MARK}:  # a previous export's files: none of them outlives this one
         (out / name).unlink(missing_ok=True)
+    # the mark first: an export that fails halfway leaves a folder the next one replaces
+    vocab = None if head.vocab_ids is None else int(head.vocab_ids.numel())
+    kind = getattr(head, "kind", "medusa")
+    mark = {"written_by": "specdecode export", "format": fmt, "kind": kind, "draft_vocab": vocab}
+    (out / MARK).write_text(json.dumps(mark, indent=2))
     write_safetensors(
         {
             k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
@@ -131,10 +136,6 @@ def export_head(
     for f in _COPIED:
         if (Path(head_dir) / f).is_file():
             shutil.copy(Path(head_dir) / f, out / f)
-    vocab = None if head.vocab_ids is None else int(head.vocab_ids.numel())
-    kind = getattr(head, "kind", "medusa")
-    mark = {"written_by": "specdecode export", "format": fmt, "kind": kind, "draft_vocab": vocab}
-    (out / MARK).write_text(json.dumps(mark, indent=2))
     return config
 
 

@@ -220,7 +220,7 @@ def _completion(index: int, s, decode) -> CompletionOutput:
         s.finish_reason,
         s.spec.as_dict() if s.spec.num_drafts else None,
         [
-            _logprob_entry(tok, e, decode)
+            logprob_entry(tok, e, decode)
             for tok, e in zip(s.output_token_ids, s.output_logprobs, strict=True)
         ]
         if wanted
@@ -238,11 +238,11 @@ def _prompt_logprobs(seq, decode) -> list | None:
         return None
     ids = seq.prompt_token_ids
     return [None] + [
-        _logprob_entry(tok, e, decode) for tok, e in zip(ids[1:], seq.prompt_logprobs, strict=True)
+        logprob_entry(tok, e, decode) for tok, e in zip(ids[1:], seq.prompt_logprobs, strict=True)
     ]
 
 
-def _logprob_entry(tok: int, entry, decode) -> dict[int, Logprob]:
+def logprob_entry(tok: int, entry, decode) -> dict[int, Logprob]:
     """(logprob, [(token id, logprob)] top-n, rank) -> {token id: Logprob}, the sampled token
     first with its rank in the vocabulary (always there: vLLM lists it even where it is not
     among the top-n)."""

@@ -142,6 +142,8 @@ def _overrides(items: list[str]) -> dict[str, dict]:
     out = {}
     for item in items:
         method, sep, raw = item.partition("=")
+        if method == "off":
+            raise InvalidRequestError("--method-config: off (plain decoding) takes no config")
         if not sep or method not in METHODS:
             raise InvalidRequestError(
                 f"--method-config wants METHOD=JSON with a known method, got {item!r}"

@@ -348,15 +348,16 @@ def _logprobs(rows: torch.Tensor, tokens: list[int], n: int | None) -> list:
     """(logprob, top-n, rank) of each of `tokens` under the raw distributions `rows` [n, V]:
     its rank in the whole vocabulary (1 = the likeliest), as vLLM gives it, top-n or not."""
     logp = rows.float().log_softmax(-1)
-    out = []
-    for r, tok in enumerate(tokens):
-        top = []
-        if n:
-            vals, idx = logp[r].topk(n)
-            top = list(zip(idx.tolist(), vals.tolist(), strict=True))
-        lp = logp[r, tok]
-        out.append((float(lp), top, int((logp[r] > lp).sum()) + 1))
-    return out
+    picked = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])
+    ranks = ((logp > picked).sum(-1) + 1).tolist()  # (all rows at once: one transfer each)
+    lps = picked[:, 0].tolist()
+    tops: list[list] = [[] for _ in tokens]
+    if n:
+        vals, idx = logp.topk(n, dim=-1)
+        tops = [
+            list(zip(i, v, strict=True)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)
+        ]
+    return list(zip(lps, tops, ranks, strict=True))
 
 
 def _pick(rows: list[int], *columns):

@@ -24,9 +24,25 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool | None = None  # (vLLM's; accepted, not acted on)
 
 
-class _Request(BaseModel):
+class _NullIsDefault(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI marks most fields nullable ("or null"; vLLM declares them Optional with a
+        default): a JSON null in a field that takes no None means its default."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or _allows_none(fields[k].annotation)
+        }
+
+
+class _Request(_NullIsDefault):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -57,20 +73,6 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data: Any) -> Any:
-        """OpenAI marks most fields nullable ("or null"; vLLM declares them Optional with a
-        default): a JSON null in a field that takes no None means its default."""
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {
-            k: v
-            for k, v in data.items()
-            if v is not None or k not in fields or _allows_none(fields[k].annotation)
-        }
 
     @field_validator("stop")
     @classmethod
@@ -252,7 +254,7 @@ class _ChatRendering(BaseModel):
         template itself; a template sent with a request (code the server runs, however
         sandboxed) is taken only from a server started to trust it, as in vLLM."""
         kwargs = dict(self.chat_template_kwargs or {})
-        template = self.chat_template
+        template, field = self.chat_template, "chat_template"
         if "chat_template" in kwargs:
             given = kwargs.pop("chat_template")
             if template is not None and given is not None and given != template:
@@ -260,13 +262,14 @@ class _ChatRendering(BaseModel):
                     "two chat templates given (chat_template and "
                     "chat_template_kwargs.chat_template)", param="chat_template",
                 )  # fmt: skip
-            template = template if template is not None else given
+            if template is None and given is not None:
+                template, field = given, "chat_template_kwargs"
         if template is not None and not isinstance(template, str):
-            raise InvalidRequestError("chat_template must be a string", param="chat_template")
+            raise InvalidRequestError("chat_template must be a string", param=field)
         if template is not None and not trusted:
             raise InvalidRequestError(
                 "this server does not take a chat template from a request: start it with "
-                "--trust-request-chat-template to allow one", param="chat_template",
+                "--trust-request-chat-template to allow one", param=field,
             )  # fmt: skip
         return {
             "add_generation_prompt": self.add_generation_prompt,
@@ -347,11 +350,9 @@ def _allows_none(annotation: Any) -> bool:
     return False
 
 
-class TokenizeRequest(_ChatRendering):
+class TokenizeRequest(_ChatRendering, _NullIsDefault):
     """vLLM's /tokenize body: a `prompt` (special tokens added unless told not to) or chat
     `messages` (rendered as chat completions render them; no special tokens added)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     prompt: str | None = None
@@ -366,8 +367,6 @@ class TokenizeRequest(_ChatRendering):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(_NullIsDefault):
     model: str | None = None
     tokens: list[int]

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode.engine.output import DETOKENIZE_CONTEXT, fast_decoder
 from specdecode.errors import InvalidRequestError, SpecDecodeError
+from specdecode.llm import logprob_entry
 from specdecode.serving.async_engine import (
     AsyncLLMEngine,
     EngineStoppedError,
@@ -168,6 +169,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     tokenizer = core.tokenizer
     decode = fast_decoder(tokenizer)
     raw_bytes = vocab_bytes(tokenizer)
+    decode_one = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
     names = {config.served_model_name, *config.aliases}
     metrics = ServerMetrics(engine, config.served_model_name)
 
@@ -220,7 +222,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         except ValidationError as e:
             err = e.errors()[0]
             where = ".".join(str(x) for x in err.get("loc", ()))
-            raise bad_request(f"{where}: {err.get('msg')}", where or None) from e
+            message = f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
+            raise bad_request(message, where or None) from e
         if req.model is not None and req.model not in names:
             raise APIError(
                 404, f"the model {req.model!r} does not exist", "not_found_error", "model"
@@ -282,18 +285,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await read_json(request, ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            options = req.template_options(config.trust_request_chat_template)
-            text = core.render_chat(messages, "/v1/completions", **options)
-        except InvalidRequestError as e:
-            raise bad_request(str(e), e.param) from e
+        messages, text = render(req, "/v1/completions")
         ids = encode(text, "messages", add_special_tokens=req.add_special_tokens)
         max_tokens = check_length(len(ids), req, "messages")
         params = req.sampling_params(max_tokens, req.requested_logprobs())
         jobs = [(ids, params.for_choice(j)) for j in range(req.n)]
         # echo (vLLM's): the reply starts with the last message where that is the reply's own
-        # (an assistant message the model continues)
+        # (an assistant message the model continues; the reply here is always the assistant's)
         last = messages[-1]
         echo = last["content"] if req.echo and last["role"] == "assistant" else ""
         echoes = [echo] * req.n if echo else []
@@ -324,12 +322,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def tokenize(request: Request):
         req = await read_json(request, TokenizeRequest)
         if req.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            try:
-                options = req.template_options(config.trust_request_chat_template)
-                text = core.render_chat(messages, "a prompt", **options)
-            except InvalidRequestError as e:
-                raise bad_request(str(e), e.param) from e
+            text = render(req, "a prompt")[1]
             special, param = bool(req.add_special_tokens), "messages"
         else:
             text, param = req.prompt, "prompt"
@@ -348,6 +341,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary (0..{size - 1})", "tokens")
         return {"prompt": tokenizer.decode(req.tokens)}
+
+    def render(req, instead: str) -> tuple[list[dict], str]:
+        """A request's chat messages, and the prompt text they render to (its template
+        options; `instead`: what to use where the model has no template)."""
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            options = req.template_options(config.trust_request_chat_template)
+            return messages, core.render_chat(messages, instead, **options)
+        except InvalidRequestError as e:
+            raise bad_request(str(e), e.param) from e
 
     def encode(text: str, param: str, **kwargs) -> list[int]:
         try:
@@ -396,7 +399,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             body = sse(handles, req.include_usage, meta, echoes)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
-            asked = getattr(req, "prompt_logprobs", None) is not None
+            # (completions' echo with logprobs computes them: they are given too, as in vLLM)
+            asked = jobs[0][1].prompt_logprobs is not None
             return await collect(request, handles, meta, echoes, asked)
         finally:
             for h in handles:
@@ -420,6 +424,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         where echo with logprobs computes them for its own use."""
         request_id, created, chat, prompt_tokens, param = meta
         firsts = prompt_tokens[1]  # each prompt's first choice
+        decoded: dict = {}  # each prompt's vLLM prompt_logprobs, built once
 
         async def drain(h: RequestHandle) -> dict:
             out = {"text": "", "tokens": 0, "logprobs": [], "finish": None}
@@ -457,15 +462,15 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             context = h.seq.prompt_token_ids[-DETOKENIZE_CONTEXT:]
             # the prompt's first choice holds its prompt logprobs (the others skip them)
             first = firsts[i // (len(handles) // len(firsts))].seq
-            if echoes and wants:  # completions' echo with logprobs: the prompt's tokens first
-                lp = echo_logprobs(first, r["logprobs"])
+            if echoes and wants and not chat:  # echo with logprobs: the prompt's tokens first
+                lp = echo_logprobs(first, r["logprobs"], echoes[i], h.seq.params.logprobs)
             else:
                 lp = format_logprobs(r["logprobs"], chat, context)[0] if wants else None
             choice["logprobs"] = lp
             choice["finish_reason"] = r["finish"]
             choice["stop_reason"] = h.seq.stop_reason  # (vLLM's: the stop string or token id)
             if prompt_logprobs and not chat:  # vLLM's field, per choice
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(first)
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(first, decoded)
             choices.append(choice)
         completion = sum(r["tokens"] for r in results)
         body = {
@@ -477,30 +482,32 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             "usage": usage(*prompt_tokens, completion),
         }
         if prompt_logprobs and chat:  # vLLM's field, for the one prompt
-            body["prompt_logprobs"] = vllm_prompt_logprobs(firsts[0].seq)
+            body["prompt_logprobs"] = vllm_prompt_logprobs(firsts[0].seq, decoded)
         return body
 
-    def vllm_prompt_logprobs(seq) -> list:
+    def vllm_prompt_logprobs(seq, memo: dict) -> list:
         """vLLM's `prompt_logprobs`: None for the first token, then per prompt token
-        {token id: {logprob, rank, decoded_token}}, its own token first, then the top-n."""
-        decode_one = functools.lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t]))
-        out: list = [None]
-        for tok, (lp, top, rank) in zip(seq.prompt_token_ids[1:], seq.prompt_logprobs, strict=True):
-            entry = {str(tok): {"logprob": lp, "rank": rank, "decoded_token": decode_one(tok)}}
-            for r, (t, v) in enumerate(top, 1):
-                entry.setdefault(str(t), {"logprob": v, "rank": r, "decoded_token": decode_one(t)})
-            out.append(entry)
-        return out
+        {token id: {logprob, rank, decoded_token}}, its own token first, then the top-n
+        (built once per prompt: `memo`, by the prompt's first choice)."""
+        if id(seq) not in memo:
+            out: list = [None]
+            for tok, e in zip(seq.prompt_token_ids[1:], seq.prompt_logprobs, strict=True):
+                entry = logprob_entry(tok, e, decode_one)
+                out.append({str(t): vars(lp) for t, lp in entry.items()})
+            memo[id(seq)] = out
+        return memo[id(seq)]
 
-    def echo_logprobs(seq, entries: list) -> dict:
+    def echo_logprobs(seq, entries: list, echo: str, n: int) -> dict:
         """Completions' logprobs with echo (vLLM's, what evaluation harnesses read): the
-        prompt's tokens, the first with no logprob (null), then the generated ones, with text
-        offsets into the echoed text."""
+        prompt's tokens, the first with no logprob (null), each with its top `n` (the request's
+        logprobs, as vLLM trims them), then the generated ones, whose text offsets count from
+        the end of the echoed text."""
         ids = seq.prompt_token_ids
         head = token_text([], ids[0])
-        scored = list(zip(ids[1:], seq.prompt_logprobs, strict=True))
-        prompt, pos = format_logprobs(scored, False, [ids[0]], text_advance([], ids[0]))
-        out, _ = format_logprobs(entries, False, list(ids[-DETOKENIZE_CONTEXT:]), pos)
+        scored = [(t, (lp, top[:n], rank)) for t, (lp, top, rank) in
+                  zip(ids[1:], seq.prompt_logprobs, strict=True)]  # fmt: skip
+        prompt, _ = format_logprobs(scored, False, [ids[0]], text_advance([], ids[0]))
+        out, _ = format_logprobs(entries, False, list(ids[-DETOKENIZE_CONTEXT:]), len(echo))
         return {
             "tokens": [head, *prompt["tokens"], *out["tokens"]],
             "token_logprobs": [None, *prompt["token_logprobs"], *out["token_logprobs"]],

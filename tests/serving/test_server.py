@@ -749,7 +749,7 @@ def test_vllm_chat_options(engine, served, client, plain):
         with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template") as e:
             client.chat.completions.create(model=MODEL, messages=chat_messages("abc"),
                                            max_tokens=2, extra_body=field)  # fmt: skip
-        assert e.value.body["param"] == "chat_template"
+        assert e.value.body["param"] == next(iter(field))
     trusted = Served(engine, api_key=None, trust=True)
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{trusted.port}/v1", api_key="none")
@@ -779,6 +779,19 @@ def test_vllm_chat_options(engine, served, client, plain):
         r = ask(prefill, chat_template=TAGGED, add_generation_prompt=False,
                 continue_final_message=True, echo=True)  # fmt: skip
         assert r.choices[0].message.content == "abcab" + want("<user>abc<assistant>abcab")
+        lp = (
+            ask(
+                prefill,
+                chat_template=TAGGED,
+                add_generation_prompt=False,
+                continue_final_message=True,
+                echo=True,
+                logprobs=True,
+            )
+            .choices[0]
+            .logprobs
+        )
+        assert len(lp.content) == 6  # the generated tokens' (chat lists no prompt tokens)
         chunks = c.chat.completions.create(
             model=MODEL, messages=prefill, max_tokens=6, temperature=0, stream=True,
             extra_body={**extra, "chat_template": TAGGED, "add_generation_prompt": False,
@@ -966,7 +979,8 @@ def test_prompt_logprobs_and_echo_with_logprobs(client, plain):
         assert len(lp.tokens) == len(full) + 1 and lp.token_logprobs[0] is None
         assert lp.top_logprobs[0] is None and len(lp.top_logprobs[1]) in (1, 2)
         assert lp.token_logprobs[len(ids) : len(full)] == pytest.approx(want, abs=1e-4)
-        assert lp.text_offset[: len(full)] == list(range(len(full)))  # a character a token
+        # a character a token; the generated one starts where the echoed text ends
+        assert lp.text_offset == list(range(len(full) + 1))
         assert "".join(lp.tokens) == choice.text
     r = client.completions.create(model=MODEL, prompt=full, max_tokens=1, temperature=0,
                                   extra_body={"prompt_logprobs": 2})  # fmt: skip

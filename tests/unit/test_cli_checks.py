@@ -130,6 +130,7 @@ def test_a_suite_method_config_is_checked_before_anything_loads(tmp_path, capsys
         ('ngram={"num_speculative_tokens": -3}', "--method-config ngram: num_speculative"),
         ("ngram=[1]", "must be a JSON object"),
         ('beam={"x": 1}', "known method"),
+        ('off={"x": 1}', "takes no config"),
         ('suffix={"suffix_decoding_max_tree_depth": "24"}', "got '24'"),
     ]
     for item, message in bad:
