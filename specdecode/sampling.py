@@ -103,22 +103,14 @@ class SamplingParams:
             ):
                 raise bad(f"seed must be a 64-bit integer, got {self.seed!r}", "seed")
             self.seed %= 2**64
-        if self.logprobs is not None and (
-            not _integer(self.logprobs) or not 0 <= self.logprobs <= 20
-        ):
-            raise bad(
-                f"logprobs must be an integer in [0, 20] (the top tokens to list besides the "
-                f"sampled one), got {self.logprobs!r}",
-                "logprobs",
-            )
-        if self.prompt_logprobs is not None and (
-            not _integer(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
-        ):
-            raise bad(
-                f"prompt_logprobs must be an integer in [0, 20] (the top tokens to list besides "
-                f"the prompt's own), got {self.prompt_logprobs!r}",
-                "prompt_logprobs",
-            )
+        for name, own in (("logprobs", "sampled one"), ("prompt_logprobs", "prompt's own")):
+            value = getattr(self, name)
+            if value is not None and (not _integer(value) or not 0 <= value <= 20):
+                raise bad(
+                    f"{name} must be an integer in [0, 20] (the top tokens to list besides the "
+                    f"{own}), got {value!r}",
+                    name,
+                )
         if any(not s for s in self.stop):
             raise bad("stop strings must be non-empty", "stop")
         for name in ("presence_penalty", "frequency_penalty"):
