@@ -73,6 +73,7 @@ class _Request(_NullIsDefault):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    return_token_ids: StrictBool = False  # vLLM's: the prompt's and the output's token ids
 
     @field_validator("stop")
     @classmethod

@@ -396,12 +396,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         meta = (request_id, created, chat, prompt_tokens, param)
         echoes = [e if isinstance(e, str) else tokenizer.decode(e) for e in echoes]
         if req.stream:
-            body = sse(handles, req.include_usage, meta, echoes)
+            body = sse(handles, req.include_usage, meta, echoes, req.return_token_ids)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
             # (completions' echo with logprobs computes them: they are given too, as in vLLM)
             asked = jobs[0][1].prompt_logprobs is not None
-            return await collect(request, handles, meta, echoes, asked)
+            return await collect(request, handles, meta, echoes, asked, req.return_token_ids)
         finally:
             for h in handles:
                 h.abort()
@@ -419,9 +419,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         meta,
         echoes: list[str],
         prompt_logprobs: bool = False,
+        token_ids: bool = False,
     ):
         """The whole response; `prompt_logprobs`: the request asked for them (vLLM's field),
-        where echo with logprobs computes them for its own use."""
+        where echo with logprobs computes them for its own use; `token_ids`: vLLM's
+        `return_token_ids` (the prompt's and each choice's token ids)."""
         request_id, created, chat, prompt_tokens, param = meta
         firsts = prompt_tokens[1]  # each prompt's first choice
         decoded: dict = {}  # each prompt's vLLM prompt_logprobs, built once
@@ -471,6 +473,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             choice["stop_reason"] = h.seq.stop_reason  # (vLLM's: the stop string or token id)
             if prompt_logprobs and not chat:  # vLLM's field, per choice
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(first, decoded)
+            if token_ids:  # (vLLM's: completions give the prompt's per choice, chat once)
+                if not chat:
+                    choice["prompt_token_ids"] = list(h.seq.prompt_token_ids)
+                choice["token_ids"] = list(h.seq.output_token_ids)
             choices.append(choice)
         completion = sum(r["tokens"] for r in results)
         body = {
@@ -483,6 +489,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         }
         if prompt_logprobs and chat:  # vLLM's field, for the one prompt
             body["prompt_logprobs"] = vllm_prompt_logprobs(firsts[0].seq, decoded)
+        if token_ids and chat:
+            body["prompt_token_ids"] = list(firsts[0].seq.prompt_token_ids)
         return body
 
     def vllm_prompt_logprobs(seq, memo: dict) -> list:
@@ -597,8 +605,15 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         }, pos
 
     async def sse(
-        handles: list[RequestHandle], include_usage: bool, meta, echoes: list[str]
+        handles: list[RequestHandle],
+        include_usage: bool,
+        meta,
+        echoes: list[str],
+        token_ids: bool = False,
     ) -> AsyncIterator[str]:
+        """The response as server-sent events; `token_ids`: vLLM's `return_token_ids` (each
+        chunk's new token ids; the prompt's in the first chunk, of each choice for
+        completions)."""
         request_id, created, chat, prompt_tokens, param = meta
         obj = "chat.completion.chunk" if chat else "text_completion"
         queue: asyncio.Queue = asyncio.Queue()
@@ -610,9 +625,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             except Exception as e:  # noqa: BLE001 - reported on the stream
                 await queue.put((i, StreamUpdate("", [], error=f"{type(e).__name__}: {e}")))
 
-        def chunk(choices: list, usage_=None) -> str:
+        def chunk(choices: list, usage_=None, **extra) -> str:
             body = {"id": request_id, "object": obj, "created": created,
-                    "model": config.served_model_name, "choices": choices}  # fmt: skip
+                    "model": config.served_model_name, "choices": choices, **extra}  # fmt: skip
             if usage_ is not None:
                 body["usage"] = usage_
             return f"data: {json.dumps(body)}\n\n"
@@ -621,11 +636,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         try:
             if chat:
                 first = {"role": "assistant", "content": ""}
+                prompt = {"prompt_token_ids": list(handles[0].seq.prompt_token_ids)}
                 yield chunk(
                     [
                         {"index": i, "delta": first, "logprobs": None, "finish_reason": None}
                         for i in range(len(handles))
-                    ]  # fmt: skip
+                    ],  # fmt: skip
+                    **(prompt if token_ids else {}),
                 )
             if echoes:  # each choice's text starts with its prompt (chat: the last message)
                 key = "delta" if chat else "text"
@@ -641,6 +658,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     ]  # fmt: skip
                 )
             remaining, completion, offsets = len(handles), {}, [0] * len(handles)
+            prompt_sent = set()  # completions' choices whose prompt ids went out
             contexts = [h.seq.prompt_token_ids[-DETOKENIZE_CONTEXT:] for h in handles]
             while remaining:
                 i, u = await queue.get()
@@ -651,7 +669,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     remaining -= 1
                     continue
                 completion[i] = u.num_output_tokens
-                if u.text or u.finished or u.logprobs:
+                if u.text or u.finished or u.logprobs or (token_ids and u.token_ids):
                     lp = None
                     if u.logprobs:
                         lp, offsets[i] = format_logprobs(u.logprobs, chat, contexts[i], offsets[i])
@@ -664,6 +682,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     c["finish_reason"] = u.finish_reason
                     if u.finished:
                         c["stop_reason"] = handles[i].seq.stop_reason
+                    if token_ids:
+                        if not chat and i not in prompt_sent:
+                            c["prompt_token_ids"] = list(handles[i].seq.prompt_token_ids)
+                            prompt_sent.add(i)
+                        c["token_ids"] = list(u.token_ids)
                     yield chunk([c])
                 if u.finished:
                     remaining -= 1

@@ -857,6 +857,37 @@ def test_tokenize_and_detokenize(served, engine, plain):
         keyed.stop()
 
 
+def test_return_token_ids(client, plain):
+    """vLLM's `return_token_ids`: the prompt's ids (per completions choice, once for chat) and
+    each choice's generated ids, whole or streamed (each chunk's new ids; the prompt's in a
+    choice's first chunk)."""
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ids = [ord(c) for c in "abcabc"]
+    want = plain.generate({"prompt_token_ids": ids}, p)[0].outputs[0].token_ids
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, n=2,
+                                  extra_body=extra).model_dump()  # fmt: skip
+    for c in r["choices"]:
+        assert c["prompt_token_ids"] == ids and c["token_ids"] == want
+    chunks = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
+                                       stream=True, extra_body=extra)  # fmt: skip
+    parts = [c.model_dump()["choices"][0] for c in chunks if c.choices]
+    assert [c.get("prompt_token_ids") for c in parts] == [ids] + [None] * (len(parts) - 1)
+    assert sum((c["token_ids"] for c in parts), []) == want
+    chat_ids = client_prompt_ids(plain, "xyz")
+    gen = plain.chat(chat_messages("xyz"), p)[0].outputs[0].token_ids
+    r = client.chat.completions.create(model=MODEL, messages=chat_messages("xyz"), max_tokens=8,
+                                       temperature=0, extra_body=extra).model_dump()  # fmt: skip
+    assert r["prompt_token_ids"] == chat_ids and r["choices"][0]["token_ids"] == gen
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=chat_messages("xyz"), max_tokens=8, temperature=0, stream=True,
+        extra_body=extra))  # fmt: skip
+    assert chunks[0].model_dump()["prompt_token_ids"] == chat_ids
+    assert sum((c.model_dump()["choices"][0].get("token_ids") or [] for c in chunks[1:]), []) == gen
+    plain_r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2).model_dump()
+    assert "token_ids" not in plain_r["choices"][0]
+
+
 def client_prompt_ids(plain: LLM, q: str) -> list[int]:
     """The ids a chat request's prompt has (the model's template, no special tokens added)."""
     return plain.tokenizer(
