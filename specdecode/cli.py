@@ -274,6 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="use a chat template a request sends (`chat_template`, vLLM's flag); refused "
         "by default: a template is code the server runs",
     )
+    srv.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="name logprob tokens 'token_id:N' instead of their text (vLLM's flag: exact "
+        "where a token's text is not, e.g. part of a character)",
+    )
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_args(gen)

@@ -57,6 +57,7 @@ class ServerConfig:
     max_n: int = 16
     max_prompts: int = 64  # prompts in one /v1/completions request
     trust_request_chat_template: bool = False  # a request's chat_template is used (vLLM's flag)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM's flag)
 
 
 class APIError(Exception):
@@ -511,7 +512,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         logprobs, as vLLM trims them), then the generated ones, whose text offsets count from
         the end of the echoed text."""
         ids = seq.prompt_token_ids
-        head = token_text([], ids[0])
+        head = token_label([], ids[0])
         scored = [(t, (lp, top[:n], rank)) for t, (lp, top, rank) in
                   zip(ids[1:], seq.prompt_logprobs, strict=True)]  # fmt: skip
         prompt, _ = format_logprobs(scored, False, [ids[0]], text_advance([], ids[0]))
@@ -543,10 +544,19 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             return tokenizer.decode([tok])
         return full[len(base) :]
 
+    def token_label(context: list[int], tok: int) -> str:
+        """A logprob entry's token: its text, or "token_id:N" where the server was started
+        with --return-tokens-as-token-ids (vLLM's: exact where a token's text is not)."""
+        if config.return_tokens_as_token_ids:
+            return f"token_id:{tok}"
+        return token_text(context, tok)
+
     def token_bytes(tok: int, text: str) -> list[int]:
         """OpenAI's `bytes`: the token's own bytes, so that joining them rebuilds the text even
         where a character spans tokens; the text's UTF-8 where the vocabulary records none."""
         raw = raw_bytes(tok)
+        if raw is None and config.return_tokens_as_token_ids:  # (`text` is its label)
+            text = decode_one(tok)
         return list(raw if raw is not None else text.encode())
 
     def text_advance(context: list[int], tok: int) -> int:
@@ -572,9 +582,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             window = context[-DETOKENIZE_CONTEXT:]
             pieces.append(
                 (
-                    (tok, token_text(window, tok)),
+                    (tok, token_label(window, tok)),
                     lp,
-                    [((t, token_text(window, t)), v) for t, v in top],
+                    [((t, token_label(window, t)), v) for t, v in top],
                 )
             )
             if not chat:
@@ -728,6 +738,7 @@ def run_server(args) -> None:
             max_request_bytes=args.max_request_bytes,
             max_n=args.max_n,
             trust_request_chat_template=args.trust_request_chat_template,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         ),
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:

@@ -30,10 +30,10 @@ QUESTIONS = ["abcabcabc", "Hello Hello", "xyz", "1212121212", "count: 1 2 3", "a
 
 class Served:
     def __init__(
-        self, engine: AsyncLLMEngine, api_key: str | None, aliases=(), trust=False
+        self, engine: AsyncLLMEngine, api_key: str | None, aliases=(), trust=False, **extra
     ) -> None:
         config = ServerConfig(MODEL, api_key=api_key, max_request_bytes=20_000, aliases=aliases,
-                              trust_request_chat_template=trust)  # fmt: skip
+                              trust_request_chat_template=trust, **extra)  # fmt: skip
         app = build_app(engine, config)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -886,6 +886,30 @@ def test_return_token_ids(client, plain):
     assert sum((c.model_dump()["choices"][0].get("token_ids") or [] for c in chunks[1:]), []) == gen
     plain_r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2).model_dump()
     assert "token_ids" not in plain_r["choices"][0]
+
+
+def test_return_tokens_as_token_ids(engine):
+    """serve --return-tokens-as-token-ids (vLLM's): logprob tokens read "token_id:N", their
+    bytes stay the token's own; text offsets are unchanged."""
+    s = Served(engine, api_key=None, return_tokens_as_token_ids=True)
+
+    def post(path, body):
+        return json.loads(raw(s.port, "POST", path, json.dumps(body).encode())[1])
+
+    try:
+        body = {"prompt": "abc", "max_tokens": 3, "temperature": 0, "logprobs": 1, "echo": True,
+                "ignore_eos": True}  # fmt: skip
+        lp = post("/v1/completions", body)["choices"][0]["logprobs"]
+        assert lp["tokens"][:3] == [f"token_id:{ord(ch)}" for ch in "abc"]
+        assert all(t.startswith("token_id:") for t in lp["tokens"])
+        assert all(k.startswith("token_id:") for k in lp["top_logprobs"][1])
+        assert lp["text_offset"][:4] == [0, 1, 2, 3]
+        body = {"messages": chat_messages("x"), "max_tokens": 2, "logprobs": True}
+        content = post("/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
+        assert all(e["token"].startswith("token_id:") for e in content)
+        assert all(e["bytes"] and not bytes(e["bytes"]).startswith(b"token_id") for e in content)
+    finally:
+        s.stop()
 
 
 def client_prompt_ids(plain: LLM, q: str) -> list[int]:
