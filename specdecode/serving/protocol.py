@@ -74,6 +74,8 @@ class _Request(_NullIsDefault):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     return_token_ids: StrictBool = False  # vLLM's: the prompt's and the output's token ids
+    # vLLM's: logprob tokens named "token_id:N" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: StrictBool | None = None
 
     @field_validator("stop")
     @classmethod

@@ -396,13 +396,18 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         param = req.structured_param() if so is not None else None
         meta = (request_id, created, chat, prompt_tokens, param)
         echoes = [e if isinstance(e, str) else tokenizer.decode(e) for e in echoes]
+        # vLLM's return_tokens_as_token_ids: the request's, else the server's flag
+        labels = req.return_tokens_as_token_ids
+        labels = config.return_tokens_as_token_ids if labels is None else labels
         if req.stream:
-            body = sse(handles, req.include_usage, meta, echoes, req.return_token_ids)
+            body = sse(handles, req.include_usage, meta, echoes, req.return_token_ids, labels)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
             # (completions' echo with logprobs computes them: they are given too, as in vLLM)
             asked = jobs[0][1].prompt_logprobs is not None
-            return await collect(request, handles, meta, echoes, asked, req.return_token_ids)
+            return await collect(
+                request, handles, meta, echoes, asked, req.return_token_ids, labels
+            )
         finally:
             for h in handles:
                 h.abort()
@@ -421,6 +426,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         echoes: list[str],
         prompt_logprobs: bool = False,
         token_ids: bool = False,
+        labels: bool = False,
     ):
         """The whole response; `prompt_logprobs`: the request asked for them (vLLM's field),
         where echo with logprobs computes them for its own use; `token_ids`: vLLM's
@@ -466,9 +472,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             # the prompt's first choice holds its prompt logprobs (the others skip them)
             first = firsts[i // (len(handles) // len(firsts))].seq
             if echoes and wants and not chat:  # echo with logprobs: the prompt's tokens first
-                lp = echo_logprobs(first, r["logprobs"], echoes[i], h.seq.params.logprobs)
+                lp = echo_logprobs(first, r["logprobs"], echoes[i], h.seq.params.logprobs, labels)
             else:
-                lp = format_logprobs(r["logprobs"], chat, context)[0] if wants else None
+                lp = (
+                    format_logprobs(r["logprobs"], chat, context, labels=labels)[0]
+                    if wants
+                    else None
+                )
             choice["logprobs"] = lp
             choice["finish_reason"] = r["finish"]
             choice["stop_reason"] = h.seq.stop_reason  # (vLLM's: the stop string or token id)
@@ -506,17 +516,20 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             memo[id(seq)] = out
         return memo[id(seq)]
 
-    def echo_logprobs(seq, entries: list, echo: str, n: int) -> dict:
+    def echo_logprobs(seq, entries: list, echo: str, n: int, labels: bool) -> dict:
         """Completions' logprobs with echo (vLLM's, what evaluation harnesses read): the
         prompt's tokens, the first with no logprob (null), each with its top `n` (the request's
         logprobs, as vLLM trims them), then the generated ones, whose text offsets count from
         the end of the echoed text."""
         ids = seq.prompt_token_ids
-        head = token_label([], ids[0])
+        head = f"token_id:{ids[0]}" if labels else token_text([], ids[0])
         scored = [(t, (lp, top[:n], rank)) for t, (lp, top, rank) in
                   zip(ids[1:], seq.prompt_logprobs, strict=True)]  # fmt: skip
-        prompt, _ = format_logprobs(scored, False, [ids[0]], text_advance([], ids[0]))
-        out, _ = format_logprobs(entries, False, list(ids[-DETOKENIZE_CONTEXT:]), len(echo))
+        first = text_advance([], ids[0])
+        prompt, _ = format_logprobs(scored, False, [ids[0]], first, labels=labels)
+        out, _ = format_logprobs(
+            entries, False, list(ids[-DETOKENIZE_CONTEXT:]), len(echo), labels=labels
+        )
         return {
             "tokens": [head, *prompt["tokens"], *out["tokens"]],
             "token_logprobs": [None, *prompt["token_logprobs"], *out["token_logprobs"]],
@@ -544,19 +557,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             return tokenizer.decode([tok])
         return full[len(base) :]
 
-    def token_label(context: list[int], tok: int) -> str:
-        """A logprob entry's token: its text, or "token_id:N" where the server was started
-        with --return-tokens-as-token-ids (vLLM's: exact where a token's text is not)."""
-        if config.return_tokens_as_token_ids:
-            return f"token_id:{tok}"
-        return token_text(context, tok)
-
     def token_bytes(tok: int, text: str) -> list[int]:
         """OpenAI's `bytes`: the token's own bytes, so that joining them rebuilds the text even
         where a character spans tokens; the text's UTF-8 where the vocabulary records none."""
         raw = raw_bytes(tok)
-        if raw is None and config.return_tokens_as_token_ids:  # (`text` is its label)
-            text = decode_one(tok)
         return list(raw if raw is not None else text.encode())
 
     def text_advance(context: list[int], tok: int) -> int:
@@ -571,20 +575,25 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         return len(full) - len(base)
 
     def format_logprobs(
-        entries: list, chat: bool, context: list[int], text_offset: int = 0
+        entries: list, chat: bool, context: list[int], text_offset: int = 0, labels: bool = False
     ) -> tuple[dict, int]:
         """Our (logprob, top) per token -> OpenAI's chat or completions logprobs object, and
         the text offset after these tokens. `context`: the token ids before these (the prompt's
         last ones, then the output's), extended with them; `text_offset`: characters of the
-        choice's text before them."""
+        choice's text before them; `labels`: tokens named "token_id:N" (vLLM's
+        return_tokens_as_token_ids: exact where a token's text is not), bytes still theirs."""
+
+        def name(tok: int, text: str) -> str:
+            return f"token_id:{tok}" if labels else text
+
         pieces, offsets, pos = [], [], text_offset
         for tok, (lp, top, _) in entries:
             window = context[-DETOKENIZE_CONTEXT:]
             pieces.append(
                 (
-                    (tok, token_label(window, tok)),
+                    (tok, token_text(window, tok)),
                     lp,
-                    [((t, token_label(window, t)), v) for t, v in top],
+                    [((t, token_text(window, t)), v) for t, v in top],
                 )
             )
             if not chat:
@@ -594,11 +603,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if chat:
             content = [
                 {
-                    "token": s,
+                    "token": name(tok, s),
                     "logprob": lp,
                     "bytes": token_bytes(tok, s),
                     "top_logprobs": [
-                        {"token": t, "logprob": v, "bytes": token_bytes(t_id, t)}
+                        {"token": name(t_id, t), "logprob": v, "bytes": token_bytes(t_id, t)}
                         for (t_id, t), v in top
                     ],
                 }
@@ -606,11 +615,14 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             ]
             return {"content": content}, pos
         return {
-            "tokens": [s for (_, s), _, _ in pieces],
+            "tokens": [name(tok, s) for (tok, s), _, _ in pieces],
             "token_logprobs": [lp for _, lp, _ in pieces],
             # the sampled token is always among them (OpenAI's legacy API and vLLM: up to
             # logprobs + 1 entries)
-            "top_logprobs": [{**{t: v for (_, t), v in top}, s: lp} for (_, s), lp, top in pieces],
+            "top_logprobs": [
+                {**{name(t_id, t): v for (t_id, t), v in top}, name(tok, s): lp}
+                for (tok, s), lp, top in pieces
+            ],
             "text_offset": offsets,
         }, pos
 
@@ -620,6 +632,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         meta,
         echoes: list[str],
         token_ids: bool = False,
+        labels: bool = False,
     ) -> AsyncIterator[str]:
         """The response as server-sent events; `token_ids`: vLLM's `return_token_ids` (each
         chunk's new token ids; the prompt's in the first chunk, of each choice for
@@ -654,21 +667,20 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     ],  # fmt: skip
                     **(prompt if token_ids else {}),
                 )
+            prompt_sent = set()  # completions' choices whose prompt ids went out
             if echoes:  # each choice's text starts with its prompt (chat: the last message)
                 key = "delta" if chat else "text"
-                yield chunk(
-                    [
-                        {
-                            "index": i,
-                            key: {"content": e} if chat else e,
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                        for i, e in enumerate(echoes)
-                    ]  # fmt: skip
-                )
+                firsts = [
+                    {"index": i, key: {"content": e} if chat else e, "logprobs": None,
+                     "finish_reason": None}
+                    for i, e in enumerate(echoes)
+                ]  # fmt: skip
+                if token_ids and not chat:  # (a choice's first chunk carries its prompt's ids)
+                    for c in firsts:
+                        c["prompt_token_ids"] = list(handles[c["index"]].seq.prompt_token_ids)
+                        prompt_sent.add(c["index"])
+                yield chunk(firsts)
             remaining, completion, offsets = len(handles), {}, [0] * len(handles)
-            prompt_sent = set()  # completions' choices whose prompt ids went out
             contexts = [h.seq.prompt_token_ids[-DETOKENIZE_CONTEXT:] for h in handles]
             while remaining:
                 i, u = await queue.get()
@@ -682,7 +694,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 if u.text or u.finished or u.logprobs or (token_ids and u.token_ids):
                     lp = None
                     if u.logprobs:
-                        lp, offsets[i] = format_logprobs(u.logprobs, chat, contexts[i], offsets[i])
+                        lp, offsets[i] = format_logprobs(
+                            u.logprobs, chat, contexts[i], offsets[i], labels=labels
+                        )
                     c: dict = {"index": i}
                     if chat:
                         c["delta"] = {"content": u.text} if u.text else {}

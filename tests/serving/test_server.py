@@ -874,6 +874,11 @@ def test_return_token_ids(client, plain):
     parts = [c.model_dump()["choices"][0] for c in chunks if c.choices]
     assert [c.get("prompt_token_ids") for c in parts] == [ids] + [None] * (len(parts) - 1)
     assert sum((c["token_ids"] for c in parts), []) == want
+    chunks = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
+                                       stream=True, echo=True, extra_body=extra)  # fmt: skip
+    parts = [c.model_dump()["choices"][0] for c in chunks if c.choices]
+    assert parts[0]["text"] == "abcabc" and parts[0]["prompt_token_ids"] == ids  # the echo
+    assert all(c.get("prompt_token_ids") is None for c in parts[1:])
     chat_ids = client_prompt_ids(plain, "xyz")
     gen = plain.chat(chat_messages("xyz"), p)[0].outputs[0].token_ids
     r = client.chat.completions.create(model=MODEL, messages=chat_messages("xyz"), max_tokens=8,
@@ -888,7 +893,7 @@ def test_return_token_ids(client, plain):
     assert "token_ids" not in plain_r["choices"][0]
 
 
-def test_return_tokens_as_token_ids(engine):
+def test_return_tokens_as_token_ids(engine, served):
     """serve --return-tokens-as-token-ids (vLLM's): logprob tokens read "token_id:N", their
     bytes stay the token's own; text offsets are unchanged."""
     s = Served(engine, api_key=None, return_tokens_as_token_ids=True)
@@ -908,8 +913,21 @@ def test_return_tokens_as_token_ids(engine):
         content = post("/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
         assert all(e["token"].startswith("token_id:") for e in content)
         assert all(e["bytes"] and not bytes(e["bytes"]).startswith(b"token_id") for e in content)
+        # the request's own field wins over the flag, either way
+        body = {
+            "prompt": "abc",
+            "max_tokens": 2,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": False,
+        }
+        assert not post("/v1/completions", body)["choices"][0]["logprobs"]["tokens"][0].startswith(
+            "token_id:"
+        )
     finally:
         s.stop()
+    body = {"prompt": "abc", "max_tokens": 2, "logprobs": 0, "return_tokens_as_token_ids": True}
+    status, data = raw(served.port, "POST", "/v1/completions", json.dumps(body).encode())
+    assert json.loads(data)["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
 
 
 def client_prompt_ids(plain: LLM, q: str) -> list[int]:
