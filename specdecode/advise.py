@@ -369,7 +369,7 @@ def run_advise(args: argparse.Namespace) -> dict:
         try:
             if r.messages:
                 text = base.apply_chat_template(r.messages, **r.chat_options)
-                p = list(base.tokenizer(text, add_special_tokens=r.add_special_tokens).input_ids)
+                p = base._text_ids(text, r.add_special_tokens)
             else:
                 p = base.encode(r.prompt)
             base.engine.make_sequence(p, _params([r])[0])  # validates length and sampling

@@ -70,9 +70,9 @@ class LLM:
     def _chat_ids(self, messages: Messages) -> list[int]:
         return self._text_ids(self.apply_chat_template(messages))
 
-    def _text_ids(self, text: str) -> list[int]:
-        """A rendered chat's ids (its special tokens are in the text already)."""
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+    def _text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """A rendered chat's ids (its special tokens are in the text already, unless asked)."""
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -186,7 +186,7 @@ class LLM:
                 outputs=[_completion(j, s, decode) for j, s in enumerate(choices)],
                 finished=True,
                 num_cached_tokens=choices[0].num_cached_tokens,
-                prompt_logprobs=_prompt_logprobs(choices[0], decode),
+                prompt_logprobs=prompt_logprob_entries(choices[0], decode),
             )
             for choices, pr in zip(seqs, prompts, strict=True)
         ]
@@ -220,7 +220,7 @@ def _completion(index: int, s, decode) -> CompletionOutput:
         s.finish_reason,
         s.spec.as_dict() if s.spec.num_drafts else None,
         [
-            logprob_entry(tok, e, decode)
+            _logprob_entry(tok, e, decode)
             for tok, e in zip(s.output_token_ids, s.output_logprobs, strict=True)
         ]
         if wanted
@@ -231,18 +231,18 @@ def _completion(index: int, s, decode) -> CompletionOutput:
     )
 
 
-def _prompt_logprobs(seq, decode) -> list | None:
+def prompt_logprob_entries(seq, decode) -> list | None:
     """vLLM's prompt_logprobs: None for the first token (nothing before it), then an entry per
     prompt token (the first choice's: the others do not compute them again)."""
     if seq.params.prompt_logprobs is None:
         return None
     ids = seq.prompt_token_ids
     return [None] + [
-        logprob_entry(tok, e, decode) for tok, e in zip(ids[1:], seq.prompt_logprobs, strict=True)
+        _logprob_entry(tok, e, decode) for tok, e in zip(ids[1:], seq.prompt_logprobs, strict=True)
     ]
 
 
-def logprob_entry(tok: int, entry, decode) -> dict[int, Logprob]:
+def _logprob_entry(tok: int, entry, decode) -> dict[int, Logprob]:
     """(logprob, [(token id, logprob)] top-n, rank) -> {token id: Logprob}, the sampled token
     first with its rank in the vocabulary (always there: vLLM lists it even where it is not
     among the top-n)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -245,7 +246,7 @@ class LLMEngine:
         the template as variables; `documents` to templates that read them, as in
         transformers). `instead`: what to use when the model has none (named in the error)."""
         extra = dict(chat_template_kwargs or {})
-        reserved = sorted(set(extra) & _render_arguments(self.tokenizer))
+        reserved = sorted(set(extra) & _render_arguments(type(self.tokenizer)))
         if reserved:  # apply_chat_template's own arguments, not template variables
             raise InvalidRequestError(
                 f"chat_template_kwargs cannot set {', '.join(reserved)}: "
@@ -677,14 +678,15 @@ _RENDER_OPTIONS = {
 }  # fmt: skip
 
 
-def _render_arguments(tokenizer) -> set[str]:
-    """The keyword arguments of the tokenizer's `apply_chat_template` (whatever else it is
-    given goes to the template as a variable)."""
+@functools.cache
+def _render_arguments(tokenizer_class: type) -> frozenset[str]:
+    """The keyword arguments of a tokenizer class's `apply_chat_template` (whatever else it
+    is given goes to the template as a variable); read once per class."""
     import inspect
 
-    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    params = inspect.signature(tokenizer_class.apply_chat_template).parameters.values()
     named = {p.name for p in params if p.kind is not p.VAR_KEYWORD}
-    return (named - {"self"}) | {"conversation", "messages"}
+    return frozenset((named - {"self"}) | {"conversation", "messages"})
 
 
 _JUMP_AHEAD = 256  # forced tokens a step appends at most, counted from a run's first

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode.engine.output import DETOKENIZE_CONTEXT, fast_decoder
 from specdecode.errors import InvalidRequestError, SpecDecodeError
-from specdecode.llm import logprob_entry
+from specdecode.llm import prompt_logprob_entries
 from specdecode.serving.async_engine import (
     AsyncLLMEngine,
     EngineStoppedError,
@@ -509,11 +509,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         {token id: {logprob, rank, decoded_token}}, its own token first, then the top-n
         (built once per prompt: `memo`, by the prompt's first choice)."""
         if id(seq) not in memo:
-            out: list = [None]
-            for tok, e in zip(seq.prompt_token_ids[1:], seq.prompt_logprobs, strict=True):
-                entry = logprob_entry(tok, e, decode_one)
-                out.append({str(t): vars(lp) for t, lp in entry.items()})
-            memo[id(seq)] = out
+            memo[id(seq)] = [
+                None if d is None else {str(t): vars(lp) for t, lp in d.items()}
+                for d in prompt_logprob_entries(seq, decode_one)
+            ]
         return memo[id(seq)]
 
     def echo_logprobs(seq, entries: list, echo: str, n: int, labels: bool) -> dict:

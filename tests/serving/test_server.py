@@ -932,9 +932,7 @@ def test_return_tokens_as_token_ids(engine, served):
 
 def client_prompt_ids(plain: LLM, q: str) -> list[int]:
     """The ids a chat request's prompt has (the model's template, no special tokens added)."""
-    return plain.tokenizer(
-        plain.apply_chat_template(chat_messages(q)), add_special_tokens=False
-    ).input_ids
+    return plain._chat_ids(chat_messages(q))
 
 
 def test_a_repeated_prefix_is_reported_cached(served, client):
