@@ -280,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="name logprob tokens 'token_id:N' instead of their text (vLLM's flag: exact "
         "where a token's text is not, e.g. part of a character)",
     )
+    srv.add_argument(
+        "--response-role",
+        default="assistant",
+        metavar="ROLE",
+        help="the role of a chat reply that follows a generation prompt (vLLM's flag; "
+        "default: assistant). With add_generation_prompt false the reply continues the last "
+        "message, in that message's role",
+    )
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_args(gen)

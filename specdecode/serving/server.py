@@ -58,6 +58,7 @@ class ServerConfig:
     max_prompts: int = 64  # prompts in one /v1/completions request
     trust_request_chat_template: bool = False  # a request's chat_template is used (vLLM's flag)
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM's flag)
+    response_role: str = "assistant"  # a chat reply's role (vLLM's --response-role)
 
 
 class APIError(Exception):
@@ -291,12 +292,14 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         max_tokens = check_length(len(ids), req, "messages")
         params = req.sampling_params(max_tokens, req.requested_logprobs())
         jobs = [(ids, params.for_choice(j)) for j in range(req.n)]
-        # echo (vLLM's): the reply starts with the last message where that is the reply's own
-        # (an assistant message the model continues; the reply here is always the assistant's)
+        # the reply's role (vLLM's): the server's response role after a generation prompt;
+        # without one the model goes on with the last message, and the reply is in its role
         last = messages[-1]
-        echo = last["content"] if req.echo and last["role"] == "assistant" else ""
+        role = config.response_role if req.add_generation_prompt else last["role"]
+        # echo (vLLM's): the reply starts with the last message where that is the reply's own
+        echo = last["content"] if req.echo and last["role"] == role else ""
         echoes = [echo] * req.n if echo else []
-        return await respond(request, req, jobs, len(ids), chat=True, echoes=echoes)
+        return await respond(request, req, jobs, len(ids), chat=True, echoes=echoes, role=role)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -361,10 +364,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     # ---- generation ----------------------------------------------------------------------------
 
-    async def respond(request: Request, req, jobs, prompt_tokens: int, chat: bool, echoes=()):
+    async def respond(
+        request: Request, req, jobs, prompt_tokens: int, chat: bool, echoes=(), role="assistant"
+    ):
         """Run the jobs (one per choice) and answer, streamed or whole. `echoes`: per choice,
         the prompt (text, or token ids: decoded once the engine has checked them) its text
-        starts with (completions' `echo`); empty for none."""
+        starts with (`echo`); empty for none. `role`: a chat reply's."""
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         handles: list[RequestHandle] = []
@@ -394,7 +399,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         prompt_tokens = (prompt_tokens, handles[::n])
         # a choice that fails mid-generation with a 400 is a grammar dead end: its field
         param = req.structured_param() if so is not None else None
-        meta = (request_id, created, chat, prompt_tokens, param)
+        meta = (request_id, created, chat, prompt_tokens, param, role)
         echoes = [e if isinstance(e, str) else tokenizer.decode(e) for e in echoes]
         # vLLM's return_tokens_as_token_ids: the request's, else the server's flag
         labels = req.return_tokens_as_token_ids
@@ -431,7 +436,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         """The whole response; `prompt_logprobs`: the request asked for them (vLLM's field),
         where echo with logprobs computes them for its own use; `token_ids`: vLLM's
         `return_token_ids` (the prompt's and each choice's token ids)."""
-        request_id, created, chat, prompt_tokens, param = meta
+        request_id, created, chat, prompt_tokens, param, role = meta
         firsts = prompt_tokens[1]  # each prompt's first choice
         decoded: dict = {}  # each prompt's vLLM prompt_logprobs, built once
 
@@ -464,7 +469,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             choice: dict = {"index": i}
             if chat:
                 content = (echoes[i] if echoes else "") + r["text"]
-                choice["message"] = {"role": "assistant", "content": content}
+                choice["message"] = {"role": role, "content": content}
             else:
                 choice["text"] = (echoes[i] if echoes else "") + r["text"]
             wants = h.seq.params.logprobs is not None
@@ -636,7 +641,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         """The response as server-sent events; `token_ids`: vLLM's `return_token_ids` (each
         chunk's new token ids; the prompt's in the first chunk, of each choice for
         completions)."""
-        request_id, created, chat, prompt_tokens, param = meta
+        request_id, created, chat, prompt_tokens, param, role = meta
         obj = "chat.completion.chunk" if chat else "text_completion"
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -657,7 +662,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
         try:
             if chat:
-                first = {"role": "assistant", "content": ""}
+                first = {"role": role, "content": ""}
                 prompt = {"prompt_token_ids": list(handles[0].seq.prompt_token_ids)}
                 yield chunk(
                     [
@@ -752,6 +757,7 @@ def run_server(args) -> None:
             max_n=args.max_n,
             trust_request_chat_template=args.trust_request_chat_template,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+            response_role=args.response_role,
         ),
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:

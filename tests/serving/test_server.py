@@ -750,7 +750,7 @@ def test_vllm_chat_options(engine, served, client, plain):
             client.chat.completions.create(model=MODEL, messages=chat_messages("abc"),
                                            max_tokens=2, extra_body=field)  # fmt: skip
         assert e.value.body["param"] == next(iter(field))
-    trusted = Served(engine, api_key=None, trust=True)
+    trusted = Served(engine, api_key=None, trust=True, response_role="bot")
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{trusted.port}/v1", api_key="none")
 
@@ -800,9 +800,24 @@ def test_vllm_chat_options(engine, served, client, plain):
         pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices]
         assert pieces[:2] == ["", "abcab"]
         assert "".join(pieces) == r.choices[0].message.content
+        # the reply's role (vLLM's): --response-role after a generation prompt, else the last
+        # message's, which echo repeats
+        r = ask(chat_messages("abc"), chat_template=TAGGED, add_generation_prompt=False,
+                echo=True)  # fmt: skip
+        assert r.choices[0].message.role == "user"
+        assert r.choices[0].message.content == "abc" + want("<user>abc")
+        chunks = c.chat.completions.create(
+            model=MODEL, messages=chat_messages("abc"), max_tokens=6, temperature=0, stream=True,
+            extra_body={**extra, "chat_template": TAGGED, "add_generation_prompt": False},
+        )  # fmt: skip
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        assert deltas[0].role == "user" and "".join(d.content or "" for d in deltas) == want(
+            "<user>abc"
+        )
         # echo repeats only the reply's own role; the model's template by default
         r = ask(chat_messages("abc"), echo=True)
         assert r.choices[0].message.content == expected(plain, "abc", 6)
+        assert r.choices[0].message.role == "bot"
         bad = [
             ({"continue_final_message": True}, "add_generation_prompt=False",
              "continue_final_message"),
