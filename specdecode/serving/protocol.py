@@ -318,12 +318,6 @@ class CompletionRequest(_Request):
         return "max_tokens"
 
     def requested_logprobs(self) -> int | None:
-        if self.echo and self.logprobs is not None and self.stream:
-            raise InvalidRequestError(
-                "echo with logprobs lists the prompt's tokens with the whole response; it is "
-                "not streamed",
-                param="echo",
-            )
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         return self.logprobs

@@ -525,20 +525,27 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         prompt's tokens, the first with no logprob (null), each with its top `n` (the request's
         logprobs, as vLLM trims them), then the generated ones, whose text offsets count from
         the end of the echoed text."""
+        prompt = prompt_logprobs_object(seq, n, labels)
+        ids = seq.prompt_token_ids
+        out, _ = format_logprobs(
+            entries, False, list(ids[-DETOKENIZE_CONTEXT:]), len(echo), labels=labels
+        )
+        return {key: [*prompt[key], *out[key]] for key in prompt}
+
+    def prompt_logprobs_object(seq, n: int, labels: bool) -> dict:
+        """A prompt's tokens as completions' logprobs (what echo lists first): the first
+        with no logprob (null), each with its top `n`."""
         ids = seq.prompt_token_ids
         head = f"token_id:{ids[0]}" if labels else token_text([], ids[0])
         scored = [(t, (lp, top[:n], rank)) for t, (lp, top, rank) in
                   zip(ids[1:], seq.prompt_logprobs, strict=True)]  # fmt: skip
         first = text_advance([], ids[0])
         prompt, _ = format_logprobs(scored, False, [ids[0]], first, labels=labels)
-        out, _ = format_logprobs(
-            entries, False, list(ids[-DETOKENIZE_CONTEXT:]), len(echo), labels=labels
-        )
         return {
-            "tokens": [head, *prompt["tokens"], *out["tokens"]],
-            "token_logprobs": [None, *prompt["token_logprobs"], *out["token_logprobs"]],
-            "top_logprobs": [None, *prompt["top_logprobs"], *out["top_logprobs"]],
-            "text_offset": [0, *prompt["text_offset"], *out["text_offset"]],
+            "tokens": [head, *prompt["tokens"]],
+            "token_logprobs": [None, *prompt["token_logprobs"]],
+            "top_logprobs": [None, *prompt["top_logprobs"]],
+            "text_offset": [0, *prompt["text_offset"]],
         }
 
     def usage(prompt_tokens: int, firsts: list[RequestHandle], completion: int) -> dict:
@@ -672,52 +679,91 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     **(prompt if token_ids else {}),
                 )
             prompt_sent = set()  # completions' choices whose prompt ids went out
-            if echoes:  # each choice's text starts with its prompt (chat: the last message)
+
+            def echo_chunk(indices, scored: bool = False) -> str:
+                """Each choice's text starts with its prompt (chat: the last message); with
+                completions' logprobs, the prompt's tokens and theirs (`scored`)."""
                 key = "delta" if chat else "text"
                 firsts = [
-                    {"index": i, key: {"content": e} if chat else e, "logprobs": None,
-                     "finish_reason": None}
-                    for i, e in enumerate(echoes)
+                    {"index": i, key: {"content": echoes[i]} if chat else echoes[i],
+                     "logprobs": None, "finish_reason": None}
+                    for i in indices
                 ]  # fmt: skip
-                if token_ids and not chat:  # (a choice's first chunk carries its prompt's ids)
-                    for c in firsts:
-                        c["prompt_token_ids"] = list(handles[c["index"]].seq.prompt_token_ids)
-                        prompt_sent.add(c["index"])
-                yield chunk(firsts)
-            remaining, completion, offsets = len(handles), {}, [0] * len(handles)
-            contexts = [h.seq.prompt_token_ids[-DETOKENIZE_CONTEXT:] for h in handles]
-            while remaining:
-                i, u = await queue.get()
+                for c in firsts:
+                    i = c["index"]
+                    if scored:
+                        top = handles[i].seq.params.logprobs
+                        c["logprobs"] = prompt_logprobs_object(group_first(i), top, labels)
+                    if token_ids and not chat:  # (a choice's first chunk carries its prompt's)
+                        c["prompt_token_ids"] = list(handles[i].seq.prompt_token_ids)
+                        prompt_sent.add(i)
+                return chunk(firsts)
+
+            # completions' echo with logprobs: a prompt's echo waits for its prompt's logprobs,
+            # scored by the prompt's first choice (whole once that choice's first update comes);
+            # the prompt's other choices' updates wait with it
+            n = len(handles) // len(prompt_tokens[1])
+
+            def group_first(i: int):
+                return handles[i - i % n].seq
+
+            scored = bool(echoes) and not chat and handles[0].seq.params.logprobs is not None
+            held: dict[int, list] = {}  # a prompt (its first choice's index): updates waiting
+            if echoes and not scored:
+                yield echo_chunk(range(len(handles)))
+
+            def emit(i: int, u: StreamUpdate) -> str | None:
+                """Choice i's update as its chunk (None: nothing to send)."""
                 if u.error:
                     e = failure(u, param)
                     err = {"message": e.message, "type": e.type, "param": e.param, "code": e.status}
-                    yield f"data: {json.dumps({'error': err})}\n\n"
-                    remaining -= 1
-                    continue
+                    return f"data: {json.dumps({'error': err})}\n\n"
                 completion[i] = u.num_output_tokens
-                if u.text or u.finished or u.logprobs or (token_ids and u.token_ids):
-                    lp = None
-                    if u.logprobs:
-                        lp, offsets[i] = format_logprobs(
-                            u.logprobs, chat, contexts[i], offsets[i], labels=labels
-                        )
-                    c: dict = {"index": i}
-                    if chat:
-                        c["delta"] = {"content": u.text} if u.text else {}
-                    else:
-                        c["text"] = u.text
-                    c["logprobs"] = lp
-                    c["finish_reason"] = u.finish_reason
-                    if u.finished:
-                        c["stop_reason"] = handles[i].seq.stop_reason
-                    if token_ids:
-                        if not chat and i not in prompt_sent:
-                            c["prompt_token_ids"] = list(handles[i].seq.prompt_token_ids)
-                            prompt_sent.add(i)
-                        c["token_ids"] = list(u.token_ids)
-                    yield chunk([c])
+                if not (u.text or u.finished or u.logprobs or (token_ids and u.token_ids)):
+                    return None
+                lp = None
+                if u.logprobs:
+                    lp, offsets[i] = format_logprobs(
+                        u.logprobs, chat, contexts[i], offsets[i], labels=labels
+                    )
+                c: dict = {"index": i}
+                if chat:
+                    c["delta"] = {"content": u.text} if u.text else {}
+                else:
+                    c["text"] = u.text
+                c["logprobs"] = lp
+                c["finish_reason"] = u.finish_reason
                 if u.finished:
-                    remaining -= 1
+                    c["stop_reason"] = handles[i].seq.stop_reason
+                if token_ids:
+                    if not chat and i not in prompt_sent:
+                        c["prompt_token_ids"] = list(handles[i].seq.prompt_token_ids)
+                        prompt_sent.add(i)
+                    c["token_ids"] = list(u.token_ids)
+                return chunk([c])
+
+            remaining, completion = len(handles), {}
+            # text offsets count from the end of the echoed text
+            offsets = [len(e) for e in echoes] if scored else [0] * len(handles)
+            contexts = [h.seq.prompt_token_ids[-DETOKENIZE_CONTEXT:] for h in handles]
+            while remaining:
+                i, u = await queue.get()
+                ready = [(i, u)]
+                g = i - i % n  # the prompt's first choice
+                if scored and held.get(g, []) is not None:  # not echoed yet
+                    if i != g:
+                        held.setdefault(g, []).append((i, u))
+                        continue
+                    # (a failure before the prompt was scored echoes its text alone)
+                    yield echo_chunk(range(g, g + n), scored=not u.error)
+                    ready = [*held.get(g, []), (i, u)]
+                    held[g] = None
+                for i, u in ready:
+                    piece = emit(i, u)
+                    if piece:
+                        yield piece
+                    if u.finished or u.error:
+                        remaining -= 1
             if include_usage:
                 yield chunk([], usage(*prompt_tokens, sum(completion.values())))
             yield "data: [DONE]\n\n"

@@ -11,6 +11,7 @@ import json
 import socket
 import threading
 import time
+from collections import defaultdict
 
 import openai
 import pytest
@@ -1042,14 +1043,9 @@ def test_echo_prepends_the_prompt_to_each_choice(client, plain):
                                        echo=True, stream=True, extra_body=extra)  # fmt: skip
     pieces = [c.choices[0].text for c in chunks if c.choices]
     assert pieces[0] == "xyz" and "".join(pieces) == "xyz" + want["xyz"]
-    # with logprobs, the prompt's tokens are listed with theirs: not streamed
-    with pytest.raises(openai.BadRequestError, match="not streamed") as e:
-        client.completions.create(model=MODEL, prompt="xyz", max_tokens=2, echo=True, logprobs=1,
-                                  stream=True)  # fmt: skip
-    assert e.value.body["param"] == "echo"
 
 
-def test_prompt_logprobs_and_echo_with_logprobs(client, plain):
+def test_prompt_logprobs_and_echo_with_logprobs(client, plain, engine, monkeypatch):
     """vLLM's `prompt_logprobs`, and echo with logprobs (what evaluation harnesses send to
     score a text): the prompt's tokens come first, the first with no logprob; each scores as
     it did when it was generated, and the text offsets index the echoed text."""
@@ -1068,6 +1064,58 @@ def test_prompt_logprobs_and_echo_with_logprobs(client, plain):
         # a character a token; the generated one starts where the echoed text ends
         assert lp.text_offset == list(range(len(full) + 1))
         assert "".join(lp.tokens) == choice.text
+    # streamed (as vLLM streams it): each choice's echo chunk lists the prompt's tokens, and
+    # its chunks join to the whole response's choice, for several prompts of several choices
+    prompts, extra = [full, ids[:5]], {"ignore_eos": True}
+    whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0,
+                                      echo=True, logprobs=2, n=2, extra_body=extra)  # fmt: skip
+    chunks = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0,
+                                       echo=True, logprobs=2, n=2, stream=True,
+                                       extra_body={**extra, "return_token_ids": True})  # fmt: skip
+    joined = {i: {"text": "", "ids": [], "lp": defaultdict(list)} for i in range(4)}
+    for ch in chunks:
+        for c in ch.choices:
+            got = joined[c.index]
+            got["text"] += c.text
+            got["ids"] += c.model_extra.get("prompt_token_ids") or []
+            for key, value in c.logprobs.model_dump().items():
+                got["lp"][key] += value
+    for i, choice in enumerate(whole.choices):
+        got = joined[i]
+        assert got["text"] == choice.text and got["ids"] == prompts[i // 2]
+        assert got["lp"]["tokens"] == choice.logprobs.tokens
+        assert got["lp"]["text_offset"] == choice.logprobs.text_offset
+        assert got["lp"]["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs)
+        assert len(got["lp"]["top_logprobs"]) == len(choice.logprobs.top_logprobs)
+    # a prompt's other choices whose updates come before its first choice's wait for its echo
+    add = engine.add
+
+    def slow_first(ids, params, request_id=""):
+        handle = add(ids, params, request_id)
+        if request_id.endswith("-0"):
+            updates = handle.updates
+
+            async def late():
+                await asyncio.sleep(0.5)
+                async for u in updates():
+                    yield u
+
+            handle.updates = late
+        return handle
+
+    monkeypatch.setattr(engine, "add", slow_first)
+    chunks = list(client.completions.create(model=MODEL, prompt=full, max_tokens=4, n=2,
+                                            temperature=0, echo=True, logprobs=2, stream=True,
+                                            extra_body=extra))  # fmt: skip
+    assert [c.index for c in chunks[0].choices] == [0, 1]  # the echo, of both choices
+    assert chunks[1].choices[0].index == 1  # then what waited
+    for i in (0, 1):
+        lp = defaultdict(list)
+        for c in (c for ch in chunks for c in ch.choices if c.index == i):
+            for key, value in c.logprobs.model_dump().items():
+                lp[key] += value
+        assert lp["tokens"] == whole.choices[0].logprobs.tokens
+    monkeypatch.undo()
     r = client.completions.create(model=MODEL, prompt=full, max_tokens=1, temperature=0,
                                   extra_body={"prompt_logprobs": 2})  # fmt: skip
     got = r.model_dump()["choices"][0]["prompt_logprobs"]
