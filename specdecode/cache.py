@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import math
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -248,17 +249,21 @@ class KVCache:
     ) -> None:
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
-        # `empty`: pages are committed by the OS only when tokens are written, so resident memory
-        # follows real tokens. Block 0 (the padding target) is zeroed.
-        self.kv = torch.empty(
-            config.num_layers,
-            2,
-            config.num_kv_heads,
-            self.num_slots,
-            config.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        # `empty`: on a CPU, pages are committed by the OS only when tokens are written, so
+        # resident memory follows real tokens; a GPU allocates the whole budget here. Block 0
+        # (the padding target) is zeroed.
+        shape = (config.num_layers, 2, config.num_kv_heads, self.num_slots, config.head_dim)
+        try:
+            self.kv = torch.empty(shape, dtype=dtype, device=device)
+        except torch.OutOfMemoryError as e:
+            from specdecode.errors import InvalidRequestError
+
+            need = math.prod(shape) * dtype.itemsize / 2**30
+            raise InvalidRequestError(
+                f"the KV cache's {need:.1f} GiB do not fit on {device}: lower "
+                "--kv-cache-memory-gb (or --max-model-len)",
+                param="kv_cache_memory_gb",
+            ) from e
         self.kv[:, :, :, :block_size].zero_()
 
     @staticmethod

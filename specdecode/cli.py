@@ -34,9 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dtype",
-        default="float32",
+        default="auto",
         choices=["float32", "bfloat16", "float16", "auto"],
-        help="auto (vLLM's): bfloat16 on CUDA, float32 on a CPU",
+        help="auto (vLLM's default): float32 on a CPU, bfloat16 on CUDA (float16 before "
+        "Ampere); float32 is the exact one",
     )
     p.add_argument("--device", type=_device, default="auto", help="cpu, cuda[:N], or auto")
     p.add_argument("--max-model-len", type=_at_least_one, default=None)

@@ -184,7 +184,8 @@ class EngineConfig:
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16" | "auto" (see auto_dtype)
     device: str = "auto"  # "auto" picks CUDA when present
     max_model_len: int | None = None  # default: the model's context length
-    kv_cache_memory_gb: float = 2.0  # KV cache budget; pages are committed only as tokens arrive
+    # KV cache budget; on a CPU pages are committed only as tokens arrive, a GPU allocates it
+    kv_cache_memory_gb: float = 2.0
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -243,12 +244,19 @@ SPECULATIVE_POLICIES = ("adaptive", "static", "off")  # see engine/controller.py
 
 def auto_dtype(device: str) -> str:
     """vLLM's default `dtype="auto"`: bfloat16 where the engine runs on CUDA (as vLLM serves
-    these models there), float32 on a CPU (this engine's default: exact, and its fast paths
-    are tuned for it; pass bfloat16 for speed)."""
+    these models there; float16 on GPUs older than Ampere, which have no fast bfloat16, as
+    vLLM falls back), float32 on a CPU (exact, and the fast paths here are tuned for it; pass
+    bfloat16 for speed)."""
     import torch
 
     cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    return "bfloat16" if cuda else "float32"
+    if not cuda:
+        return "float32"
+    if not torch.cuda.is_available():  # (the device's own check says it is missing)
+        return "bfloat16"
+    index = torch.device(device).index if device.startswith("cuda") else None
+    major, _ = torch.cuda.get_device_capability(index)
+    return "bfloat16" if major >= 8 else "float16"
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "medusa", "eagle", "eagle3")

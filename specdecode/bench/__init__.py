@@ -32,7 +32,11 @@ def machine() -> str:
         if has
     ]
     extensions = f" ({', '.join(features)})" if features else ""
-    return f"{cpu}{extensions}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    gpus = ""
+    if torch.cuda.is_available():  # (the engine's device, where it runs on one)
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        gpus = f", GPU {', '.join(names)}"
+    return f"{cpu}{extensions}, {torch.get_num_threads()} threads{gpus}, torch {torch.__version__}"
 
 
 # ---- argument types: bad values are usage errors when the command starts, not tracebacks

@@ -264,7 +264,7 @@ def hf_rate(model, pad: int, prompts: list[list[int]], temp: float, max_tokens: 
     total_n, total_t = 0, 0.0
     for i, ids in enumerate(prompts):
         torch.manual_seed(i)
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=model.device)
         # the engine samples the full distribution: no top-k 50 (transformers' default)
         sample = {"temperature": temp, "top_k": 0, "top_p": 1.0} if temp > 0 else {}
         kw = {"do_sample": temp > 0, **sample}
@@ -277,6 +277,8 @@ def hf_rate(model, pad: int, prompts: list[list[int]], temp: float, max_tokens: 
             **kw,
             **extra,
         )
+        if y.is_cuda:
+            torch.cuda.synchronize(y.device)
         total_t += time.perf_counter() - t
         total_n += y.shape[1] - x.shape[1]
     return total_n / total_t
@@ -295,9 +297,12 @@ class _HFReference:
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
         dtype = resolve_dtype(llm.engine.config.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(llm.engine.model_path), dtype=dtype
-        ).eval()
+        device = llm.engine.runner.device  # (the engine's: a fair baseline)
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(str(llm.engine.model_path), dtype=dtype)
+            .to(device)
+            .eval()
+        )
         self.pad = llm.tokenizer.eos_token_id
         self.k = spec_cfg.num_speculative_tokens
         self.extra: dict = {}
@@ -308,9 +313,13 @@ class _HFReference:
             self.method = "assisted"
             # transformers has no int8 / int4 path here: its draft runs in the target's dtype then
             draft_dtype = resolve_dtype(spec_cfg.load_dtype or llm.engine.config.dtype)
-            draft = AutoModelForCausalLM.from_pretrained(
-                str(resolve_model(spec_cfg.model)), dtype=draft_dtype
-            ).eval()
+            draft = (
+                AutoModelForCausalLM.from_pretrained(
+                    str(resolve_model(spec_cfg.model)), dtype=draft_dtype
+                )
+                .to(device)
+                .eval()
+            )
             # k drafts a step, as the engine's (transformers' default is 20, then a heuristic)
             draft.generation_config.num_assistant_tokens = self.k
             draft.generation_config.num_assistant_tokens_schedule = "constant"

@@ -380,9 +380,13 @@ class _TransformersRef:
 
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(plain.engine.model_path), dtype=resolve_dtype(plain.engine.config.dtype)
-        ).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(
+                str(plain.engine.model_path), dtype=resolve_dtype(plain.engine.config.dtype)
+            )
+            .to(plain.engine.runner.device)
+            .eval()
+        )  # (the engine's device: a fair baseline)
         self.pad = plain.tokenizer.eos_token_id
         self.k = k
 

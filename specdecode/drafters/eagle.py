@@ -375,7 +375,8 @@ class EagleDrafter(Drafter):
             ]
             logp = self._logits(pred, [seqs[i] for i in rows], paths).log_softmax(-1)
             top = logp.topk(k, dim=-1)
-            values, tokens = top.values, self._tokens(top.indices)
+            # (one device-to-host copy a level, not one per child)
+            values, tokens = top.values.tolist(), self._tokens(top.indices)
             r = 0
             for i in rows:
                 front, pool = frontiers[i], pools[i]
@@ -383,7 +384,7 @@ class EagleDrafter(Drafter):
                 for j in front:
                     pool[j].feature = pred[r]
                     for c in range(k):
-                        score = pool[j].score + float(values[r, c])
+                        score = pool[j].score + values[r][c]
                         pool.append(_Node(tokens[r][c], score, j, depth + 1))
                     r += 1
                 children = range(base, len(pool))

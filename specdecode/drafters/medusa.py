@@ -77,7 +77,8 @@ class MedusaDrafter(Drafter):
 
     def observe(self, seqs: list[Sequence], features: list[torch.Tensor]) -> None:
         for seq, f in zip(seqs, features, strict=True):
-            self._last[seq.seq_id] = (seq.blocks.length, f[-1])
+            # (a copy: a view would keep the step's whole feature tensor alive)
+            self._last[seq.seq_id] = (seq.blocks.length, f[-1].clone())
 
     def _fresh(self, seq: Sequence) -> bool:
         """Whether the feature held for `seq` is its last committed token's (the one before its

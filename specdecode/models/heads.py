@@ -72,7 +72,9 @@ class VocabProjection(nn.Module):
             from specdecode import kernels
 
             return kernels.linear(x.float(), self.packed)
-        return F.linear(x, self.weight.to(x.dtype)).float()
+        # (the input cast to the weight's dtype, as the packed path does: not the whole
+        # vocabulary's weight cast to the input's at every call)
+        return F.linear(x.to(self.weight.dtype), self.weight).float()
 
 
 class MedusaHeads(nn.Module):

@@ -156,9 +156,11 @@ def load_model(
 ) -> LoadedModel:
     model_dir = resolve_model(model)
     config = read_config(model_dir)
+    # built in its dtype before it takes memory: a CUDA model allocated in fp32 and then
+    # converted would need both copies at once
     with torch.device("meta"):
-        net = LlamaModel(config)
-    net = net.to_empty(device=device).to(dtype)
+        net = LlamaModel(config).to(dtype)
+    net = net.to_empty(device=device)
     if config.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
     t0 = time.perf_counter()

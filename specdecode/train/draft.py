@@ -75,10 +75,12 @@ def frequent_tokens(
 
 
 def make_draft(target: LlamaModel, num_layers: int, vocab_ids: torch.Tensor) -> LlamaModel:
-    """A draft that starts as the chosen layers of the target."""
+    """A draft that starts as the chosen layers of the target, its weights in fp32 whatever
+    the target's (master weights: a half-precision target's draft trains under autocast, see
+    `_autocast`; AdamW's small updates are lost on bf16 weights)."""
     picked = layer_indices(target.config.num_layers, num_layers)
     cfg = replace(target.config, num_layers=len(picked))
-    draft = LlamaModel(cfg).to(target.norm.weight.device, target.norm.weight.dtype)
+    draft = LlamaModel(cfg).to(target.norm.weight.device, torch.float32)
     with torch.no_grad():
         draft.embed_tokens.weight = target.embed_tokens.weight  # shared, frozen
         for i, j in enumerate(picked):
@@ -86,6 +88,7 @@ def make_draft(target: LlamaModel, num_layers: int, vocab_ids: torch.Tensor) -> 
         draft.norm.load_state_dict(target.norm.state_dict())
         draft.lm_head.weight = target.lm_head.weight
     draft.reduce_vocab(vocab_ids)
+    draft.lm_head.float()  # (its rows copied in the target's dtype)
     draft.embed_tokens.weight.requires_grad_(False)
     draft.source_layers = picked  # type: ignore[attr-defined]
     return draft
@@ -125,6 +128,14 @@ def teacher_features(
     return out
 
 
+def _autocast(target: LlamaModel):
+    """The draft's matmuls in a half-precision target's dtype (its weights stay fp32); off for
+    an fp32 target."""
+    dtype = target.norm.weight.dtype
+    device = target.norm.weight.device.type
+    return torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32)
+
+
 def _losses(
     target: LlamaModel,
     draft: LlamaModel,
@@ -144,8 +155,9 @@ def _losses(
         t_logits = target.compute_logits(t_hidden)
         t_top1 = t_logits.argmax(-1)
         p = t_logits[:, draft.vocab_ids].softmax(-1)
-    d_hidden = draft.forward_dense(ids).hidden[mask]
-    d_logits = draft.lm_head(d_hidden).float()
+    with _autocast(target):
+        d_hidden = draft.forward_dense(ids).hidden[mask]
+        d_logits = draft.lm_head(d_hidden).float()
     loss = -(p * d_logits.log_softmax(-1)).sum(-1).mean()
     agree = (draft.vocab_ids[d_logits.argmax(-1)] == t_top1).float().mean()
     return loss, agree, n
@@ -294,9 +306,9 @@ def load_trained_draft(path: Path, target: LlamaModel) -> LlamaModel:
     dtype, device = target.norm.weight.dtype, target.norm.weight.device
     tensors = load_file(str(path / "model.safetensors"))
     vocab_ids = tensors.pop("vocab_ids").long()
-    with torch.device("meta"):
-        draft = LlamaModel(cfg)
-    draft = draft.to_empty(device=device).to(dtype)
+    with torch.device("meta"):  # (in its dtype before it takes memory)
+        draft = LlamaModel(cfg).to(dtype)
+    draft = draft.to_empty(device=device)
     draft.embed_tokens.weight = target.embed_tokens.weight
     draft.reduce_vocab(vocab_ids)
     draft.load_hf_weights(tensors.items(), provided=("embed_tokens.weight",))

@@ -23,6 +23,12 @@ from helpers import (
 
 from specdecode import LLM, SamplingParams
 
+# fp32 means fp32: NVIDIA's containers set this override, which turns TF32 on in cuBLAS
+# whatever the flags say (read when CUDA starts, after this import)
+os.environ.pop("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", None)
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
 DEVICE = os.environ.get("SPECDECODE_TEST_DEVICE") or (
     "cuda" if torch.cuda.is_available() else "cpu"
 )

@@ -207,6 +207,30 @@ def test_draft_training_skips_batches_with_no_answer_within_max_len(llm, tiny_ll
         assert all(math.isfinite(v) for v in history[when].values()), history[when]
 
 
+def test_draft_of_a_half_precision_target_trains_fp32_master_weights(tiny_llama_dir):
+    """A bf16 target's draft keeps fp32 weights (AdamW's small updates vanish on bf16 ones)
+    and runs its matmuls under bf16 autocast; only the shared embeddings stay the target's."""
+    import math
+
+    import torch
+
+    from specdecode.models.loader import load_model
+    from specdecode.train.draft import _losses, make_draft
+
+    target = load_model(tiny_llama_dir, dtype=torch.bfloat16).model
+    draft = make_draft(target, 1, torch.arange(64))
+    trained = {n: p.dtype for n, p in draft.named_parameters() if p.requires_grad}
+    assert trained and set(trained.values()) == {torch.float32}, trained
+    assert draft.embed_tokens.weight is target.embed_tokens.weight
+    ids = torch.randint(3, 64, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    feats = target.forward_dense(ids).hidden[mask]
+    loss, _, n = _losses(target, draft, ids, mask, feats)
+    loss.backward()
+    assert n == 24 and math.isfinite(loss.item())
+    assert draft.lm_head.weight.grad.dtype == torch.float32
+
+
 def test_train_draft_takes_several_data_sets_from_the_command_line(
     llm, tiny_llama_dir, tmp_path, capsys
 ):

@@ -214,12 +214,21 @@ def test_a_cuda_device_where_there_is_none_is_a_one_line_error(capsys):
 
 
 def test_dtype_auto_is_vllms_default(monkeypatch):
-    """`dtype="auto"` (vLLM's default) stands for bfloat16 on CUDA and float32 on a CPU."""
+    """`dtype="auto"` (vLLM's default) stands for bfloat16 on CUDA (float16 before Ampere,
+    which has no fast bfloat16) and float32 on a CPU."""
     from specdecode.config import EngineConfig
 
     assert EngineConfig(dtype="auto", device="cpu").dtype == "float32"
-    assert EngineConfig(dtype="auto", device="cuda:0").dtype == "bfloat16"
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    assert EngineConfig(dtype="auto").dtype == "bfloat16"
+    asked = []
+
+    def capability(index=None):
+        asked.append(index)
+        return (8, 0) if index in (None, 0) else (7, 5)  # an A100 beside a T4
+
+    monkeypatch.setattr("torch.cuda.get_device_capability", capability)
+    assert EngineConfig(dtype="auto", device="cuda:0").dtype == "bfloat16"
+    assert EngineConfig(dtype="auto", device="cuda:1").dtype == "float16"
+    assert EngineConfig(dtype="auto").dtype == "bfloat16" and asked == [0, 1, None]
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert EngineConfig(dtype="auto").dtype == "float32"

@@ -129,6 +129,22 @@ def test_kv_cache_memory_follows_tokens():
     assert per_token == 2 * 2 * 2 * 16 * 4
 
 
+def test_a_kv_cache_that_does_not_fit_on_the_device_names_its_flag(monkeypatch):
+    """A GPU allocates the whole budget at start-up: out of memory there is a clear error that
+    names the flag to lower, not CUDA's."""
+    from specdecode.config import ModelConfig
+    from specdecode.errors import InvalidRequestError
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    cfg = ModelConfig("llama", 128, 64, 128, 2, 4, 2, 16, 1e-6, 256, False, False, False)
+    monkeypatch.setattr(torch, "empty", oom)
+    with pytest.raises(InvalidRequestError, match="--kv-cache-memory-gb") as e:
+        KVCache(cfg, num_blocks=1 << 20)  # 16 Mi tokens of 512 bytes
+    assert "8.0 GiB" in str(e.value) and e.value.param == "kv_cache_memory_gb"
+
+
 def test_the_free_heap_stays_bounded_over_many_steps():
     """Each decoding step reserves room for its drafts and gives back what was not kept; the
     next-block preference leaves stale heap entries, which must not pile up without end."""
