@@ -7,7 +7,15 @@ from __future__ import annotations
 import types
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from specdecode.argtypes import MAX_TEMPERATURE
 from specdecode.errors import InvalidRequestError
@@ -367,3 +375,147 @@ class TokenizeRequest(_ChatRendering, _NullIsDefault):
 class DetokenizeRequest(_NullIsDefault):
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesRequest(_NullIsDefault):
+    """OpenAI's Responses API (`POST /v1/responses`, which vLLM and SGLang serve too): a text
+    reply to `input` (a string, or message items) after `instructions`. Stateless here, as a
+    server without storage is: nothing is kept, so `previous_response_id` is refused and the
+    conversation goes in `input`."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    include: list[str] | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: StrictBool = False
+    store: bool = True
+    truncation: Literal["disabled", "auto"] = "disabled"
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None  # (no reasoning model here: nothing to act on)
+    # vLLM's extra sampling fields
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=100)
+
+    def messages(self) -> list[dict[str, Any]]:
+        """`instructions` (a system message) and `input` as chat messages."""
+        out = []
+        if self.instructions is not None:
+            out.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return [*out, {"role": "user", "content": self.input}]
+        if not self.input:
+            raise InvalidRequestError("input is empty", param="input")
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            if kind != "message":
+                raise InvalidRequestError(
+                    f"input[{i}]: items of type {kind!r} are not supported (messages only: "
+                    "there is no tool calling or reasoning here)",
+                    param="input",
+                )
+            content = item.get("content")
+            if isinstance(content, list):  # input_text / output_text parts: their text
+                texts = []
+                for part in content:
+                    ok = isinstance(part, dict) and isinstance(part.get("text"), str)
+                    if not ok or part.get("type") not in ("input_text", "output_text", "text"):
+                        raise InvalidRequestError(
+                            f"input[{i}]: only text content parts are supported", param="input"
+                        )
+                    texts.append(part["text"])
+                content = "".join(texts)
+            out.append({"role": item.get("role"), "content": content})
+        return out
+
+    def response_format(self) -> dict[str, Any] | None:
+        """`text.format` as chat's `response_format` (its json_schema flattened)."""
+        fmt = (self.text or {}).get("format")
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict):
+            raise InvalidRequestError("text.format must be an object", param="text")
+        if fmt.get("type") == "json_schema":
+            if not isinstance(fmt.get("schema"), dict):
+                raise InvalidRequestError("text.format json_schema needs a schema", param="text")
+            return {"type": "json_schema",
+                    "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}  # fmt: skip
+        return fmt
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or [])
+
+    def as_chat(self) -> ResponsesAsChat:
+        """The request as chat completions' (one reply, the usage at the end of a stream)."""
+        for field, why in (
+            ("previous_response_id", "this server stores no responses: send the conversation "
+             "as input"),
+            ("conversation", "this server stores no conversations: send it as input"),
+        ):  # fmt: skip
+            if getattr(self, field) is not None:
+                raise InvalidRequestError(f"{field} is not supported: {why}", param=field)
+        if self.background:
+            raise InvalidRequestError("background responses are not supported", param="background")
+        if self.truncation == "auto":
+            raise InvalidRequestError(
+                'truncation "auto" is not supported: an input past the context is refused',
+                param="truncation",
+            )
+        if self.top_logprobs and not self.wants_logprobs:
+            raise InvalidRequestError(
+                'top_logprobs needs include: ["message.output_text.logprobs"]',
+                param="top_logprobs",
+            )
+        messages, response_format = self.messages(), self.response_format()
+        try:
+            return ResponsesAsChat.model_validate(
+                {
+                    "messages": messages,
+                    "max_completion_tokens": self.max_output_tokens,
+                    "temperature": self.temperature,
+                    "top_p": self.top_p,
+                    "logprobs": self.wants_logprobs,
+                    "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
+                    "stream": self.stream,
+                    "stream_options": {"include_usage": True} if self.stream else None,
+                    "response_format": response_format,
+                    "tools": self.tools,
+                    "tool_choice": self.tool_choice,
+                    "seed": self.seed,
+                    "top_k": self.top_k,
+                    "min_p": self.min_p,
+                    "repetition_penalty": self.repetition_penalty,
+                }
+            )
+        except ValidationError as e:  # a message it refuses (a role, a user without content)
+            err = e.errors()[0]
+            loc = err.get("loc", ())
+            where = "input"
+            if len(loc) > 1 and loc[0] == "messages" and isinstance(loc[1], int):
+                where += f"[{loc[1] - (self.instructions is not None)}]"  # (after instructions)
+                where += "".join(f".{x}" for x in loc[2:])
+            raise InvalidRequestError(f"{where}: {err['msg']}", param="input") from e
+
+
+class ResponsesAsChat(ChatCompletionRequest):
+    """A Responses request as chat completions', its errors naming the Responses fields."""
+
+    def max_tokens_field(self) -> str:
+        return "max_output_tokens"
+
+    def structured_param(self) -> str:
+        return "text"

@@ -1,7 +1,8 @@
 """`specdecode serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the async engine.
 
 Endpoints: POST /v1/chat/completions and /v1/completions (SSE streaming, usage, n, stop, seed,
-logprobs, completions' echo), POST /tokenize and /detokenize (vLLM's), GET /v1/models, GET or
+logprobs, completions' echo), POST /v1/responses (OpenAI's Responses API, stateless), POST
+/tokenize and /detokenize (vLLM's), GET /v1/models, GET or
 HEAD /health and /metrics (Prometheus; the spec-decode counters under vLLM's names). Safe by
 default: binds 127.0.0.1, optional API key, limits on body size, n, prompt and max_tokens;
 every bad input is a 4xx with an OpenAI-style error body, and the server keeps serving.
@@ -40,8 +41,10 @@ from specdecode.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
+from specdecode.serving.responses import response_events, response_object
 
 log = logging.getLogger(__name__)
 
@@ -320,6 +323,25 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             if req.echo:  # the prompt as sent; token ids as they decode (as vLLM does)
                 echoes += [p] * req.n
         return await respond(request, req, jobs, prompt_tokens, chat=False, echoes=echoes)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        """OpenAI's Responses API: run as a chat completion of one reply, answered as a
+        `response` object or its stream of events."""
+        req = await read_json(request, ResponsesRequest)
+        chat_req = req.as_chat()
+        _, text = render(chat_req, "/v1/completions")
+        ids = encode(text, "input")
+        max_tokens = check_length(len(ids), chat_req, "input")
+        params = chat_req.sampling_params(max_tokens, chat_req.requested_logprobs())
+        out = await respond(request, chat_req, [(ids, params)], len(ids), chat=True)
+        name = config.served_model_name
+        if isinstance(out, StreamingResponse):
+            events = response_events(req, name, out.body_iterator)
+            return StreamingResponse(events, media_type="text/event-stream")
+        if isinstance(out, Response):  # the client left
+            return out
+        return response_object(req, name, out)
 
     # vLLM's tokenizer endpoints: what a prompt costs before sending it, and ids back to text
     @app.post("/tokenize")

@@ -835,6 +835,73 @@ def test_vllm_chat_options(engine, served, client, plain):
         trusted.stop()
 
 
+def test_responses_api(client, plain):
+    """OpenAI's Responses API (vLLM and SGLang serve it): `input` and `instructions` rendered as
+    chat messages, the reply as a `response` object or its stream of typed events (read by the
+    openai SDK's own client), `text.format` as structured output, logprobs on request."""
+    p = SamplingParams(temperature=0, max_tokens=6)
+    want = plain.chat(chat_messages("abc"), p)[0].outputs[0]
+    r = client.responses.create(model=MODEL, input="abc", max_output_tokens=6, temperature=0)
+    assert r.output_text == want.text and r.object == "response" and r.id.startswith("resp_")
+    assert r.status == ("incomplete" if want.finish_reason == "length" else "completed")
+    prompt = len(client_prompt_ids(plain, "abc"))
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (prompt, len(want.token_ids))
+    # instructions come first, as a system message; input items in their roles and parts
+    items = [
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "c"},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "x"}, {"type": "input_text", "text": "y"}],
+        },
+    ]
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
+            {"role": "assistant", "content": "c"}, {"role": "user", "content": "xy"}]  # fmt: skip
+    r = client.responses.create(model=MODEL, input=items, instructions="be brief",
+                                max_output_tokens=6, temperature=0)  # fmt: skip
+    assert r.output_text == plain.chat(conv, p)[0].outputs[0].text
+    # streamed: the SDK's events, the deltas joining to the whole reply
+    events = list(client.responses.create(model=MODEL, input="abc", max_output_tokens=6,
+                                          temperature=0, stream=True))  # fmt: skip
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done",
+                            "response.output_item.done"]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == want.text == final.output_text
+    assert kinds[-1] == "response.completed" and final.usage.input_tokens == prompt
+    assert final.status == ("incomplete" if want.finish_reason == "length" else "completed")
+    # text.format: a JSON schema (structured output); logprobs where include asks for them
+    fmt = {"type": "json_schema", "name": "answer", "schema": {"enum": ["yes", "no"]}}
+    r = client.responses.create(
+        model=MODEL, input="abc", max_output_tokens=8, temperature=0, text={"format": fmt},
+        include=["message.output_text.logprobs"], top_logprobs=2,
+    )  # fmt: skip
+    assert json.loads(r.output_text) in ("yes", "no") and r.text.format.type == "json_schema"
+    lp = r.output[0].content[0].logprobs
+    # (a token the grammar forced lists itself alone, at probability 1)
+    assert len(lp) == r.usage.output_tokens and {len(t.top_logprobs) for t in lp} <= {1, 2}
+    assert any(len(t.top_logprobs) == 2 for t in lp)
+    bad = [
+        ({"previous_response_id": "resp_1"}, "stores no responses", "previous_response_id"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+         "function_call_output", "input"),
+        ({"input": [{"role": "wizard", "content": "x"}]}, r"input\[0\]\.role", "input"),
+        ({"top_logprobs": 2}, "include", "top_logprobs"),
+        ({"max_output_tokens": 10**6}, "maximum context length", "max_output_tokens"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "schema", "text"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "tool calling", "tools"),
+    ]  # fmt: skip
+    for body, message, param in bad:
+        with pytest.raises(openai.BadRequestError, match=message) as e:
+            client.responses.create(**{"model": MODEL, "input": "abc", **body})
+        assert e.value.body["param"] == param, body
+
+
 def test_tokenize_and_detokenize(served, engine, plain):
     """vLLM's /tokenize (a prompt, or messages rendered as chat completions render them) and
     /detokenize; behind the API key like /v1/."""

@@ -1,0 +1,141 @@
+"""OpenAI's Responses API on top of chat completions: the request runs as a chat completion
+(see `ResponsesRequest.as_chat`), and its answer, whole or streamed, is rewritten as a
+`response` object or as the Responses stream's typed events (`response.created`, ...,
+`response.output_text.delta`, ..., `response.completed`)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from specdecode.serving.protocol import ResponsesRequest
+
+
+def _usage(chat_usage: dict | None) -> dict | None:
+    if chat_usage is None:
+        return None
+    cached = chat_usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat_usage["total_tokens"],
+    }
+
+
+class ResponseBuilder:
+    """One response's ids and fixed fields, and its object at each stage."""
+
+    def __init__(self, req: ResponsesRequest, model: str) -> None:
+        self.req, self.model = req, model
+        self.id = "resp_" + uuid.uuid4().hex
+        self.message_id = "msg_" + uuid.uuid4().hex
+        self.created_at = int(time.time())
+
+    def part(self, text: str, logprobs: list | None) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [],
+                "logprobs": logprobs or []}  # fmt: skip
+
+    def message(self, part: dict | None, status: str) -> dict:
+        return {"type": "message", "id": self.message_id, "status": status,
+                "role": "assistant", "content": [] if part is None else [part]}  # fmt: skip
+
+    def response(
+        self, status: str, output: list, usage: dict | None = None, finish: str | None = None
+    ) -> dict:
+        req = self.req
+        incomplete = {"reason": "max_output_tokens"} if finish == "length" else None
+        fmt = (req.text or {}).get("format") or {"type": "text"}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None},
+            "store": False,  # (nothing is kept here, whatever the request asked)
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": fmt},
+            "tool_choice": req.tool_choice or "auto",
+            "tools": req.tools or [],
+            "top_logprobs": req.top_logprobs or 0,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": req.truncation,
+            "usage": usage,
+            "user": req.user,
+            "metadata": req.metadata or {},
+        }
+
+
+def response_object(req: ResponsesRequest, model: str, chat: dict) -> dict:
+    """A whole chat completion (one choice) as the Responses API's `response` object."""
+    b = ResponseBuilder(req, model)
+    choice = chat["choices"][0]
+    lp = choice.get("logprobs")
+    part = b.part(choice["message"]["content"], lp["content"] if lp else None)
+    finish = choice["finish_reason"]
+    status = "incomplete" if finish == "length" else "completed"
+    return b.response(status, [b.message(part, status)], _usage(chat.get("usage")), finish)
+
+
+async def response_events(
+    req: ResponsesRequest, model: str, chunks: AsyncIterator[str]
+) -> AsyncIterator[str]:
+    """A chat completion's server-sent chunks (one choice, usage at the end) as the Responses
+    stream's events, each numbered (`sequence_number`)."""
+    b = ResponseBuilder(req, model)
+    seq = 0
+
+    def event(kind: str, **fields) -> str:
+        nonlocal seq
+        body = {"type": kind, "sequence_number": seq, **fields}
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+
+    where = {"item_id": b.message_id, "output_index": 0}
+    yield event("response.created", response=b.response("in_progress", []))
+    yield event("response.in_progress", response=b.response("in_progress", []))
+    yield event("response.output_item.added", output_index=0, item=b.message(None, "in_progress"))
+    yield event("response.content_part.added", **where, content_index=0, part=b.part("", None))
+    text, logprobs, finish, usage = "", [], None, None
+    async for chunk in chunks:
+        data = chunk.removeprefix("data: ").strip()
+        if data == "[DONE]":
+            break
+        body = json.loads(data)
+        if "error" in body:  # the reply failed mid-way: the stream ends with it
+            e = body["error"]
+            yield event("error", code=str(e.get("code")), message=e.get("message"),
+                        param=e.get("param"))  # fmt: skip
+            return
+        if body.get("usage"):
+            usage = _usage(body["usage"])
+        for c in body.get("choices", []):
+            delta = c.get("delta", {}).get("content") or ""
+            lp = (c.get("logprobs") or {}).get("content") or []
+            if delta or lp:
+                text += delta
+                logprobs += lp
+                yield event("response.output_text.delta", **where, content_index=0,
+                            delta=delta, logprobs=lp)  # fmt: skip
+            finish = c.get("finish_reason") or finish
+    part = b.part(text, logprobs)
+    status = "incomplete" if finish == "length" else "completed"
+    yield event("response.output_text.done", **where, content_index=0, text=text,
+                logprobs=logprobs)  # fmt: skip
+    yield event("response.content_part.done", **where, content_index=0, part=part)
+    yield event("response.output_item.done", output_index=0, item=b.message(part, status))
+    final = b.response(status, [b.message(part, status)], usage, finish)
+    # (`response.completed` whatever the status, as vLLM and SGLang end: the openai SDK's
+    # stream helper and usage readers wait for it; an incomplete reply says so in its status)
+    yield event("response.completed", response=final)
