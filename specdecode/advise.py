@@ -68,7 +68,9 @@ class Traffic:
 
 def read_traffic(path: str | Path, default_max_tokens: int = 128, default_temperature=None):
     """One request per line: `{"prompt": "..."}` (a completions body), `{"messages": [...]}` (a
-    chat completions body) or a bare list of chat messages. A line is read as the server reads
+    chat completions body), `{"input": ...}` (a Responses API body), a bare list of chat
+    messages, or an OpenAI Batch API line (`{"custom_id", "url", "body"}`, the file users send
+    to batch endpoints: its body). A line is read as the server reads
     that body (`serving.protocol`): its defaults (a line with no `temperature` samples at 1.0,
     as the server does, unless `default_temperature` is given), its checks, and every field
     that changes the output (sampling, penalties, `logit_bias`, stops, `ignore_eos`,
@@ -97,7 +99,11 @@ def read_traffic(path: str | Path, default_max_tokens: int = 128, default_temper
 def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature) -> TrafficRequest:
     from pydantic import ValidationError
 
-    from specdecode.serving.protocol import ChatCompletionRequest, CompletionRequest
+    from specdecode.serving.protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        ResponsesRequest,
+    )
 
     try:
         obj = json.loads(line)
@@ -113,19 +119,27 @@ def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature)
         obj = {"messages": obj}
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object or a list of messages, got {type(obj).__name__}")
+    if isinstance(obj.get("body"), dict) and "url" in obj:  # a Batch API line: its request
+        obj = obj["body"]
     if "messages" in obj:
         kind = ChatCompletionRequest
     elif isinstance(obj.get("prompt"), str) and obj["prompt"]:
         kind = CompletionRequest
+    elif "input" in obj:
+        kind = ResponsesRequest
     else:
-        raise ValueError("needs a non-empty 'prompt' string or a 'messages' list")
+        raise ValueError("needs a non-empty 'prompt' string, a 'messages' list or an 'input'")
     if obj.get("temperature") is None and default_temperature is not None:
         obj = {**obj, "temperature": default_temperature}
     if kind is CompletionRequest and obj.get("max_completion_tokens") is not None:
         obj = {**obj, "max_tokens": obj["max_completion_tokens"]}  # (read first, as in chat)
     given = obj.get("max_completion_tokens") or obj.get("max_tokens")
+    if kind is ResponsesRequest:
+        given = obj.get("max_output_tokens")
     try:
         body = kind.model_validate(obj)
+        if kind is ResponsesRequest:  # (run as the chat completion the server makes of it)
+            body, kind = body.as_chat(), ChatCompletionRequest
         max_tokens = body.requested_max_tokens() if given is not None else default_max_tokens
         params = body.sampling_params(max_tokens, None)
         if kind is ChatCompletionRequest:

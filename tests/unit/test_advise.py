@@ -126,6 +126,30 @@ def test_traffic_lines_are_read_as_the_server_reads_their_bodies(tmp_path):
     assert r.chat_options["chat_template_kwargs"] == {"enable_thinking": False}
 
 
+def test_traffic_in_batch_api_files_and_responses_bodies(tmp_path):
+    """An OpenAI Batch API input file (each line's body, whatever its endpoint) and Responses
+    API bodies (`input` after `instructions`, `max_output_tokens`, `text.format`) are traffic
+    too, read as the server runs them."""
+    p = tmp_path / "batch.jsonl"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}
+    resp = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "yo"}]}],
+            "instructions": "be brief", "max_output_tokens": 5, "temperature": 0,
+            "text": {"format": {"type": "json_object"}}}  # fmt: skip
+    lines = [
+        {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": chat},
+        {"custom_id": "b", "method": "POST", "url": "/v1/responses", "body": resp},
+        {"input": "plain", "previous_response_id": "resp_1"},
+    ]
+    p.write_text("\n".join(json.dumps(x) for x in lines))
+    t = read_traffic(p, default_max_tokens=9)
+    assert [r.line for r in t.requests] == [1, 2] and "previous_response_id" in t.bad_lines[0]
+    a, b = t.requests
+    assert a.messages == chat["messages"] and a.max_tokens == 7
+    assert b.messages == [{"role": "system", "content": "be brief"},
+                          {"role": "user", "content": "yo"}]  # fmt: skip
+    assert (b.max_tokens, b.temperature) == (5, 0.0) and b.params.structured_output is not None
+
+
 def test_one_token_answers_predict_no_gain_and_no_division_by_zero():
     step = StepCostModel()
     for n in (1, 2, 4, 8):
