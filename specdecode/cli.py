@@ -395,6 +395,19 @@ def build_parser() -> argparse.ArgumentParser:
     tdraft.add_argument("--batch-size", type=_at_least_one, default=8)
     tdraft.add_argument("--max-len", type=integer(2), default=384)
     tdraft.add_argument("--lr", type=number(above=0), default=3e-4)
+    tdraft.add_argument(
+        "--max-minutes",
+        type=number(above=0),
+        default=None,
+        help="stop after this many minutes if --steps are not done; the draft as it stands "
+        "is saved (as on Ctrl-C)",
+    )
+    tdraft.add_argument(
+        "--init",
+        default=None,
+        help="continue training the draft saved here (its layers and draft vocabulary are "
+        "kept; a new schedule of --steps)",
+    )
 
     for kind, what in (
         ("medusa", "Medusa-1 heads on the target's last feature"),
@@ -700,10 +713,15 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     from specdecode.engine.engine import resolve_device, resolve_dtype
     from specdecode.models.loader import load_model, load_tokenizer
+    from specdecode.train.datagen import shard_paths
     from specdecode.train.draft import DraftTrainConfig, train_draft
 
     heads = args.train in ("medusa", "eagle", "eagle3")
-    _check_train_out(Path(args.out), heads and args.resume, args.init if heads else None, heads)
+    _check_train_out(Path(args.out), heads and args.resume, args.init, heads)
+    for d in args.data:  # before the model loads: a wrong path fails at once
+        shard_paths(Path(d))
+        if Path(d).resolve() == Path(args.out).resolve():
+            raise InvalidRequestError(f"--out {args.out!r} is a --data folder: choose another")
 
     loaded = load_model(
         args.model, dtype=resolve_dtype(args.dtype), device=resolve_device(args.device)
@@ -780,15 +798,16 @@ def cmd_train(args: argparse.Namespace) -> None:
         max_len=args.max_len,
         lr=args.lr,
         eval_examples=args.eval_examples,
+        max_minutes=args.max_minutes,
+        init=args.init,
     )
     data = [Path(d) for d in args.data]
     history = train_draft(loaded.model, data, Path(args.out), cfg, eos, loaded.path)
-    print(
-        json.dumps(
-            {k: history[k] for k in ("before", "after", "train_seconds", "draft_vocab_coverage")},
-            indent=2,
-        )
-    )
+    keys = ("before", "after", "steps_done", "stopped_by", "train_seconds", "train_examples",
+            "held_out_examples", "draft_vocab_size", "draft_vocab_coverage")  # fmt: skip
+    print(json.dumps({k: history[k] for k in keys}, indent=2))
+    if history["stopped_by"] == "interrupt":  # saved; but not done: exit 130
+        raise KeyboardInterrupt
 
 
 def _check_train_out(out, resume: bool, init: str | None, heads: bool) -> None:
@@ -798,7 +817,11 @@ def _check_train_out(out, resume: bool, init: str | None, heads: bool) -> None:
         return
     if init is not None and Path(init).resolve() == out.resolve():
         return
-    how = "continue it with --resume (or --init naming it), or " if heads else ""
+    how = (
+        "continue it with --resume (or --init naming it), or "
+        if heads
+        else ("continue it with --init naming it, or ")
+    )
     raise InvalidRequestError(
         f"--out {str(out)!r} already holds a model; {how}choose another folder or remove it"
     )

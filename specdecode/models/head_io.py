@@ -254,16 +254,20 @@ def _check_vocab(path: Path, vocab_ids: torch.Tensor, vocab_size: int, rows: int
         )
 
 
-def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
-    """A head directory (ours, SafeAILab EAGLE-1/EAGLE-3, speculators, or Medusa), attached to
-    `target` (its embeddings and, unless the head has its own, its LM head rows)."""
-    path = Path(path)
-    raw = _read_config(path)
+def _refuse_draft(path: Path, raw: dict) -> None:
     if "specdecode_draft" in raw:
         raise InvalidRequestError(
             f"{path} is a draft model from `specdecode train draft`, not a head: it runs as "
             "method draft_model (and, sharing its target's embeddings, is not exported)"
         )
+
+
+def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
+    """A head directory (ours, SafeAILab EAGLE-1/EAGLE-3, speculators, or Medusa), attached to
+    `target` (its embeddings and, unless the head has its own, its LM head rows)."""
+    path = Path(path)
+    raw = _read_config(path)
+    _refuse_draft(path, raw)
     kind = head_kind(path)
     tc = target.config
     # FasterDecoding's Medusa config names no sizes: the tensors' shapes are checked below
@@ -554,7 +558,15 @@ def load_head_for(config: SpeculativeConfig, engine: LLMEngine, kind: str):
         raise InvalidRequestError(f"head directory {path} {what}")
     found = head_kind(path)
     if found != kind:
-        what = f"a {found}" if found else "an unrecognised"
+        if found is None and (path / "config.json").is_file():
+            _refuse_draft(path, _read_config(path))
+        what = (
+            f"an {found}"
+            if found in ("eagle", "eagle3")
+            else f"a {found}"
+            if found
+            else ("an unrecognised")
+        )
         raise InvalidRequestError(f"{path} holds {what} head, not {kind!r}")
     _check_head_dtype(config, engine)
     head = load_head(path, engine.model, engine.config.allow_pickle)

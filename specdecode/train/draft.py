@@ -42,6 +42,8 @@ class DraftTrainConfig:
     lr: float = 3e-4
     eval_examples: int = 32
     seed: int = 0
+    max_minutes: float | None = None  # stop sooner (the draft as it stands is saved)
+    init: str | None = None  # continue from a draft saved there (its layers and vocabulary)
 
 
 def layer_indices(total: int, n: int) -> list[int]:
@@ -190,10 +192,19 @@ def train_draft(
             )
         sets.append((str(d), examples))
     train, _, held = hold_out(sets, cfg.eval_examples)
-    vocab_ids = frequent_tokens(train, cfg.draft_vocab, eos_ids)
-    coverage = _coverage(held, vocab_ids)
     target.requires_grad_(False).eval()
-    draft = make_draft(target, cfg.num_layers, vocab_ids)
+    if cfg.init is not None:  # its own layers and vocabulary, trained on
+        draft = load_trained_draft(Path(cfg.init), target, trainable=True)
+        vocab_ids = draft.vocab_ids
+    else:
+        check_draft_depth(cfg.num_layers, target.config.num_layers)
+        # (0, or at least the vocabulary's size: the full vocabulary; else the most frequent
+        # answer tokens, topped up with unseen ones where the data has fewer)
+        size = target.config.vocab_size
+        k = size if cfg.draft_vocab == 0 else min(cfg.draft_vocab, size)
+        vocab_ids = frequent_tokens(train, k, eos_ids, size)
+        draft = make_draft(target, cfg.num_layers, vocab_ids)
+    coverage = _coverage(held, vocab_ids)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -205,22 +216,47 @@ def train_draft(
     gen = torch.Generator().manual_seed(cfg.seed)
     order: list[int] = []
     t0 = time.perf_counter()
+    deadline = None if cfg.max_minutes is None else t0 + 60 * cfg.max_minutes
+    done, stopped_by = 0, "steps"
     bar = tqdm(range(cfg.steps), desc="training draft", unit="step")
-    for _ in bar:
-        if len(order) < cfg.batch_size:
-            order = torch.randperm(len(train), generator=gen).tolist()
-        idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
-        loss, agree, n = _losses(target, draft, *_batch(train, train_feats, idx, cfg.max_len))
-        if not n:  # no answer token within max_len in this batch
-            continue
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{agree.item():.2f}")
+    try:  # Ctrl-C stops training; the draft as it stands is evaluated and saved
+        for step in bar:
+            if deadline is not None and time.perf_counter() >= deadline:
+                stopped_by = f"time budget ({cfg.max_minutes:g} min)"
+                break
+            if len(order) < cfg.batch_size:
+                order = torch.randperm(len(train), generator=gen).tolist()
+            idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
+            loss, agree, n = _losses(target, draft, *_batch(train, train_feats, idx, cfg.max_len))
+            if not n:  # no answer token within max_len in this batch
+                continue
+            value = loss.item()
+            if not math.isfinite(value):  # nothing worth saving comes of it
+                raise DataError(
+                    f"training diverged at step {step + 1} (loss {value}); nothing was saved: "
+                    f"lower --lr (it is {cfg.lr:g})"
+                )
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            done += 1
+            bar.set_postfix(loss=f"{value:.3f}", top1=f"{agree.item():.2f}")
+    except KeyboardInterrupt:
+        stopped_by = "interrupt"
+    finally:
+        bar.close()
     history["after"] = _evaluate(target, draft, held, held_feats, cfg)
+    if not all(math.isfinite(v) for v in history["after"].values()):
+        raise DataError(
+            f"training diverged (held-out {history['after']}); nothing was saved: lower --lr "
+            f"(it is {cfg.lr:g})"
+        )
     history.update(
+        steps_done=done,
+        stopped_by=stopped_by,
+        draft_vocab_size=int(vocab_ids.numel()),
         train_seconds=time.perf_counter() - t0,
         train_examples=len(train),
         held_out_examples=len(held),
@@ -291,25 +327,50 @@ def is_trained_draft(path: Path) -> bool:
     return cfg.is_file() and "specdecode_draft" in json.loads(cfg.read_text())
 
 
-def load_trained_draft(path: Path, target: LlamaModel) -> LlamaModel:
-    """A draft saved by `save_draft`, its embeddings taken from `target` (no copy)."""
+def check_draft_depth(num_layers: int, target_layers: int) -> None:
+    """A draft as deep as its target costs as much as the target: it can never pay."""
+    if num_layers >= target_layers:
+        from specdecode.errors import InvalidRequestError
+
+        raise InvalidRequestError(
+            f"--num-layers {num_layers}: the target has {target_layers} layers, and a draft as "
+            "deep costs what the target does; give fewer"
+        )
+
+
+def load_trained_draft(path: Path, target: LlamaModel, trainable: bool = False) -> LlamaModel:
+    """A draft saved by `save_draft`, its embeddings taken from `target` (no copy);
+    `trainable`: its own weights in fp32 and trainable (`train draft --init`), else frozen in
+    the target's dtype."""
     from safetensors.torch import load_file
 
     from specdecode.config import ModelConfig
+    from specdecode.errors import InvalidRequestError
 
-    raw = json.loads((path / "config.json").read_text())
-    cfg = ModelConfig.from_hf(raw)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        cfg = ModelConfig.from_hf(raw)
+        tensors = load_file(str(path / "model.safetensors"))
+        vocab_ids = tensors.pop("vocab_ids").long()
+    except Exception as e:  # noqa: BLE001 - a missing, truncated or foreign file
+        raise InvalidRequestError(
+            f"{path} is not a readable trained draft ({type(e).__name__}: {e})"
+        ) from None
     if cfg.vocab_size != target.config.vocab_size or cfg.hidden_size != target.config.hidden_size:
-        from specdecode.errors import InvalidRequestError
-
         raise InvalidRequestError(f"{path} was trained for a different target model")
     dtype, device = target.norm.weight.dtype, target.norm.weight.device
-    tensors = load_file(str(path / "model.safetensors"))
-    vocab_ids = tensors.pop("vocab_ids").long()
+    own = torch.float32 if trainable else dtype
     with torch.device("meta"):  # (in its dtype before it takes memory)
-        draft = LlamaModel(cfg).to(dtype)
+        draft = LlamaModel(cfg).to(own)
     draft = draft.to_empty(device=device)
     draft.embed_tokens.weight = target.embed_tokens.weight
     draft.reduce_vocab(vocab_ids)
-    draft.load_hf_weights(tensors.items(), provided=("embed_tokens.weight",))
-    return draft.eval().requires_grad_(False)
+    try:
+        draft.load_hf_weights(tensors.items(), provided=("embed_tokens.weight",))
+    except (KeyError, RuntimeError) as e:  # a tensor missing or of another shape
+        raise InvalidRequestError(f"{path} is not a complete trained draft ({e})") from None
+    if not trainable:
+        return draft.eval().requires_grad_(False)
+    draft.embed_tokens.weight.requires_grad_(False)
+    draft.source_layers = raw.get("specdecode_draft", {}).get("source_layers")  # type: ignore[attr-defined]
+    return draft

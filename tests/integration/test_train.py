@@ -207,6 +207,50 @@ def test_draft_training_skips_batches_with_no_answer_within_max_len(llm, tiny_ll
         assert all(math.isfinite(v) for v in history[when].values()), history[when]
 
 
+def test_train_draft_stops_continues_and_refuses_what_cannot_pay(llm, tiny_llama_dir, tmp_path):
+    """A review of `train draft`: the draft vocabulary is topped up to --draft-vocab (0: the
+    full one) where the data has fewer tokens; a time budget stops and saves, --init continues
+    a saved draft (its layers and vocabulary); a diverged run saves nothing; a draft as deep
+    as its target, a broken draft folder and a draft given as a head are refused clearly."""
+    from specdecode.errors import InvalidRequestError
+    from specdecode.models.loader import load_model
+    from specdecode.train.draft import load_trained_draft
+
+    convs = [(f"c{i}", [{"role": "user", "content": f"say {i % 7} {i}"}]) for i in range(20)]
+    generate(llm, convs, tmp_path / "data", shard_size=16, max_tokens=12)
+    target = load_model(tiny_llama_dir).model
+    vocab = target.config.vocab_size
+
+    def train(out, **kw):
+        cfg = DraftTrainConfig(**{"num_layers": 1, "draft_vocab": 64, "steps": 4,
+                                  "batch_size": 4, "eval_examples": 4, **kw})  # fmt: skip
+        return train_draft(target, tmp_path / "data", tmp_path / out, cfg, [2])
+
+    first = train("a", draft_vocab=vocab - 1)  # more than the data's tokens: topped up
+    assert first["draft_vocab_size"] == vocab - 1 and first["steps_done"] == 4
+    assert train("b", draft_vocab=0)["draft_vocab_size"] == vocab
+    h = train("c", steps=10_000, max_minutes=1e-9)
+    assert h["stopped_by"].startswith("time budget") and h["steps_done"] == 0
+    assert (tmp_path / "c" / "model.safetensors").is_file()  # saved as it stands
+    # --init: goes on from the saved draft (stored in bf16: its loss to 1e-2), its own kept
+    h = train("a", init=str(tmp_path / "a"), num_layers=5, draft_vocab=1)
+    assert h["draft_vocab_size"] == vocab - 1 and h["source_layers"] == first["source_layers"]
+    assert h["before"]["loss"] == pytest.approx(first["after"]["loss"], abs=1e-2)
+    with pytest.raises(DataError, match="diverged"):
+        train("d", lr=1e12, steps=20)
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(InvalidRequestError, match="the target has 2 layers"):
+        train("e", num_layers=2)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((tmp_path / "a" / "config.json").read_text())
+    with pytest.raises(InvalidRequestError, match="not a readable trained draft"):
+        load_trained_draft(broken, target)
+    with pytest.raises(InvalidRequestError, match="a draft model from .* method draft_model"):
+        LLM(str(tiny_llama_dir), speculative_config={"method": "eagle",
+                                                      "model": str(tmp_path / "a")})  # fmt: skip
+
+
 def test_draft_of_a_half_precision_target_trains_fp32_master_weights(tiny_llama_dir):
     """A bf16 target's draft keeps fp32 weights (AdamW's small updates vanish on bf16 ones)
     and runs its matmuls under bf16 autocast; only the shared embeddings stay the target's."""

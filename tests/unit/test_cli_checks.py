@@ -232,3 +232,22 @@ def test_dtype_auto_is_vllms_default(monkeypatch):
     assert EngineConfig(dtype="auto").dtype == "bfloat16" and asked == [0, 1, None]
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert EngineConfig(dtype="auto").dtype == "float32"
+
+
+def test_train_checks_its_data_folders_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """A missing or empty --data folder, or --out naming one, is a one-line error before the
+    target loads (it said "holds 0 examples" after loading and computing nothing)."""
+    import specdecode.models.loader as loader
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    (tmp_path / "empty").mkdir()
+    for kind in ("draft", "eagle"):
+        for data, out, message in (
+            (tmp_path / "missing", tmp_path / "out", "does not exist"),
+            (tmp_path / "empty", tmp_path / "out", "no shards"),
+        ):
+            assert main(["train", kind, "--data", str(data), "--out", str(out)]) == 2
+            assert message in capsys.readouterr().err
