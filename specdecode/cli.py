@@ -718,6 +718,14 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     heads = args.train in ("medusa", "eagle", "eagle3")
     _check_train_out(Path(args.out), heads and args.resume, args.init, heads)
+    if heads and args.resume:  # (what there is to resume, before the data and the model)
+        from specdecode.train.heads import resume_config
+
+        if args.init:
+            raise InvalidRequestError(
+                "--resume continues the run in --out; --init starts a new one"
+            )
+        resume_config(Path(args.out), args.train)
     for d in args.data:  # before the model loads: a wrong path fails at once
         shard_paths(Path(d))
         if Path(d).resolve() == Path(args.out).resolve():
@@ -765,10 +773,6 @@ def cmd_train(args: argparse.Namespace) -> None:
 
             from specdecode.train.heads import resume_config
 
-            if args.init:
-                raise InvalidRequestError(
-                    "--resume continues the run in --out; --init starts a new one"
-                )
             fresh = hcfg
             hcfg = resume_config(
                 Path(args.out), args.train, steps=args.steps, max_minutes=args.max_minutes

@@ -120,16 +120,16 @@ def verify(
         stop = active & ~moved
         if stop.any():
             final[stop] = _sample_rows(residual[stop], _subset(generators, stop))
+        picked = chosen.tolist()  # (one device-to-host copy a depth, not one per row)
         for i in torch.nonzero(moved).flatten().tolist():
-            accepted[i].append(int(chosen[i]))
+            accepted[i].append(picked[i])
         active = moved
         if not active.any():
             break
         cur = torch.where(moved, chosen, cur)
         residual = torch.where(moved[:, None], target_probs[rows, cur], residual)
-    out_tokens = [
-        [int(tokens[i, node]) for node in accepted[i]] + [int(final[i])] for i in range(b)
-    ]
+    token_rows, finals = tokens.tolist(), final.tolist()  # (one copy each, not one a token)
+    out_tokens = [[token_rows[i][node] for node in accepted[i]] + [finals[i]] for i in range(b)]
     return VerifyResult(accepted, out_tokens)
 
 
