@@ -260,8 +260,7 @@ class KVCache:
 
             need = math.prod(shape) * dtype.itemsize / 2**30
             raise InvalidRequestError(
-                f"the KV cache's {need:.1f} GiB do not fit on {device}: lower "
-                "--kv-cache-memory-gb (or --max-model-len)",
+                f"the KV cache's {need:.1f} GiB do not fit on {device}: lower --kv-cache-memory-gb",
                 param="kv_cache_memory_gb",
             ) from e
         self.kv[:, :, :, :block_size].zero_()

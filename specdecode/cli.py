@@ -810,6 +810,12 @@ def cmd_train(args: argparse.Namespace) -> None:
     keys = ("before", "after", "steps_done", "stopped_by", "train_seconds", "train_examples",
             "held_out_examples", "draft_vocab_size", "draft_vocab_coverage")  # fmt: skip
     print(json.dumps({k: history[k] for k in keys}, indent=2))
+    if history["stopped_by"].startswith("time budget"):
+        print(
+            f"stopped by its {history['stopped_by']} after {history['steps_done']} of "
+            f"{cfg.steps} steps; `--init {args.out}` trains it on",
+            file=sys.stderr,
+        )
     if history["stopped_by"] == "interrupt":  # saved; but not done: exit 130
         raise KeyboardInterrupt
 

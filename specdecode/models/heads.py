@@ -72,8 +72,8 @@ class VocabProjection(nn.Module):
             from specdecode import kernels
 
             return kernels.linear(x.float(), self.packed)
-        # (the input cast to the weight's dtype, as the packed path does: not the whole
-        # vocabulary's weight cast to the input's at every call)
+        # (the input cast to the weight's dtype: not the whole vocabulary's weight cast to the
+        # input's at every call, a copy of the LM head per draft level on a bf16 GPU target)
         return F.linear(x.to(self.weight.dtype), self.weight).float()
 
 

@@ -448,11 +448,17 @@ class ResponsesRequest(_NullIsDefault):
             return None
         if not isinstance(fmt, dict):
             raise InvalidRequestError("text.format must be an object", param="text")
-        if fmt.get("type") == "json_schema":
+        kind = fmt.get("type")
+        if kind == "json_schema":
             if not isinstance(fmt.get("schema"), dict):
                 raise InvalidRequestError("text.format json_schema needs a schema", param="text")
             return {"type": "json_schema",
                     "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}  # fmt: skip
+        if kind not in ("text", "json_object"):
+            raise InvalidRequestError(
+                f"unsupported text.format type {kind!r} (text, json_object or json_schema)",
+                param="text",
+            )
         return fmt
 
     @property

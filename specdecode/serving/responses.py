@@ -80,6 +80,7 @@ class ResponseBuilder:
 def response_object(req: ResponsesRequest, model: str, chat: dict) -> dict:
     """A whole chat completion (one choice) as the Responses API's `response` object."""
     b = ResponseBuilder(req, model)
+    b.created_at = chat["created"]  # (when the request came, not when it ended)
     choice = chat["choices"][0]
     lp = choice.get("logprobs")
     part = b.part(choice["message"]["content"], lp["content"] if lp else None)
@@ -113,10 +114,13 @@ async def response_events(
         if data == "[DONE]":
             break
         body = json.loads(data)
-        if "error" in body:  # the reply failed mid-way: the stream ends with it
+        if "error" in body:  # the reply failed mid-way: the stream ends with it, as OpenAI's
             e = body["error"]
             yield event("error", code=str(e.get("code")), message=e.get("message"),
                         param=e.get("param"))  # fmt: skip
+            failed = b.response("failed", [])
+            failed["error"] = {"code": str(e.get("code")), "message": e.get("message")}
+            yield event("response.failed", response=failed)
             return
         if body.get("usage"):
             usage = _usage(body["usage"])

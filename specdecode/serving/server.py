@@ -330,8 +330,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         `response` object or its stream of events."""
         req = await read_json(request, ResponsesRequest)
         chat_req = req.as_chat()
-        _, text = render(chat_req, "/v1/completions")
-        ids = encode(text, "input")
+        try:
+            _, text = render(chat_req, "/v1/completions")
+        except APIError as e:  # (the messages are this request's input)
+            e.param = "input" if e.param == "messages" else e.param
+            raise
+        # (as chat renders them: the template writes the special tokens, not the tokenizer)
+        ids = encode(text, "input", add_special_tokens=chat_req.add_special_tokens)
         max_tokens = check_length(len(ids), chat_req, "input")
         params = chat_req.sampling_params(max_tokens, chat_req.requested_logprobs())
         out = await respond(request, chat_req, [(ids, params)], len(ids), chat=True)

@@ -193,9 +193,10 @@ def train_draft(
         sets.append((str(d), examples))
     train, _, held = hold_out(sets, cfg.eval_examples)
     target.requires_grad_(False).eval()
-    if cfg.init is not None:  # its own layers and vocabulary, trained on
+    if cfg.init is not None:  # its own layers and vocabulary, trained on (and recorded)
         draft = load_trained_draft(Path(cfg.init), target, trainable=True)
         vocab_ids = draft.vocab_ids
+        cfg = replace(cfg, num_layers=draft.config.num_layers, draft_vocab=len(vocab_ids))
     else:
         check_draft_depth(cfg.num_layers, target.config.num_layers)
         # (0, or at least the vocabulary's size: the full vocabulary; else the most frequent

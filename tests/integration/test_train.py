@@ -235,6 +235,7 @@ def test_train_draft_stops_continues_and_refuses_what_cannot_pay(llm, tiny_llama
     # --init: goes on from the saved draft (stored in bf16: its loss to 1e-2), its own kept
     h = train("a", init=str(tmp_path / "a"), num_layers=5, draft_vocab=1)
     assert h["draft_vocab_size"] == vocab - 1 and h["source_layers"] == first["source_layers"]
+    assert (h["config"]["num_layers"], h["config"]["draft_vocab"]) == (1, vocab - 1)
     assert h["before"]["loss"] == pytest.approx(first["after"]["loss"], abs=1e-2)
     with pytest.raises(DataError, match="diverged"):
         train("d", lr=1e12, steps=20)

@@ -895,11 +895,21 @@ def test_responses_api(client, plain):
         ({"max_output_tokens": 10**6}, "maximum context length", "max_output_tokens"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "schema", "text"),
         ({"tools": [{"type": "function", "name": "f"}]}, "tool calling", "tools"),
+        ({"text": {"format": {"type": "foo"}}}, "text.format type 'foo'", "text"),
+        # (a format this vocabulary cannot write: found mid-generation, the field named)
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"enum": ["é"]}}}},
+         "cannot be continued", "text"),
     ]  # fmt: skip
     for body, message, param in bad:
         with pytest.raises(openai.BadRequestError, match=message) as e:
             client.responses.create(**{"model": MODEL, "input": "abc", **body})
         assert e.value.body["param"] == param, body
+    # a failure mid-stream: an error event, then response.failed (as OpenAI ends)
+    fmt = {"type": "json_schema", "name": "x", "schema": {"enum": ["é"]}}
+    events = list(client.responses.create(model=MODEL, input="abc", text={"format": fmt},
+                                          stream=True))  # fmt: skip
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2].param == "text" and events[-1].response.status == "failed"
 
 
 def test_tokenize_and_detokenize(served, engine, plain):
