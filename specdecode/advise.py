@@ -148,7 +148,9 @@ def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature)
             options = body.template_options(trusted=True)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
+        from specdecode.serving.protocol import field_path
+
+        where = field_path(err["loc"])
         raise ValueError(f"{where}: {err['msg']}" if where else err["msg"]) from None
     except InvalidRequestError as e:
         raise ValueError(str(e)) from None

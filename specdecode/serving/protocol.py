@@ -22,6 +22,16 @@ from specdecode.errors import InvalidRequestError
 from specdecode.sampling import SamplingParams
 from specdecode.structured import StructuredOutput
 
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def field_path(loc) -> str:
+    """A validation error's location as the request's field path: pydantic puts the member
+    of a union it tried there too ("stop.str", "prompt.list[int].0"), which is no field."""
+    return ".".join(
+        str(x) for x in loc if not (isinstance(x, str) and (x in _UNION_TAGS or "[" in x))
+    )
+
 
 class StreamOptions(BaseModel):
     """OpenAI's `stream_options`: a flag is a JSON boolean ("yes" is refused, as OpenAI does)."""

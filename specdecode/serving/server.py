@@ -43,6 +43,7 @@ from specdecode.serving.protocol import (
     DetokenizeRequest,
     ResponsesRequest,
     TokenizeRequest,
+    field_path,
 )
 from specdecode.serving.responses import response_events, response_object
 
@@ -226,7 +227,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             req = model_cls.model_validate(raw)
         except ValidationError as e:
             err = e.errors()[0]
-            where = ".".join(str(x) for x in err.get("loc", ()))
+            where = field_path(err.get("loc", ()))
             message = f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
             raise bad_request(message, where or None) from e
         if req.model is not None and req.model not in names:

@@ -896,6 +896,7 @@ def test_responses_api(client, plain):
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "schema", "text"),
         ({"tools": [{"type": "function", "name": "f"}]}, "tool calling", "tools"),
         ({"text": {"format": {"type": "foo"}}}, "text.format type 'foo'", "text"),
+        ({"input": {"a": 1}}, "- input: ", "input"),  # (not "input.str": a union member)
         # (a format this vocabulary cannot write: found mid-generation, the field named)
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"enum": ["é"]}}}},
          "cannot be continued", "text"),
