@@ -39,7 +39,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")  # (unknown keys kept: they count as given)
 
     include_usage: StrictBool | None = None
-    continuous_usage_stats: StrictBool | None = None  # (vLLM's; accepted, not acted on)
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far
+    continuous_usage_stats: StrictBool | None = None
 
 
 class _NullIsDefault(BaseModel):
@@ -108,6 +109,10 @@ class _Request(_NullIsDefault):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def check_stream_options(self) -> None:
         """Options for a stream on a request that does not stream: refused, as vLLM does, not

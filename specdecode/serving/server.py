@@ -433,7 +433,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         labels = req.return_tokens_as_token_ids
         labels = config.return_tokens_as_token_ids if labels is None else labels
         if req.stream:
-            body = sse(handles, req.include_usage, meta, echoes, req.return_token_ids, labels)
+            body = sse(handles, req.include_usage, meta, echoes, req.return_token_ids, labels,
+                       req.continuous_usage)  # fmt: skip
             return StreamingResponse(body, media_type="text/event-stream")
         try:
             # (completions' echo with logprobs computes them: they are given too, as in vLLM)
@@ -672,10 +673,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         echoes: list[str],
         token_ids: bool = False,
         labels: bool = False,
+        continuous: bool = False,
     ) -> AsyncIterator[str]:
         """The response as server-sent events; `token_ids`: vLLM's `return_token_ids` (each
         chunk's new token ids; the prompt's in the first chunk, of each choice for
-        completions)."""
+        completions); `continuous`: vLLM's `continuous_usage_stats` (each update's chunk
+        carries its choice's usage so far: its prompt's tokens and its own)."""
         request_id, created, chat, prompt_tokens, param, role = meta
         obj = "chat.completion.chunk" if chat else "text_completion"
         queue: asyncio.Queue = asyncio.Queue()
@@ -768,7 +771,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                         c["prompt_token_ids"] = list(handles[i].seq.prompt_token_ids)
                         prompt_sent.add(i)
                     c["token_ids"] = list(u.token_ids)
-                return chunk([c])
+                if not continuous:
+                    return chunk([c])
+                prompt = len(handles[i].seq.prompt_token_ids)
+                so_far = {"prompt_tokens": prompt, "completion_tokens": u.num_output_tokens,
+                          "total_tokens": prompt + u.num_output_tokens}  # fmt: skip
+                return chunk([c], so_far)
 
             remaining, completion = len(handles), {}
             # text offsets count from the end of the echoed text

@@ -175,6 +175,22 @@ def test_streaming_reassembles_with_usage(client, plain):
     assert texts == {0: want, 1: want}
     assert finish == {0: "length", 1: "length"}
     assert chunks[-1].usage.completion_tokens == 48
+    assert all(c.usage is None for c in chunks[:-1])
+    # vLLM's continuous_usage_stats: each update's chunk carries its choice's usage so far
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=["abc", "xyzxyz"], max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    counts = {0: 0, 1: 0}
+    for c in chunks[:-1]:
+        i = c.choices[0].index
+        assert c.usage.prompt_tokens == (3, 6)[i] and c.usage.completion_tokens > counts[i]
+        counts[i] = c.usage.completion_tokens
+        assert c.usage.total_tokens == c.usage.prompt_tokens + counts[i]
+    assert counts == {0: 6, 1: 6} and chunks[-1].usage.completion_tokens == 12
 
 
 def test_completions_prompts_n_seed_stop_and_logprobs(client, plain):
