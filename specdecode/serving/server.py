@@ -2,7 +2,7 @@
 
 Endpoints: POST /v1/chat/completions and /v1/completions (SSE streaming, usage, n, stop, seed,
 logprobs, completions' echo), POST /v1/responses (OpenAI's Responses API, stateless), POST
-/tokenize and /detokenize (vLLM's), GET /v1/models, GET or
+/tokenize and /detokenize (vLLM's), GET /v1/models, /ping and /version (vLLM's), GET or
 HEAD /health and /metrics (Prometheus; the spec-decode counters under vLLM's names). Safe by
 default: binds 127.0.0.1, optional API key, limits on body size, n, prompt and max_tokens;
 every bad input is a 4xx with an OpenAI-style error body, and the server keeps serving.
@@ -271,6 +271,17 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if not engine.alive:
             return _error(503, "the engine is not running", "internal_error")
         return {"status": "ok"}
+
+    # vLLM's: SageMaker's liveness probe (GET or POST), and the server's version
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        from specdecode import __version__
+
+        return {"version": __version__}
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():

@@ -119,6 +119,10 @@ def idle(engine: AsyncLLMEngine, timeout: float = 30.0) -> bool:
 def test_models_health_and_metrics(served, client, engine):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert raw(served.port, "GET", "/health")[0] == 200
+    assert raw(served.port, "POST", "/ping")[0] == raw(served.port, "GET", "/ping")[0] == 200
+    from specdecode import __version__
+
+    assert json.loads(raw(served.port, "GET", "/version")[1]) == {"version": __version__}
     engine.engine.set_policy("static")  # drafts for sure, whatever the controller would pick
     try:
         client.chat.completions.create(
