@@ -282,6 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
         "where a token's text is not, e.g. part of a character)",
     )
     srv.add_argument(
+        "--max-stored-responses",
+        type=integer(0),
+        default=0,
+        metavar="N",
+        help="keep the last N Responses API responses in memory (those with `store`, true by "
+        "default), so that previous_response_id continues one and GET /v1/responses/ID "
+        "returns it; 0 (default, as vLLM's) keeps none",
+    )
+    srv.add_argument(
         "--response-role",
         default="assistant",
         metavar="ROLE",

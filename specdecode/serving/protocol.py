@@ -394,9 +394,9 @@ class DetokenizeRequest(_NullIsDefault):
 
 class ResponsesRequest(_NullIsDefault):
     """OpenAI's Responses API (`POST /v1/responses`, which vLLM and SGLang serve too): a text
-    reply to `input` (a string, or message items) after `instructions`. Stateless here, as a
-    server without storage is: nothing is kept, so `previous_response_id` is refused and the
-    conversation goes in `input`."""
+    reply to `input` (a string, or message items) after `instructions`. Responses are kept
+    only where the server keeps them (`serve --max-stored-responses`, in memory, as vLLM's
+    store): `previous_response_id` then continues one (`history`: its conversation)."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -425,11 +425,9 @@ class ResponsesRequest(_NullIsDefault):
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0, le=100)
 
-    def messages(self) -> list[dict[str, Any]]:
-        """`instructions` (a system message) and `input` as chat messages."""
-        out = []
-        if self.instructions is not None:
-            out.append({"role": "system", "content": self.instructions})
+    def input_messages(self) -> list[dict[str, Any]]:
+        """`input` as chat messages."""
+        out: list[dict[str, Any]] = []
         if isinstance(self.input, str):
             return [*out, {"role": "user", "content": self.input}]
         if not self.input:
@@ -480,15 +478,16 @@ class ResponsesRequest(_NullIsDefault):
     def wants_logprobs(self) -> bool:
         return "message.output_text.logprobs" in (self.include or [])
 
-    def as_chat(self) -> ResponsesAsChat:
-        """The request as chat completions' (one reply, the usage at the end of a stream)."""
-        for field, why in (
-            ("previous_response_id", "this server stores no responses: send the conversation "
-             "as input"),
-            ("conversation", "this server stores no conversations: send it as input"),
-        ):  # fmt: skip
-            if getattr(self, field) is not None:
-                raise InvalidRequestError(f"{field} is not supported: {why}", param=field)
+    def as_chat(self, history: list[dict[str, Any]] = ()) -> ResponsesAsChat:
+        """The request as chat completions' (one reply, the usage at the end of a stream):
+        `instructions` (a system message), then `history` (a previous response's conversation,
+        whose own instructions do not carry over, as in OpenAI's), then `input`."""
+        if self.conversation is not None:
+            raise InvalidRequestError(
+                "conversation is not supported: this server keeps no conversations (send it as "
+                "input, or continue a stored response with previous_response_id)",
+                param="conversation",
+            )
         if self.background:
             raise InvalidRequestError("background responses are not supported", param="background")
         if self.truncation == "auto":
@@ -501,7 +500,11 @@ class ResponsesRequest(_NullIsDefault):
                 'top_logprobs needs include: ["message.output_text.logprobs"]',
                 param="top_logprobs",
             )
-        messages, response_format = self.messages(), self.response_format()
+        system = [] if self.instructions is None else [
+            {"role": "system", "content": self.instructions}
+        ]  # fmt: skip
+        messages = [*system, *history, *self.input_messages()]
+        response_format = self.response_format()
         try:
             return ResponsesAsChat.model_validate(
                 {
@@ -527,7 +530,7 @@ class ResponsesRequest(_NullIsDefault):
             loc = err.get("loc", ())
             where = "input"
             if len(loc) > 1 and loc[0] == "messages" and isinstance(loc[1], int):
-                where += f"[{loc[1] - (self.instructions is not None)}]"  # (after instructions)
+                where += f"[{loc[1] - len(system) - len(history)}]"  # (the input's own)
                 where += "".join(f".{x}" for x in loc[2:])
             raise InvalidRequestError(f"{where}: {err['msg']}", param="input") from e
 

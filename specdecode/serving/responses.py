@@ -8,9 +8,41 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from specdecode.serving.protocol import ResponsesRequest
+
+
+@dataclass
+class Stored:
+    response: dict  # the response object, as it was answered
+    conversation: list[dict]  # its messages without its instructions, its reply last
+
+
+class ResponseStore:
+    """The last `capacity` responses asked to be stored (`store`, true by default as in
+    OpenAI's), in memory: `previous_response_id` continues one, GET returns it. 0 keeps none
+    (vLLM's default too: an unbounded store is a memory leak)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._kept: OrderedDict[str, Stored] = OrderedDict()
+
+    def get(self, response_id: str) -> Stored | None:
+        kept = self._kept.get(response_id)
+        if kept is not None:
+            self._kept.move_to_end(response_id)  # (the least recently used goes first)
+        return kept
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        self._kept[response["id"]] = Stored(response, conversation)
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def delete(self, response_id: str) -> bool:
+        return self._kept.pop(response_id, None) is not None
 
 
 def _usage(chat_usage: dict | None) -> dict | None:
@@ -29,8 +61,8 @@ def _usage(chat_usage: dict | None) -> dict | None:
 class ResponseBuilder:
     """One response's ids and fixed fields, and its object at each stage."""
 
-    def __init__(self, req: ResponsesRequest, model: str) -> None:
-        self.req, self.model = req, model
+    def __init__(self, req: ResponsesRequest, model: str, stored: bool = False) -> None:
+        self.req, self.model, self.stored = req, model, stored
         self.id = "resp_" + uuid.uuid4().hex
         self.message_id = "msg_" + uuid.uuid4().hex
         self.created_at = int(time.time())
@@ -61,9 +93,9 @@ class ResponseBuilder:
             "model": self.model,
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls,
-            "previous_response_id": None,
+            "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
-            "store": False,  # (nothing is kept here, whatever the request asked)
+            "store": self.stored,  # (kept where the server keeps responses and it asked)
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": fmt},
             "tool_choice": req.tool_choice or "auto",
@@ -77,24 +109,32 @@ class ResponseBuilder:
         }
 
 
-def response_object(req: ResponsesRequest, model: str, chat: dict) -> dict:
-    """A whole chat completion (one choice) as the Responses API's `response` object."""
-    b = ResponseBuilder(req, model)
+def response_object(
+    req: ResponsesRequest, model: str, chat: dict, keep: Callable | None = None
+) -> dict:
+    """A whole chat completion (one choice) as the Responses API's `response` object;
+    `keep(response, reply text)` stores it."""
+    b = ResponseBuilder(req, model, stored=keep is not None)
     b.created_at = chat["created"]  # (when the request came, not when it ended)
     choice = chat["choices"][0]
     lp = choice.get("logprobs")
-    part = b.part(choice["message"]["content"], lp["content"] if lp else None)
+    text = choice["message"]["content"]
+    part = b.part(text, lp["content"] if lp else None)
     finish = choice["finish_reason"]
     status = "incomplete" if finish == "length" else "completed"
-    return b.response(status, [b.message(part, status)], _usage(chat.get("usage")), finish)
+    out = b.response(status, [b.message(part, status)], _usage(chat.get("usage")), finish)
+    if keep is not None:
+        keep(out, text)
+    return out
 
 
 async def response_events(
-    req: ResponsesRequest, model: str, chunks: AsyncIterator[str]
+    req: ResponsesRequest, model: str, chunks: AsyncIterator[str], keep: Callable | None = None
 ) -> AsyncIterator[str]:
     """A chat completion's server-sent chunks (one choice, usage at the end) as the Responses
-    stream's events, each numbered (`sequence_number`)."""
-    b = ResponseBuilder(req, model)
+    stream's events, each numbered (`sequence_number`); `keep(response, reply text)` stores
+    the response once it is whole (a failed one is not kept)."""
+    b = ResponseBuilder(req, model, stored=keep is not None)
     seq = 0
 
     def event(kind: str, **fields) -> str:
@@ -140,6 +180,8 @@ async def response_events(
     yield event("response.content_part.done", **where, content_index=0, part=part)
     yield event("response.output_item.done", output_index=0, item=b.message(part, status))
     final = b.response(status, [b.message(part, status)], usage, finish)
+    if keep is not None:
+        keep(final, text)
     # (`response.completed` whatever the status, as vLLM and SGLang end: the openai SDK's
     # stream helper and usage readers wait for it; an incomplete reply says so in its status)
     yield event("response.completed", response=final)

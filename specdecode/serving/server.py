@@ -1,11 +1,12 @@
 """`specdecode serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the async engine.
 
 Endpoints: POST /v1/chat/completions and /v1/completions (SSE streaming, usage, n, stop, seed,
-logprobs, completions' echo), POST /v1/responses (OpenAI's Responses API, stateless), POST
-/tokenize and /detokenize (vLLM's), GET /v1/models, /ping and /version (vLLM's), GET or
-HEAD /health and /metrics (Prometheus; the spec-decode counters under vLLM's names). Safe by
-default: binds 127.0.0.1, optional API key, limits on body size, n, prompt and max_tokens;
-every bad input is a 4xx with an OpenAI-style error body, and the server keeps serving.
+logprobs, completions' echo), POST /v1/responses (OpenAI's Responses API; GET and DELETE of
+the ones kept), POST /tokenize and /detokenize (vLLM's), GET /v1/models, /ping and /version
+(vLLM's), GET or HEAD /health and /metrics (Prometheus; the spec-decode counters under
+vLLM's names). Safe by default: binds 127.0.0.1, optional API key, limits on body size, n,
+prompt and max_tokens; every bad input is a 4xx with an OpenAI-style error body, and the
+server keeps serving.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from specdecode.serving.protocol import (
     TokenizeRequest,
     field_path,
 )
-from specdecode.serving.responses import response_events, response_object
+from specdecode.serving.responses import ResponseStore, response_events, response_object
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # a request's chat_template is used (vLLM's flag)
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM's flag)
     response_role: str = "assistant"  # a chat reply's role (vLLM's --response-role)
+    max_stored_responses: int = 0  # Responses API: the last N kept in memory (0: none)
 
 
 class APIError(Exception):
@@ -341,7 +343,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         """OpenAI's Responses API: run as a chat completion of one reply, answered as a
         `response` object or its stream of events."""
         req = await read_json(request, ResponsesRequest)
-        chat_req = req.as_chat()
+        history: list[dict] = []
+        if req.previous_response_id is not None:
+            history = stored_response(req.previous_response_id, "previous_response_id")
+        chat_req = req.as_chat(history)
         try:
             _, text = render(chat_req, "/v1/completions")
         except APIError as e:  # (the messages are this request's input)
@@ -353,12 +358,49 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         params = chat_req.sampling_params(max_tokens, chat_req.requested_logprobs())
         out = await respond(request, chat_req, [(ids, params)], len(ids), chat=True)
         name = config.served_model_name
+        keep = None
+        if req.store and store.capacity:  # its conversation, without its instructions
+
+            def keep(response: dict, text: str) -> None:
+                reply = {"role": "assistant", "content": text}
+                store.put(response, [*history, *req.input_messages(), reply])
+
         if isinstance(out, StreamingResponse):
-            events = response_events(req, name, out.body_iterator)
+            events = response_events(req, name, out.body_iterator, keep)
             return StreamingResponse(events, media_type="text/event-stream")
         if isinstance(out, Response):  # the client left
             return out
-        return response_object(req, name, out)
+        return response_object(req, name, out, keep)
+
+    store = ResponseStore(config.max_stored_responses)
+
+    def stored_response(response_id: str, param: str | None = None) -> list[dict]:
+        """A stored response's conversation; a 400 where the server keeps none, a 404 where
+        this one is not kept."""
+        if not store.capacity:
+            raise bad_request(
+                "this server keeps no responses (serve --max-stored-responses N keeps the "
+                "last N): send the conversation as input",
+                param,
+            )
+        kept = store.get(response_id)
+        if kept is None:
+            raise APIError(
+                404, f"no stored response {response_id!r} (not stored, deleted, or past the "
+                f"last {store.capacity} kept)", "not_found_error", param,
+            )  # fmt: skip
+        return kept.conversation
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        stored_response(response_id)
+        return store.get(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        stored_response(response_id)
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     # vLLM's tokenizer endpoints: what a prompt costs before sending it, and ids back to text
     @app.post("/tokenize")
@@ -851,6 +893,7 @@ def run_server(args) -> None:
             trust_request_chat_template=args.trust_request_chat_template,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             response_role=args.response_role,
+            max_stored_responses=args.max_stored_responses,
         ),
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:

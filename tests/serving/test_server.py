@@ -907,7 +907,7 @@ def test_responses_api(client, plain):
     assert len(lp) == r.usage.output_tokens and {len(t.top_logprobs) for t in lp} <= {1, 2}
     assert any(len(t.top_logprobs) == 2 for t in lp)
     bad = [
-        ({"previous_response_id": "resp_1"}, "stores no responses", "previous_response_id"),
+        ({"previous_response_id": "resp_1"}, "keeps no responses", "previous_response_id"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
          "function_call_output", "input"),
         ({"input": [{"role": "wizard", "content": "x"}]}, r"input\[0\]\.role", "input"),
@@ -931,6 +931,46 @@ def test_responses_api(client, plain):
                                           stream=True))  # fmt: skip
     assert [e.type for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2].param == "text" and events[-1].response.status == "failed"
+
+
+def test_stored_responses_continue_a_conversation(engine, plain):
+    """serve --max-stored-responses N (vLLM's in-memory store): a stored response is continued
+    by previous_response_id (its conversation, without its instructions, as in OpenAI's),
+    returned by GET and removed by DELETE; the least recently used goes past N; `store: false`
+    keeps nothing."""
+    s = Served(engine, api_key=None, max_stored_responses=2)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none")
+        p = SamplingParams(temperature=0, max_tokens=4)
+
+        def ask(**kw):
+            return c.responses.create(model=MODEL, max_output_tokens=4, temperature=0, **kw)
+
+        first = ask(input="ab", instructions="be brief")
+        assert first.store
+        again = ask(input="cd", previous_response_id=first.id, instructions="x")
+        conv = [{"role": "system", "content": "x"}, {"role": "user", "content": "ab"},
+                {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "cd"}]  # fmt: skip
+        assert again.output_text == plain.chat(conv, p)[0].outputs[0].text
+        assert again.previous_response_id == first.id
+        streamed = list(c.responses.create(model=MODEL, input="ef", max_output_tokens=4,
+                                           previous_response_id=again.id, stream=True,
+                                           temperature=0))  # fmt: skip
+        final = streamed[-1].response
+        conv = [*conv[1:], {"role": "assistant", "content": again.output_text},
+                {"role": "user", "content": "ef"}]  # fmt: skip
+        assert final.output_text == plain.chat(conv, p)[0].outputs[0].text and final.store
+        assert c.responses.retrieve(final.id).output_text == final.output_text
+        with pytest.raises(openai.NotFoundError):  # the least recent of 3, past 2 kept
+            c.responses.retrieve(first.id)
+        c.responses.delete(final.id)
+        with pytest.raises(openai.NotFoundError) as e:
+            ask(input="x", previous_response_id=final.id)
+        assert e.value.body["param"] == "previous_response_id"
+        assert not ask(input="x", store=False).store
+    finally:
+        s.stop()
 
 
 def test_tokenize_and_detokenize(served, engine, plain):
