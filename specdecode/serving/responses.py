@@ -159,6 +159,7 @@ async def response_events(
             yield event("error", code=str(e.get("code")), message=e.get("message"),
                         param=e.get("param"))  # fmt: skip
             failed = b.response("failed", [])
+            failed["store"] = False  # (a failed response is not kept)
             failed["error"] = {"code": str(e.get("code")), "message": e.get("message")}
             yield event("response.failed", response=failed)
             return

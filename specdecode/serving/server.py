@@ -375,9 +375,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     store = ResponseStore(config.max_stored_responses)
 
     def stored_response(response_id: str, param: str | None = None) -> list[dict]:
-        """A stored response's conversation; a 400 where the server keeps none, a 404 where
-        this one is not kept."""
-        if not store.capacity:
+        """A stored response's conversation; a 404 where it is not kept (a continuation on a
+        server that keeps none: a 400 saying so)."""
+        if not store.capacity and param is not None:
             raise bad_request(
                 "this server keeps no responses (serve --max-stored-responses N keeps the "
                 "last N): send the conversation as input",
@@ -385,10 +385,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             )
         kept = store.get(response_id)
         if kept is None:
+            why = (f"not stored, deleted, or past the last {store.capacity} kept"
+                   if store.capacity else "this server keeps none")  # fmt: skip
             raise APIError(
-                404, f"no stored response {response_id!r} (not stored, deleted, or past the "
-                f"last {store.capacity} kept)", "not_found_error", param,
-            )  # fmt: skip
+                404, f"no stored response {response_id!r} ({why})", "not_found_error", param
+            )
         return kept.conversation
 
     @app.get("/v1/responses/{response_id}")
@@ -750,9 +751,17 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 body["usage"] = usage_
             return f"data: {json.dumps(body)}\n\n"
 
+        def so_far(i: int, completion: int) -> dict | None:
+            """Choice i's usage so far, on each of its chunks (`continuous`), else None."""
+            if not continuous:
+                return None
+            prompt = len(handles[i].seq.prompt_token_ids)
+            return {"prompt_tokens": prompt, "completion_tokens": completion,
+                    "total_tokens": prompt + completion}  # fmt: skip
+
         tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
         try:
-            if chat:
+            if chat:  # (one prompt: its choices' usage so far is one)
                 first = {"role": role, "content": ""}
                 prompt = {"prompt_token_ids": list(handles[0].seq.prompt_token_ids)}
                 yield chunk(
@@ -760,6 +769,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                         {"index": i, "delta": first, "logprobs": None, "finish_reason": None}
                         for i in range(len(handles))
                     ],  # fmt: skip
+                    so_far(0, 0),
                     **(prompt if token_ids else {}),
                 )
             prompt_sent = set()  # completions' choices whose prompt ids went out
@@ -781,6 +791,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     if token_ids and not chat:  # (a choice's first chunk carries its prompt's)
                         c["prompt_token_ids"] = list(handles[i].seq.prompt_token_ids)
                         prompt_sent.add(i)
+                if continuous:  # a chunk a choice: each its own prompt's usage
+                    return "".join(chunk([c], so_far(c["index"], 0)) for c in firsts)
                 return chunk(firsts)
 
             # completions' echo with logprobs: a prompt's echo waits for its prompt's logprobs,
@@ -824,12 +836,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                         c["prompt_token_ids"] = list(handles[i].seq.prompt_token_ids)
                         prompt_sent.add(i)
                     c["token_ids"] = list(u.token_ids)
-                if not continuous:
-                    return chunk([c])
-                prompt = len(handles[i].seq.prompt_token_ids)
-                so_far = {"prompt_tokens": prompt, "completion_tokens": u.num_output_tokens,
-                          "total_tokens": prompt + u.num_output_tokens}  # fmt: skip
-                return chunk([c], so_far)
+                return chunk([c], so_far(i, u.num_output_tokens))
 
             remaining, completion = len(handles), {}
             # text offsets count from the end of the echoed text

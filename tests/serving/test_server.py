@@ -195,6 +195,14 @@ def test_streaming_reassembles_with_usage(client, plain):
         counts[i] = c.usage.completion_tokens
         assert c.usage.total_tokens == c.usage.prompt_tokens + counts[i]
     assert counts == {0: 6, 1: 6} and chunks[-1].usage.completion_tokens == 12
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=chat_messages("abc"), max_tokens=3, temperature=0, n=2,
+            stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"  # the role chunk has its usage too
+    assert chunks[0].usage.completion_tokens == 0 and all(c.usage for c in chunks)
 
 
 def test_completions_prompts_n_seed_stop_and_logprobs(client, plain):
@@ -925,12 +933,15 @@ def test_responses_api(client, plain):
         with pytest.raises(openai.BadRequestError, match=message) as e:
             client.responses.create(**{"model": MODEL, "input": "abc", **body})
         assert e.value.body["param"] == param, body
+    with pytest.raises(openai.NotFoundError):  # (this server keeps no responses)
+        client.responses.retrieve("resp_1")
     # a failure mid-stream: an error event, then response.failed (as OpenAI ends)
     fmt = {"type": "json_schema", "name": "x", "schema": {"enum": ["é"]}}
     events = list(client.responses.create(model=MODEL, input="abc", text={"format": fmt},
                                           stream=True))  # fmt: skip
     assert [e.type for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2].param == "text" and events[-1].response.status == "failed"
+    assert not events[-1].response.store
 
 
 def test_stored_responses_continue_a_conversation(engine, plain):
