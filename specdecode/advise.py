@@ -139,6 +139,11 @@ def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature)
     try:
         body = kind.model_validate(obj)
         if kind is ResponsesRequest:  # (run as the chat completion the server makes of it)
+            if body.previous_response_id is not None:
+                raise ValueError(
+                    "previous_response_id: the stored response it continues is not in the "
+                    "traffic file (give the whole conversation as input)"
+                )
             body, kind = body.as_chat(), ChatCompletionRequest
         max_tokens = body.requested_max_tokens() if given is not None else default_max_tokens
         params = body.sampling_params(max_tokens, None)
