@@ -420,6 +420,7 @@ class ResponsesRequest(_NullIsDefault):
     user: str | None = None
     reasoning: dict[str, Any] | None = None  # (no reasoning model here: nothing to act on)
     # vLLM's extra sampling fields
+    logit_bias: dict[str, float] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
@@ -520,6 +521,7 @@ class ResponsesRequest(_NullIsDefault):
                     "tools": self.tools,
                     "tool_choice": self.tool_choice,
                     "seed": self.seed,
+                    "logit_bias": self.logit_bias,
                     "top_k": self.top_k,
                     "min_p": self.min_p,
                     "repetition_penalty": self.repetition_penalty,

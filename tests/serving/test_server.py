@@ -933,6 +933,10 @@ def test_responses_api(client, plain):
         with pytest.raises(openai.BadRequestError, match=message) as e:
             client.responses.create(**{"model": MODEL, "input": "abc", **body})
         assert e.value.body["param"] == param, body
+    # vLLM's logit_bias: a token pushed to the top is the reply (a character a token here)
+    r = client.responses.create(model=MODEL, input="abc", max_output_tokens=3, temperature=0,
+                                extra_body={"logit_bias": {str(ord("q")): 100}})  # fmt: skip
+    assert r.output_text == "qqq"
     with pytest.raises(openai.NotFoundError):  # (this server keeps no responses)
         client.responses.retrieve("resp_1")
     # a failure mid-stream: an error event, then response.failed (as OpenAI ends)
