@@ -428,11 +428,11 @@ class ResponsesRequest(_NullIsDefault):
 
     def input_messages(self) -> list[dict[str, Any]]:
         """`input` as chat messages."""
-        out: list[dict[str, Any]] = []
         if isinstance(self.input, str):
-            return [*out, {"role": "user", "content": self.input}]
+            return [{"role": "user", "content": self.input}]
         if not self.input:
             raise InvalidRequestError("input is empty", param="input")
+        out: list[dict[str, Any]] = []
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
             if kind != "message":

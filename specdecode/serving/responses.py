@@ -61,8 +61,9 @@ def _usage(chat_usage: dict | None) -> dict | None:
 class ResponseBuilder:
     """One response's ids and fixed fields, and its object at each stage."""
 
-    def __init__(self, req: ResponsesRequest, model: str, stored: bool = False) -> None:
-        self.req, self.model, self.stored = req, model, stored
+    def __init__(self, req: ResponsesRequest, model: str, keep: Callable | None = None) -> None:
+        self.req, self.model, self.keep = req, model, keep
+        self.stored = keep is not None
         self.id = "resp_" + uuid.uuid4().hex
         self.message_id = "msg_" + uuid.uuid4().hex
         self.created_at = int(time.time())
@@ -108,24 +109,28 @@ class ResponseBuilder:
             "metadata": req.metadata or {},
         }
 
+    def done(self, text: str, logprobs: list | None, finish: str | None, usage: dict | None):
+        """The reply's part, status and whole response, stored where it is to be kept
+        (`keep(response, reply text)`)."""
+        part = self.part(text, logprobs)
+        status = "incomplete" if finish == "length" else "completed"
+        response = self.response(status, [self.message(part, status)], usage, finish)
+        if self.keep is not None:
+            self.keep(response, text)
+        return part, status, response
+
 
 def response_object(
     req: ResponsesRequest, model: str, chat: dict, keep: Callable | None = None
 ) -> dict:
     """A whole chat completion (one choice) as the Responses API's `response` object;
     `keep(response, reply text)` stores it."""
-    b = ResponseBuilder(req, model, stored=keep is not None)
+    b = ResponseBuilder(req, model, keep)
     b.created_at = chat["created"]  # (when the request came, not when it ended)
     choice = chat["choices"][0]
     lp = choice.get("logprobs")
-    text = choice["message"]["content"]
-    part = b.part(text, lp["content"] if lp else None)
-    finish = choice["finish_reason"]
-    status = "incomplete" if finish == "length" else "completed"
-    out = b.response(status, [b.message(part, status)], _usage(chat.get("usage")), finish)
-    if keep is not None:
-        keep(out, text)
-    return out
+    text, usage = choice["message"]["content"], _usage(chat.get("usage"))
+    return b.done(text, lp["content"] if lp else None, choice["finish_reason"], usage)[2]
 
 
 async def response_events(
@@ -134,7 +139,7 @@ async def response_events(
     """A chat completion's server-sent chunks (one choice, usage at the end) as the Responses
     stream's events, each numbered (`sequence_number`); `keep(response, reply text)` stores
     the response once it is whole (a failed one is not kept)."""
-    b = ResponseBuilder(req, model, stored=keep is not None)
+    b = ResponseBuilder(req, model, keep)
     seq = 0
 
     def event(kind: str, **fields) -> str:
@@ -174,15 +179,11 @@ async def response_events(
                 yield event("response.output_text.delta", **where, content_index=0,
                             delta=delta, logprobs=lp)  # fmt: skip
             finish = c.get("finish_reason") or finish
-    part = b.part(text, logprobs)
-    status = "incomplete" if finish == "length" else "completed"
+    part, status, final = b.done(text, logprobs, finish, usage)
     yield event("response.output_text.done", **where, content_index=0, text=text,
                 logprobs=logprobs)  # fmt: skip
     yield event("response.content_part.done", **where, content_index=0, part=part)
     yield event("response.output_item.done", output_index=0, item=b.message(part, status))
-    final = b.response(status, [b.message(part, status)], usage, finish)
-    if keep is not None:
-        keep(final, text)
     # (`response.completed` whatever the status, as vLLM and SGLang end: the openai SDK's
     # stream helper and usage readers wait for it; an incomplete reply says so in its status)
     yield event("response.completed", response=final)

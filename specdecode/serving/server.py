@@ -345,7 +345,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         req = await read_json(request, ResponsesRequest)
         history: list[dict] = []
         if req.previous_response_id is not None:
-            history = stored_response(req.previous_response_id, "previous_response_id")
+            history = stored_response(req.previous_response_id, "previous_response_id").conversation
         chat_req = req.as_chat(history)
         try:
             _, text = render(chat_req, "/v1/completions")
@@ -374,8 +374,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     store = ResponseStore(config.max_stored_responses)
 
-    def stored_response(response_id: str, param: str | None = None) -> list[dict]:
-        """A stored response's conversation; a 404 where it is not kept (a continuation on a
+    def stored_response(response_id: str, param: str | None = None):
+        """A stored response (`Stored`); a 404 where it is not kept (a continuation on a
         server that keeps none: a 400 saying so)."""
         if not store.capacity and param is not None:
             raise bad_request(
@@ -390,12 +390,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             raise APIError(
                 404, f"no stored response {response_id!r} ({why})", "not_found_error", param
             )
-        return kept.conversation
+        return kept
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
-        stored_response(response_id)
-        return store.get(response_id).response
+        return stored_response(response_id).response
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
@@ -560,7 +559,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             # the prompt's first choice holds its prompt logprobs (the others skip them)
             first = firsts[i // (len(handles) // len(firsts))].seq
             if echoes and wants and not chat:  # echo with logprobs: the prompt's tokens first
-                lp = echo_logprobs(first, r["logprobs"], echoes[i], h.seq.params.logprobs, labels)
+                lp = echo_logprobs(
+                    first, r["logprobs"], echoes[i], h.seq.params.logprobs, labels, decoded
+                )
             else:
                 lp = (
                     format_logprobs(r["logprobs"], chat, context, labels=labels)[0]
@@ -603,21 +604,28 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             ]
         return memo[id(seq)]
 
-    def echo_logprobs(seq, entries: list, echo: str, n: int, labels: bool) -> dict:
+    def echo_logprobs(seq, entries: list, echo: str, n: int, labels: bool, memo: dict) -> dict:
         """Completions' logprobs with echo (vLLM's, what evaluation harnesses read): the
         prompt's tokens, the first with no logprob (null), each with its top `n` (the request's
         logprobs, as vLLM trims them), then the generated ones, whose text offsets count from
         the end of the echoed text."""
-        prompt = prompt_logprobs_object(seq, n, labels)
+        prompt = prompt_logprobs_object(seq, n, labels, memo)
         ids = seq.prompt_token_ids
         out, _ = format_logprobs(
             entries, False, list(ids[-DETOKENIZE_CONTEXT:]), len(echo), labels=labels
         )
         return {key: [*prompt[key], *out[key]] for key in prompt}
 
-    def prompt_logprobs_object(seq, n: int, labels: bool) -> dict:
+    def prompt_logprobs_object(seq, n: int, labels: bool, memo: dict) -> dict:
         """A prompt's tokens as completions' logprobs (what echo lists first): the first
-        with no logprob (null), each with its top `n`."""
+        with no logprob (null), each with its top `n` (built once per prompt: `memo`, shared
+        by its choices, which do not change it)."""
+        key = ("echo", id(seq), n, labels)
+        if key not in memo:
+            memo[key] = _prompt_logprobs_object(seq, n, labels)
+        return memo[key]
+
+    def _prompt_logprobs_object(seq, n: int, labels: bool) -> dict:
         ids = seq.prompt_token_ids
         head = f"token_id:{ids[0]}" if labels else token_text([], ids[0])
         scored = [(t, (lp, top[:n], rank)) for t, (lp, top, rank) in
@@ -773,6 +781,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     **(prompt if token_ids else {}),
                 )
             prompt_sent = set()  # completions' choices whose prompt ids went out
+            echoed: dict = {}  # each prompt's echoed logprobs, built once
 
             def echo_chunk(indices, scored: bool = False) -> str:
                 """Each choice's text starts with its prompt (chat: the last message); with
@@ -787,7 +796,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     i = c["index"]
                     if scored:
                         top = handles[i].seq.params.logprobs
-                        c["logprobs"] = prompt_logprobs_object(group_first(i), top, labels)
+                        c["logprobs"] = prompt_logprobs_object(group_first(i), top, labels, echoed)
                     if token_ids and not chat:  # (a choice's first chunk carries its prompt's)
                         c["prompt_token_ids"] = list(handles[i].seq.prompt_token_ids)
                         prompt_sent.add(i)
