@@ -15,6 +15,7 @@ from specdecode.data import SOURCES
 from specdecode.errors import DataError, InvalidRequestError, SpecDecodeError
 
 _at_least_one = integer(1)
+_at_least_two = integer(2)
 _DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -124,6 +125,13 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         help="tree nodes verified per step, the root included (NGRAM, or STANDALONE without "
         "--speculative-eagle-topk: a chain of N - 1 drafts)",
     )
+    sg.add_argument(
+        "--speculative-token-map",
+        default=None,
+        help="FR-Spec: a file of token ids (.json, .safetensors; .pt with --allow-pickle) the "
+        "drafter's LM head keeps (EAGLE, MEDUSA, STANDALONE); `specdecode data token-map` "
+        "writes one",
+    )
 
 
 def speculative_config(args: argparse.Namespace) -> dict | None:
@@ -169,6 +177,7 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
         ("prompt_lookup_max", "ngram_prompt_lookup_max"),
         ("prompt_lookup_min", "ngram_prompt_lookup_min"),
         ("disable_by_batch_size", "speculative_disable_by_batch_size"),
+        ("token_map", "speculative_token_map"),
     ):
         put(key, getattr(args, flag, None), "--" + flag.replace("_", "-"))
     if getattr(args, "speculative_config", None):
@@ -374,6 +383,25 @@ def build_parser() -> argparse.ArgumentParser:
         "final feature only (Medusa, EAGLE-1), 'none' = tokens only",
     )
 
+    dmap = dsub.add_parser(
+        "token-map",
+        help="FR-Spec: the most frequent answer tokens of self-distillation data, as a token map "
+        "for --speculative-token-map (a drafter's LM head keeps those rows)",
+    )
+    dmap.add_argument(
+        "--data",
+        dest="data_dirs",  # (args.data names the `data` subcommand)
+        nargs="+",
+        required=True,
+        metavar="DIR",
+        help="shard directories (data generate)",
+    )
+    dmap.add_argument(
+        "--size", type=_at_least_two, default=32768, help="ids kept (FR-Spec's maps: 8k to 32k)"
+    )
+    dmap.add_argument(
+        "--out", type=output_file, required=True, help="the map: a .safetensors or .json file"
+    )
     dtraffic = dsub.add_parser(
         "traffic",
         help="a sample traffic file (JSONL chat requests) from the benchmark workloads, for "
@@ -661,6 +689,9 @@ def cmd_data(args: argparse.Namespace) -> None:
 
     from specdecode import LLM, data
 
+    if args.data == "token-map":
+        _write_token_map(args)
+        return
     if args.data == "traffic":
         from specdecode.bench import workloads
 
@@ -713,6 +744,34 @@ def cmd_data(args: argparse.Namespace) -> None:
         max_prompt_tokens=args.max_prompt_tokens,
         feature_layers=layers,
         source=args.source,
+    )
+
+
+def _write_token_map(args: argparse.Namespace) -> None:
+    """`data token-map`: the `--size` tokens most frequent in the data's answers (then in its
+    prompts: answers copy from them), ranked as `train --draft-vocab` ranks a head's."""
+    from pathlib import Path
+
+    from specdecode.models.token_map import save_token_map
+    from specdecode.train.datagen import iter_examples, shard_paths
+    from specdecode.train.draft import frequent_tokens
+
+    if Path(args.out).suffix.lower() not in (".safetensors", ".json"):
+        raise InvalidRequestError(f"--out {args.out!r}: a token map is .safetensors or .json")
+    examples = []
+    for d in args.data_dirs:
+        shard_paths(Path(d))  # (a clear error for a folder without shards)
+        examples += list(iter_examples(Path(d), features=False))
+    ids = frequent_tokens(examples, args.size, [])
+    kept = set(ids.tolist())
+    answer = [t for e in examples for t, m in zip(e.input_ids, e.loss_mask, strict=True) if m]
+    covered = sum(t in kept for t in answer) / max(1, len(answer))
+    save_token_map(ids, args.out)
+    short = f" (the data holds only {len(ids)} distinct tokens)" if len(ids) < args.size else ""
+    print(
+        f"wrote {len(ids)} token ids to {args.out}{short}: {covered:.1%} of the {len(answer)} "
+        f"answer tokens of {len(examples)} conversations; serve with --speculative-token-map "
+        f"{args.out}"
     )
 
 

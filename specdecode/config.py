@@ -262,6 +262,8 @@ def auto_dtype(device: str) -> str:
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "medusa", "eagle", "eagle3")
 # Methods a lookup branch can join (a draft model's chain sampled from q takes none).
 LOOKUP_BRANCH_METHODS = ("draft_model", "medusa", "eagle", "eagle3")
+# Drafters whose LM head scores target ids, which a token map (FR-Spec) can restrict.
+TOKEN_MAP_METHODS = ("eagle", "medusa", "draft_model")
 DRAFT_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 QUANTIZED_DRAFT_DTYPES = ("int8", "int4")  # packed by the CPU kernels only
 
@@ -285,6 +287,11 @@ class SpeculativeConfig:
     # data-free stand-in for FR-Spec's frequency ranking, Zhao et al. 2025): a 152k-token head
     # is 27% of Qwen2.5-0.5B's weights. Drafts stay proposals: exactness is untouched.
     draft_vocab_size: int | None = None
+    # SGLang's --speculative-token-map (FR-Spec, Zhao et al. 2025): a file of target token ids
+    # (.json, .safetensors; .pt with --allow-pickle) the drafter's LM head keeps; the end of
+    # sequence ids are always kept. Methods eagle, medusa and draft_model (an EAGLE-3 head has
+    # its own draft vocabulary, d2t). Drafts stay proposals: exactness is untouched.
+    token_map: str | None = None
     # Static draft tree as a choice list (vLLM's key; a JSON string or a list), e.g.
     # [[0], [1], [0, 0], [1, 0], [0, 0, 0]]: top-2 children of the root, then chains below.
     speculative_token_tree: Any = None
@@ -407,6 +414,22 @@ class SpeculativeConfig:
                 raise InvalidRequestError("draft_vocab_size applies to method draft_model only")
             if self.draft_vocab_size < 2:
                 raise InvalidRequestError("draft_vocab_size must be an integer >= 2")
+        if self.token_map is not None:
+            if self.method not in TOKEN_MAP_METHODS:
+                why = (
+                    ": an EAGLE-3 head has its own draft vocabulary (d2t), fixed when it was "
+                    "trained (`train eagle3 --draft-vocab`)"
+                    if self.method == "eagle3"
+                    else " (a lookup drafter has no LM head)"
+                )
+                raise InvalidRequestError(
+                    f"token_map (--speculative-token-map) applies to methods "
+                    f"{', '.join(TOKEN_MAP_METHODS)}, not to {self.method}{why}"
+                )
+            if self.draft_vocab_size is not None:
+                raise InvalidRequestError(
+                    "token_map and draft_vocab_size both choose the draft's vocabulary: give one"
+                )
         if self.draft_dtype is not None and self.draft_dtype not in DRAFT_DTYPES:
             raise InvalidRequestError(
                 f"unknown draft_dtype {self.draft_dtype!r}; choose from {', '.join(DRAFT_DTYPES)}"
@@ -442,7 +465,7 @@ class SpeculativeConfig:
                 least = 2 if key in ("num_draft_tokens", "draft_vocab_size") else 1
                 what = "a positive integer" if least == 1 else "an integer >= 2"
                 raise InvalidRequestError(f"{key} must be {what}, got {v!r}")
-        for key in ("draft_dtype", "prompt_lookup_method"):
+        for key in ("draft_dtype", "prompt_lookup_method", "token_map"):
             v = getattr(self, key)
             if v is not None and not isinstance(v, str):
                 raise InvalidRequestError(f"{key} must be a string, got {v!r}")

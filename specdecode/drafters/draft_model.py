@@ -91,6 +91,15 @@ class DraftModelDrafter(Drafter):
                 f"the draft model's vocabulary ({model.config.vocab_size}) differs from the "
                 f"target's ({engine.model_config.vocab_size}); they must share a tokenizer"
             )
+        if config.token_map is not None:
+            from specdecode.models.head_io import engine_token_map
+
+            if model.vocab_ids is not None:
+                raise InvalidRequestError(
+                    "this draft already has a reduced vocabulary (`train draft --draft-vocab`); "
+                    "a token map cannot choose other rows: drop token_map"
+                )
+            model.reduce_vocab(engine_token_map(config, engine))
         if config.draft_vocab_size and config.draft_vocab_size < model.config.vocab_size:
             if model.vocab_ids is not None:
                 raise InvalidRequestError(

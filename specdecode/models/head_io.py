@@ -262,9 +262,17 @@ def _refuse_draft(path: Path, raw: dict) -> None:
         )
 
 
-def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
+def load_head(
+    path: Path,
+    target: LlamaModel,
+    allow_pickle: bool = False,
+    token_map: torch.Tensor | None = None,
+):
     """A head directory (ours, SafeAILab EAGLE-1/EAGLE-3, speculators, or Medusa), attached to
-    `target` (its embeddings and, unless the head has its own, its LM head rows)."""
+    `target` (its embeddings and, unless the head has its own, its LM head rows). `token_map`
+    (target ids, `models.token_map`) replaces the draft vocabulary of a head that scores with
+    the target's LM head rows (EAGLE-1, Medusa), or picks rows of a Medusa head's own
+    whole-vocabulary projections."""
     path = Path(path)
     raw = _read_config(path)
     _refuse_draft(path, raw)
@@ -289,8 +297,8 @@ def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
     lc = replace(lc, qk_norm=any(k.endswith("self_attn.q_norm.weight") for k in tensors))
     device = target.norm.weight.device
     if kind == "medusa":
-        head, token_map = _load_medusa(raw, tensors, tc)
-        vocab_ids = token_map if token_map is not None else vocab_ids
+        head, own_map = _load_medusa(raw, tensors, tc)  # (vLLM's token_map: its rows' ids)
+        vocab_ids = own_map if own_map is not None else vocab_ids
     elif kind == "eagle":
         tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
         tensors.pop("embed_tokens.weight", None)  # SafeAILab stores the target's copy
@@ -301,6 +309,8 @@ def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
     else:
         raise InvalidRequestError(f"{path}: not a Medusa, EAGLE or EAGLE-3 head")
     head = head.to(device)
+    if token_map is not None:
+        vocab_ids = _apply_token_map(path, kind, head, vocab_ids, token_map)
     if vocab_ids is not None:
         vocab_ids = vocab_ids.long()
         rows = None
@@ -317,6 +327,26 @@ def load_head(path: Path, target: LlamaModel, allow_pickle: bool = False):
     else:
         head.attach(target.embed_tokens, target.lm_head.weight, vocab_ids)
     return head.eval().requires_grad_(False)
+
+
+def _apply_token_map(path: Path, kind: str, head, vocab_ids, token_map: torch.Tensor):
+    """The draft vocabulary a token map gives a head (its ids replace the head's own, the
+    rows being the target's), or a clear error where the head's LM head is its own."""
+    if kind == "eagle3":
+        raise InvalidRequestError(
+            f"{path}: an EAGLE-3 head has its own draft vocabulary (d2t); a token map does not "
+            "apply to it"
+        )
+    if kind == "medusa" and head.own_projections is not None:
+        if vocab_ids is not None:  # its own rows are a vocabulary of its own already
+            raise InvalidRequestError(
+                f"{path}: this Medusa head's own projections cover a reduced vocabulary "
+                f"({vocab_ids.numel()} tokens, its token_map); a token map cannot choose "
+                "other rows"
+            )
+        keep = token_map.to(head.own_projections[0].device)
+        head.own_projections = [w[keep].contiguous() for w in head.own_projections]
+    return token_map
 
 
 def _load_medusa(
@@ -551,6 +581,22 @@ def _check_head_dtype(config: SpeculativeConfig, engine: LLMEngine) -> None:
         )
 
 
+def engine_token_map(config: SpeculativeConfig, engine: LLMEngine) -> torch.Tensor | None:
+    """The speculative config's token map (target ids, the end of sequence ids added), on the
+    target's device; None without one."""
+    from specdecode.models.token_map import load_token_map
+
+    if config.token_map is None:
+        return None
+    ids = load_token_map(
+        config.token_map,
+        engine.model_config.vocab_size,
+        engine.config.allow_pickle,
+        always=tuple(sorted(engine._eos_ids())),
+    )
+    return ids.to(engine.model.norm.weight.device)
+
+
 def load_head_for(config: SpeculativeConfig, engine: LLMEngine, kind: str):
     path = resolve_head(config.model, kind, engine)
     if not path.is_dir():
@@ -569,7 +615,8 @@ def load_head_for(config: SpeculativeConfig, engine: LLMEngine, kind: str):
         )
         raise InvalidRequestError(f"{path} holds {what} head, not {kind!r}")
     _check_head_dtype(config, engine)
-    head = load_head(path, engine.model, engine.config.allow_pickle)
+    token_map = engine_token_map(config, engine)
+    head = load_head(path, engine.model, engine.config.allow_pickle, token_map)
     if engine.config.kernels == "auto":
         dtype = head_weight_dtype(config, engine.model.norm.weight.dtype)
         if kind == "medusa":

@@ -135,6 +135,8 @@ def test_sglang_flags_map_to_the_speculative_config():
             "4",
             "--speculative-num-draft-tokens",
             "8",
+            "--speculative-token-map",
+            "freq_32768.pt",
         ]
     )
     assert speculative_config(args) == {
@@ -143,6 +145,7 @@ def test_sglang_flags_map_to_the_speculative_config():
         "num_speculative_tokens": 5,
         "topk": 4,
         "num_draft_tokens": 8,
+        "token_map": "freq_32768.pt",
     }
 
 

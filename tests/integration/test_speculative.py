@@ -3,6 +3,7 @@ sampled outputs identically distributed."""
 
 from __future__ import annotations
 
+import json
 import time
 from copy import deepcopy
 
@@ -218,6 +219,25 @@ def test_reduced_draft_vocab_is_lossless(plain, tiny_llama_dir, temperature):
     else:
         params = SamplingParams(temperature=1.0, max_tokens=30, seed=3)
         assert spec.generate(PROMPTS, params)[0].outputs[0].token_ids
+    assert spec.engine.spec_stats.num_draft_tokens > 0
+
+
+def test_a_token_map_cuts_a_draft_models_vocabulary_losslessly(plain, tiny_llama_dir, tmp_path):
+    """SGLang's --speculative-token-map on a draft model (STANDALONE): its LM head keeps the
+    map's rows and the end ids; greedy output unchanged."""
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(list(range(3, 60, 2))))
+    spec = spec_llm(
+        tiny_llama_dir,
+        method="draft_model",
+        model=str(tiny_llama_dir),
+        num_speculative_tokens=3,
+        token_map=str(path),
+    )
+    kept = spec.engine.drafter.model.vocab_ids.tolist()
+    assert kept == sorted({*range(3, 60, 2), *spec.engine._eos_ids()})
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(30))] == want
     assert spec.engine.spec_stats.num_draft_tokens > 0
 
 

@@ -1073,3 +1073,47 @@ def test_medusa_drafts_from_no_feature_older_than_its_last_token(plain, tiny_lla
     while not seq.finished:
         engine.step()
     assert seq.output_token_ids == want and engine.num_tracked() == 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_a_token_map_from_the_data_keeps_its_rows_and_stays_lossless(
+    plain, tiny_llama_dir, heads, method, tmp_path, capsys
+):
+    """`data token-map` writes the data's most frequent tokens; a head served with it
+    (SGLang's --speculative-token-map) drafts from those rows alone (and the end ids), and the
+    output stays the target's."""
+    from specdecode.cli import main
+
+    root, _ = heads
+    path = tmp_path / "map.json"
+    assert main(["data", "token-map", "--data", str(root / "data"), "--size", "12",
+                 "--out", str(path)]) == 0  # fmt: skip
+    assert f"wrote 12 token ids to {path}" in capsys.readouterr().out
+    kept = json.loads(path.read_text())
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={"method": method, "model": str(root / method), "token_map": str(path)},
+        speculative_policy="static",
+    )
+    head = spec.engine.drafter.head if method == "eagle" else spec.engine.drafter.heads
+    eos = sorted(spec.engine._eos_ids())
+    assert head.vocab_ids.tolist() == sorted({*kept, *eos})
+    assert head.proj.weight.shape[0] == len(head.vocab_ids)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(30))] == want
+    stats = spec.engine.spec_stats
+    assert stats.num_accepted_tokens > 0, "the test must exercise accepted drafts"
+    # an EAGLE-3 head's vocabulary is its own: refused, not silently ignored (SGLang's way)
+    with pytest.raises(InvalidRequestError, match="own draft vocabulary"):
+        LLM(str(tiny_llama_dir), speculative_config={"method": "eagle3", "token_map": str(path)})
+
+
+def test_data_token_map_says_what_is_wrong(heads, tmp_path):
+    from specdecode.cli import main
+
+    root, _ = heads
+    out = str(tmp_path / "map.json")
+    assert main(["data", "token-map", "--data", str(tmp_path / "none"), "--out", out]) == 2
+    assert main(["data", "token-map", "--data", str(root / "data"), "--out",
+                 str(tmp_path / "map.pt")]) == 2  # fmt: skip
+    assert not (tmp_path / "map.pt").exists() and not (tmp_path / "map.json").exists()

@@ -264,6 +264,12 @@ def test_medusa_layouts(target, tmp_path, layout):
     with torch.no_grad():
         want = torch.stack([heads.medusa_head[k](x) @ projs[k].T for k in range(2)], dim=1)
         torch.testing.assert_close(loaded(x), want, atol=1e-4, rtol=1e-4)
+    # a token map (FR-Spec) keeps those rows of the head's own projections
+    keep = torch.tensor([2, 5, 11, 40])
+    mapped = load_head(tmp_path, target, token_map=keep)
+    assert torch.equal(mapped.vocab_ids, keep)
+    with torch.no_grad():
+        torch.testing.assert_close(mapped(x), want[..., keep], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
@@ -429,6 +435,10 @@ def test_medusa_with_a_draft_vocabulary_exports_over_the_whole_vocabulary(target
         _write(tmp_path / "bad", vllm_config, {**full, "token_map": bad})
         with pytest.raises(InvalidRequestError, match="token_map"):
             load_head(tmp_path / "bad", target)
+    # its rows are a draft vocabulary already: a token map cannot pick others (nor an EAGLE-3
+    # head's, whose LM head is its own)
+    with pytest.raises(InvalidRequestError, match="cannot choose other rows"):
+        load_head(tmp_path / "own", target, token_map=torch.tensor([0, 3]))
     # a token_map vLLM would ignore (no truncated size below the target's) is ignored here too
     _write(tmp_path / "whole", {**vllm_config, "truncated_vocab_size": None}, full)
     assert load_head(tmp_path / "whole", target).vocab_ids is None
