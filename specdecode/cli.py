@@ -149,13 +149,11 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
             )
         cfg[key], source[key] = value, flag
 
-    implied = None  # --speculative-model's method, where no other flag names one
     if getattr(args, "speculative_model", None):
         model = args.speculative_model
         if model.strip("[]") == "ngram":
             put("method", "ngram", "--speculative-model")
-        else:
-            implied = "draft_model"
+        else:  # (its method: the checkpoint's, where no flag names one)
             put("model", model, "--speculative-model")
     algorithm = getattr(args, "speculative_algorithm", None)
     if algorithm:
@@ -189,8 +187,11 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
             raise InvalidRequestError("--speculative-config must be a JSON object")
         for key, value in raw.items():
             put(key, value, "--speculative-config")
-    if implied and "method" not in cfg:
-        cfg["method"] = implied
+    vllm_model = source.get("model") in ("--speculative-model", "--speculative-config")
+    if "method" not in cfg and cfg.get("model") and vllm_model:  # vLLM's: the model's method
+        from specdecode.config import with_method
+
+        cfg = with_method(cfg)
     chain_nodes = cfg.get("num_draft_tokens")
     if (
         cfg.get("method") in ("ngram", "draft_model")

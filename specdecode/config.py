@@ -567,10 +567,82 @@ class SpeculativeConfig:
             raise InvalidRequestError(
                 f"the speculative config must be a dict (or its JSON), got {type(raw).__name__}"
             )
-        if "method" not in raw:
-            raise InvalidRequestError("the speculative config needs a 'method'")
+        raw = vllm_compat(with_method(raw))
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise InvalidRequestError(f"unknown speculative config keys: {', '.join(unknown)}")
         return cls(**raw)
+
+
+def with_method(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with its method; where it names none, the method its `model` is (as vLLM infers
+    one, here from the checkpoint rather than its name): "[ngram]" (vLLM's legacy spelling),
+    a head directory (its kind: medusa, eagle, eagle3), a head `models pull` builds, or else a
+    model (draft_model)."""
+    from pathlib import Path
+
+    from specdecode.errors import InvalidRequestError
+
+    if "method" in raw:
+        return raw
+    model = raw.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequestError("the speculative config needs a 'method' (or a 'model')")
+    from specdecode.models.registry import RECIPES
+
+    if model.strip("[]") == "ngram":
+        method = "ngram"
+        raw = {k: v for k, v in raw.items() if k != "model"}
+    elif model in RECIPES:
+        method = RECIPES[model].kind
+    else:
+        from specdecode.models.head_io import head_kind
+
+        path = Path(model).expanduser()
+        method = (head_kind(path) if path.is_dir() else None) or "draft_model"
+    return {**raw, "method": method}
+
+
+# vLLM speculative config keys with nothing to set here: accepted at the value that means what
+# this engine does, refused (with why) at any other, rather than "unknown".
+_VLLM_KEYS: dict[str, tuple[Any, str]] = {
+    "draft_tensor_parallel_size": (
+        lambda v: v in (None, 1),
+        "the draft runs on the target's one device here",
+    ),
+    "disable_padded_drafter_batch": (
+        lambda v: isinstance(v, bool),
+        "a GPU batching switch (no effect here); a boolean",
+    ),
+    "disable_log_stats": (
+        lambda v: isinstance(v, bool),
+        "no effect here: acceptance is reported on /metrics and by `bench`; a boolean",
+    ),
+    "disable_logprobs": (
+        lambda v: isinstance(v, bool),
+        "requested logprobs are always the target's here; a boolean",
+    ),
+    "acceptance_method": (
+        lambda v: v in (None, "rejection_sampler"),
+        "only the lossless rejection sampler is offered (typical acceptance changes the output)",
+    ),
+    "revision": (lambda v: v in (None, "main"), "nothing is downloaded here: give a local path"),
+    "code_revision": (lambda v: v is None, "no remote code runs here"),
+    "quantization": (lambda v: v is None, 'the draft\'s weights: use "draft_dtype" (int8, int4)'),
+    "max_model_len": (lambda v: v is None, "a draft drafts within its own context here"),
+}
+
+
+def vllm_compat(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` without the vLLM keys above that hold the value this engine behaves as; a clear
+    error for one that asks for something else."""
+    from specdecode.errors import InvalidRequestError
+
+    out = dict(raw)
+    for key, (fits, why) in _VLLM_KEYS.items():
+        if key in out:
+            value = out.pop(key)
+            if not fits(value):
+                raise InvalidRequestError(f"speculative config {key}={value!r}: {why}")
+    return out

@@ -149,6 +149,28 @@ def test_sglang_flags_map_to_the_speculative_config():
     }
 
 
+def test_vllm_flags_without_a_method_take_the_models(tmp_path):
+    """vLLM's `--speculative-config '{"model": ...}'` and legacy `--speculative-model` infer the
+    method from the model (here its checkpoint); SGLang's draft path alone names none."""
+    from pathlib import Path
+
+    import specdecode
+    from specdecode.cli import build_parser, speculative_config
+    from specdecode.errors import InvalidRequestError
+
+    head = str(Path(specdecode.__file__).parent / "assets" / "smollm2-135m-eagle3")
+
+    def cfg(*flags):
+        return speculative_config(build_parser().parse_args(["generate", "--prompt", "x", *flags]))
+
+    assert cfg("--speculative-config", json.dumps({"model": head}))["method"] == "eagle3"
+    assert cfg("--speculative-model", head)["method"] == "eagle3"
+    assert cfg("--speculative-model", str(tmp_path))["method"] == "draft_model"
+    assert cfg("--speculative-model", "[ngram]") == {"method": "ngram"}
+    with pytest.raises(InvalidRequestError, match="without a method"):
+        cfg("--speculative-draft-model-path", head)
+
+
 @pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
 def test_sglang_draft_budget_without_a_tree_is_a_chain(algorithm):
     """SGLang's NGRAM (and a STANDALONE chain) take --speculative-num-draft-tokens N: N verified

@@ -64,3 +64,49 @@ def test_the_error_is_importable_from_the_package():
     import specdecode
 
     assert specdecode.InvalidRequestError is InvalidRequestError
+
+
+def test_without_a_method_the_models_checkpoint_names_it(tmp_path):
+    """vLLM infers the method from the model; here from what the checkpoint is: a head's kind,
+    "[ngram]" (vLLM's legacy spelling), a head `models pull` builds, else a draft model."""
+    from pathlib import Path
+
+    import specdecode
+
+    assets = Path(specdecode.__file__).parent / "assets"
+    for kind in ("eagle", "eagle3", "medusa"):
+        cfg = SpeculativeConfig.from_dict({"model": str(assets / f"smollm2-135m-{kind}")})
+        assert cfg.method == kind
+    ngram = SpeculativeConfig.from_dict({"model": "[ngram]", "num_speculative_tokens": 3})
+    assert (ngram.method, ngram.model) == ("ngram", None)
+    assert SpeculativeConfig.from_dict({"model": "qwen2.5-coder-1.5b-eagle3"}).method == "eagle3"
+    assert SpeculativeConfig.from_dict({"model": str(tmp_path)}).method == "draft_model"
+    with pytest.raises(InvalidRequestError, match="needs a 'method'"):
+        SpeculativeConfig.from_dict({"num_speculative_tokens": 3})
+
+
+def test_vllm_keys_with_nothing_to_set_are_accepted_at_what_this_engine_does():
+    """A config copied from a vLLM command: its keys are accepted where their value is what
+    happens here anyway, and refused with the reason where it asks for something else."""
+    cfg = SpeculativeConfig.from_dict(
+        {
+            "method": "ngram",
+            "draft_tensor_parallel_size": 1,
+            "disable_logprobs": False,
+            "disable_log_stats": False,
+            "disable_padded_drafter_batch": True,
+            "acceptance_method": "rejection_sampler",
+            "revision": None,
+        }  # fmt: skip
+    )
+    assert cfg.method == "ngram"
+    for key, value, message in (
+        ("draft_tensor_parallel_size", 2, "one device"),
+        ("acceptance_method", "typical_acceptance_sampler", "lossless rejection sampler"),
+        ("quantization", "fp8", "draft_dtype"),
+        ("max_model_len", 512, "its own context"),
+        ("revision", "v2", "local path"),
+        ("disable_logprobs", "yes", "a boolean"),
+    ):
+        with pytest.raises(InvalidRequestError, match=f"{key}=.*{message}"):
+            SpeculativeConfig.from_dict({"method": "ngram", key: value})
