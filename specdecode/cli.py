@@ -911,6 +911,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     from specdecode.export import (
         MARK,
+        TOKEN_MAP,
         check_format,
         check_out,
         export_head,
@@ -934,7 +935,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     config = export_head(head, loaded.model, args.format, Path(args.out), name, args.allow_pickle)
     print(f"wrote {args.out}; serve it with:")
     heads = config.get("num_heads")
-    print("  " + serve_command(args.format, kind, name, str(args.out), heads, remote=remote))
+    mapped = (Path(args.out) / TOKEN_MAP).is_file()
+    print("  " + serve_command(args.format, kind, name, str(args.out), heads, remote, mapped))
     # the draft vocabulary of the head as loaded (ours, or an imported token_map)
     draft_vocab = json.loads((Path(args.out) / MARK).read_text())["draft_vocab"]
     for note in export_notes(args.format, kind, draft_vocab, remote, config):

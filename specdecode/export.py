@@ -66,7 +66,11 @@ _COPIED = ("training.json",)  # from the head, where it has them
 # what an export is known by: the only folder `export` replaces is one it wrote (a trained or
 # downloaded head has the same config.json and model.safetensors)
 MARK = "specdecode_export.json"
-_WRITTEN = {"config.json", "model.safetensors", *_COPIED, MARK}
+# An EAGLE-1 head's draft vocabulary for SGLang (its --speculative-token-map, FR-Spec): the
+# layout has no field for one, and SGLang reads a map with torch.load alone, so it is the one
+# pickle file written (a tensor of token ids; this project reads it only with --allow-pickle).
+TOKEN_MAP = "token_map.pt"
+_WRITTEN = {"config.json", "model.safetensors", *_COPIED, MARK, TOKEN_MAP}
 
 
 def check_out(head: Path, out: Path) -> None:
@@ -133,6 +137,8 @@ def export_head(
         out / "model.safetensors",
     )
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    if fmt == "sglang" and isinstance(head, EagleHead) and head.vocab_ids is not None:
+        torch.save(head.vocab_ids.detach().cpu().long().contiguous(), out / TOKEN_MAP)
     for f in _COPIED:
         if (Path(head_dir) / f).is_file():
             shutil.copy(Path(head_dir) / f, out / f)
@@ -305,11 +311,18 @@ def export_notes(
                 "a draft vocabulary (token_map), so it is written over the target's whole "
                 "vocabulary and vLLM drafts over all of it (still lossless; its drafts can differ)"
             )
-    if kind == "eagle" and draft_vocab:
+    if kind == "eagle" and draft_vocab and fmt == "sglang":
+        notes.append(
+            f"this EAGLE-1 head drafts over {draft_vocab} tokens here; {TOKEN_MAP} holds them "
+            "for SGLang's --speculative-token-map (in the command above), so SGLang drafts "
+            "over the same tokens"
+        )
+    elif kind == "eagle" and draft_vocab:
         notes.append(
             f"this EAGLE-1 head drafts over {draft_vocab} tokens here; "
-            "EAGLE-1 layouts have no field for a draft vocabulary, so vLLM and SGLang draft it "
-            "over the target's whole LM head (still lossless; its drafts can differ)"
+            "EAGLE-1 layouts have no field for a draft vocabulary, so vLLM drafts it over the "
+            "target's whole LM head (still lossless; its drafts can differ); `--format sglang` "
+            "keeps the vocabulary (a token map)"
         )
     if fmt == "speculators" and not remote:
         notes.append(
@@ -327,6 +340,7 @@ def serve_command(
     head_dir: str,
     num_heads: int | None = None,
     remote: bool = True,
+    token_map: bool = False,
 ) -> str:
     """The command that serves an exported head (printed by the CLI, listed in the README).
     Medusa drafts as many tokens as it has heads: vLLM sets the config's head count to
@@ -338,6 +352,7 @@ def serve_command(
             f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algo} "
             f"--speculative-draft-model-path {head_dir} --speculative-num-steps 5 "
             "--speculative-eagle-topk 4 --speculative-num-draft-tokens 8"
+            + (f" --speculative-token-map {head_dir}/{TOKEN_MAP}" if token_map else "")
         )
     if fmt == "speculators" and remote:
         return f"vllm serve {head_dir}"  # the target comes from speculators_config

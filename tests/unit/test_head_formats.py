@@ -473,6 +473,10 @@ def test_serve_commands_and_notes_say_what_the_serving_side_needs(tmp_path):
     assert export_notes("speculators", "eagle3", remote=True) == []
     assert any("0.32" in n for n in export_notes("vllm", "medusa"))
     assert any("12288 tokens" in n for n in export_notes("vllm", "eagle", 12288))
+    assert any("--speculative-token-map" in n for n in export_notes("sglang", "eagle", 12288))
+    sglang = serve_command("sglang", "eagle", "T", "out/e", token_map=True)
+    assert sglang.endswith("--speculative-token-map out/e/token_map.pt")
+    assert "token-map" not in serve_command("sglang", "eagle", "T", "out/e")
     assert export_notes("vllm", "eagle", None) == []
     smol = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
     assert export_notes("sglang", "eagle3", config=smol) == []  # any SGLang loads it
@@ -545,6 +549,22 @@ def test_sglang_eagle1_gets_a_zero_fc_bias_and_eagle3_layers_must_exist(target, 
     # a "bias" key would give SGLang's / vLLM's Llama layer q/k/v/o biases the head lacks
     assert not config.get("bias") and not config.get("attention_bias")
     _same_eagle(head, load_head(tmp_path / "e1-sglang", target))
+    assert not (tmp_path / "e1-sglang" / "token_map.pt").exists()  # the whole vocabulary
+    # a draft vocabulary goes to SGLang as its --speculative-token-map (FR-Spec): a tensor of
+    # target ids, the one file SGLang reads it from (torch.load); re-exported elsewhere, gone
+    vocab = torch.tensor([0, 3, 9, 17, 40])
+    head.attach(target.embed_tokens, target.lm_head.weight, vocab)
+    save_head(head, tmp_path / "e1v", CFG, {})
+    export_head(tmp_path / "e1v", target, "sglang", tmp_path / "e1v-sglang")
+    mapped = torch.load(tmp_path / "e1v-sglang" / "token_map.pt", weights_only=True)
+    assert mapped.dtype == torch.int64 and torch.equal(mapped, vocab)
+    from specdecode.models.token_map import load_token_map
+
+    served = load_token_map(tmp_path / "e1v-sglang" / "token_map.pt", V, allow_pickle=True)
+    assert torch.equal(served, vocab)  # and it serves here with the same vocabulary
+    assert load_head(tmp_path / "e1v-sglang", target).vocab_ids is None  # (safetensors only)
+    export_head(tmp_path / "e1v", target, "vllm", tmp_path / "e1v-sglang")
+    assert not (tmp_path / "e1v-sglang" / "token_map.pt").exists()
     head3 = _eagle3(target, torch.arange(V))
     tensors = {k.replace("layers.0.", "midlayer."): v for k, v in _unfused(head3, CFG).items()}
     deep = [2, CFG.num_layers + 5, CFG.num_layers + 20]  # a deeper target's layers
