@@ -19,6 +19,15 @@ _at_least_two = integer(2)
 _DEVICES = ("auto", "cpu", "cuda")
 
 
+def _one_device(text: str) -> int:
+    """A tensor-parallel size: 1, the one device this engine runs on."""
+    if text.strip() != "1":
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: this engine runs on one device (tensor parallelism is not supported)"
+        )
+    return 1
+
+
 def _device(text: str) -> str:
     """auto, cpu, cuda or cuda:N (whether CUDA is there is checked where it is used)."""
     base, _, index = text.partition(":")
@@ -30,6 +39,7 @@ def _device(text: str) -> str:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
+        "--model-path",  # (SGLang's)
         default=None,
         help="model directory, .gguf file, or omit for the embedded SmolLM2-135M-Instruct",
     )
@@ -41,7 +51,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "Ampere); float32 is the exact one",
     )
     p.add_argument("--device", type=_device, default="auto", help="cpu, cuda[:N], or auto")
-    p.add_argument("--max-model-len", type=_at_least_one, default=None)
+    p.add_argument("--max-model-len", "--context-length", type=_at_least_one, default=None)
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        "--tp-size",
+        type=_one_device,
+        default=1,
+        help="vLLM's / SGLang's: 1 (one device here)",
+    )
     p.add_argument("--kv-cache-memory-gb", type=number(above=0), default=2.0)
     p.add_argument(
         "--kernels",
@@ -74,6 +92,12 @@ def add_prefix_caching_arg(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reuse the KV cache of earlier requests' identical first tokens (default: on)",
+    )
+    p.add_argument(
+        "--disable-radix-cache",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="SGLang's --no-enable-prefix-caching",
     )
 
 
@@ -262,7 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' (or SPECDECODE_API_KEY)",
     )
     srv.add_argument("--served-model-name", default=None, help="the model id clients send")
-    srv.add_argument("--max-num-seqs", type=_at_least_one, default=64, help="requests in one batch")
+    srv.add_argument(
+        "--max-num-seqs",
+        "--max-running-requests",  # (SGLang's)
+        type=_at_least_one,
+        default=64,
+        help="requests in one batch",
+    )
     srv.add_argument(
         "--max-n", type=_at_least_one, default=16, help="largest n a request may ask for"
     )

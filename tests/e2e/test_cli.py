@@ -149,6 +149,33 @@ def test_sglang_flags_map_to_the_speculative_config():
     }
 
 
+def test_sglang_and_vllm_server_flags_are_their_aliases():
+    """A command copied from SGLang's launch_server or `vllm serve` parses to what it means."""
+    from specdecode.cli import build_parser, main
+
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model-path",
+            "m",
+            "--context-length",
+            "512",
+            "--max-running-requests",
+            "8",
+            "--disable-radix-cache",
+            "--tp-size",
+            "1",
+        ]  # fmt: skip
+    )
+    assert (args.model, args.max_model_len, args.max_num_seqs) == ("m", 512, 8)
+    assert args.enable_prefix_caching is False
+    args = build_parser().parse_args(["serve", "m", "--tensor-parallel-size", "1"])
+    assert args.enable_prefix_caching is True and args.tensor_parallel_size == 1
+    with pytest.raises(SystemExit) as e:  # one device: refused
+        main(["generate", "--prompt", "x", "-tp", "2"])
+    assert e.value.code == 2
+
+
 def test_vllm_flags_without_a_method_take_the_models(tmp_path):
     """vLLM's `--speculative-config '{"model": ...}'` and legacy `--speculative-model` infer the
     method from the model (here its checkpoint); SGLang's draft path alone names none."""
