@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -104,6 +105,8 @@ def _label(cfg) -> str:
         parts.append(cfg.draft_dtype)
     if cfg.draft_vocab_size:
         parts.append(f"vocab {cfg.draft_vocab_size}")
+    if cfg.token_map:
+        parts.append(f"map {Path(cfg.token_map).name}")
     return " ".join(parts)
 
 

@@ -93,3 +93,12 @@ def test_the_methods_with_an_lm_head_take_a_map(method):
 def test_a_map_where_it_does_nothing_is_refused(config, message):
     with pytest.raises(InvalidRequestError, match=message):
         SpeculativeConfig.from_dict({"token_map": "m.json", **config})
+
+
+def test_a_benchmark_row_names_its_map():
+    """Configs that differ by their map alone are told apart in `bench latency`'s rows."""
+    from specdecode.bench.speculative import _label
+
+    with_map = SpeculativeConfig.from_dict({"method": "eagle", "token_map": "maps/smol-8k.json"})
+    plain = SpeculativeConfig.from_dict({"method": "eagle"})
+    assert _label(with_map) == _label(plain) + " map smol-8k.json"
