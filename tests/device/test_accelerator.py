@@ -94,7 +94,37 @@ CONFIGS = [
     {"method": "eagle", "model": "HEAD", "topk": 3, "num_draft_tokens": 6},  # another tree
     {"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 4, "topk": 1},
     {"method": "eagle3", "model": "HEAD", "prompt_lookup_tokens": 6, "prompt_lookup_min": 1},
+    # an imported Medusa with projections of its own (FasterDecoding's layout), and those cut
+    # by a token map (FR-Spec): its tensors live where the target does
+    {"method": "medusa", "model": "OWN"},
+    {"method": "medusa", "model": "OWN", "token_map": "MAP"},
 ]
+
+
+def _own_projection_medusa(heads, tiny_llama_dir, root):
+    """The trained Medusa head in FasterDecoding's layout, each head projecting with its own
+    copy of the target's LM head."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from specdecode.models.loader import load_model
+
+    out = root / "medusa-own"
+    if out.is_dir():
+        return out
+    out.mkdir()
+    lm = load_model(tiny_llama_dir).model.lm_head.weight.detach().float()
+    tensors = load_file(str(heads[0] / "medusa" / "model.safetensors"))
+    own = {k.removeprefix("medusa_head."): v for k, v in tensors.items() if "linear" in k}
+    n = 1 + max(int(k.split(".")[0]) for k in own)
+    layers = 1 + max(int(k.split(".")[1]) for k in own)
+    own |= {f"{i}.{layers}.weight": lm.clone() for i in range(n)}
+    save_file(own, str(out / "medusa_lm_head.safetensors"))
+    config = {"medusa_num_heads": n, "medusa_num_layers": layers, "base_model_name_or_path": "t"}
+    (out / "config.json").write_text(json.dumps(config))
+    (root / "map.json").write_text(json.dumps(list(range(0, lm.shape[0], 2))))
+    return out
 
 
 def _spec(cfg, tiny_llama_dir, heads, tmp_path_factory, policy="static"):
@@ -105,12 +135,18 @@ def _spec(cfg, tiny_llama_dir, heads, tmp_path_factory, policy="static"):
         cfg["model"] = str(tiny_llama_dir)
     elif cfg.get("model") == "OTHER":
         cfg["model"] = str(_draft_dir(tmp_path_factory))
+    elif cfg.get("model") == "OWN":
+        cfg["model"] = str(_own_projection_medusa(heads, tiny_llama_dir, heads[0]))
+        if cfg.get("token_map") == "MAP":
+            cfg["token_map"] = str(heads[0] / "map.json")
     return LLM(
         str(tiny_llama_dir), device=DEVICE, speculative_config=cfg, speculative_policy=policy
     )
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c['method']}-{c.get('model', '')}")
+@pytest.mark.parametrize(
+    "cfg", CONFIGS, ids=lambda c: f"{c['method']}-{c.get('model', '')}{'-map' * ('token_map' in c)}"
+)
 def test_greedy_equals_plain(plain, tiny_llama_dir, heads, tmp_path_factory, cfg):
     spec = _spec(cfg, tiny_llama_dir, heads, tmp_path_factory)
     want = tokens(plain.generate(PROMPTS, greedy(30)))
