@@ -784,14 +784,14 @@ def _write_token_map(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from specdecode.models.token_map import save_token_map
-    from specdecode.train.datagen import iter_examples, shard_paths
+    from specdecode.train.datagen import iter_examples, shard_metadata
     from specdecode.train.draft import frequent_tokens
 
     if Path(args.out).suffix.lower() not in (".safetensors", ".json"):
         raise InvalidRequestError(f"--out {args.out!r}: a token map is .safetensors or .json")
     examples = []
     for d in args.data_dirs:
-        shard_paths(Path(d))  # (a clear error for a folder without shards)
+        shard_metadata(Path(d))  # (a clear error for a folder without shards, or a mixed one)
         examples += list(iter_examples(Path(d), features=False))
     ids = frequent_tokens(examples, args.size, [])
     kept = set(ids.tolist())
@@ -812,7 +812,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     from specdecode.engine.engine import resolve_device, resolve_dtype
     from specdecode.models.loader import load_model, load_tokenizer
-    from specdecode.train.datagen import shard_paths
+    from specdecode.train.datagen import shard_metadata
     from specdecode.train.draft import DraftTrainConfig, train_draft
 
     heads = args.train in ("medusa", "eagle", "eagle3")
@@ -825,8 +825,8 @@ def cmd_train(args: argparse.Namespace) -> None:
                 "--resume continues the run in --out; --init starts a new one"
             )
         resume_config(Path(args.out), args.train)
-    for d in args.data:  # before the model loads: a wrong path fails at once
-        shard_paths(Path(d))
+    for d in args.data:  # before the model loads: a wrong path or a mixed set fails at once
+        shard_metadata(Path(d))
         if Path(d).resolve() == Path(args.out).resolve():
             raise InvalidRequestError(f"--out {args.out!r} is a --data folder: choose another")
 

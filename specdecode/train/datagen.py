@@ -12,7 +12,9 @@ records the conversation ids of its range (`slice_ids`, the ones whose prompts w
 included): a run over more conversations regenerates a last shard that was only partly filled,
 and a different `--shard-size` over the same directory is refused (its ranges would not match).
 Shards written before ranges were recorded are trusted when their ids fall in the range.
-Under `torchrun` each rank takes the shards with index % WORLD_SIZE == RANK.
+Under `torchrun` each rank takes the shards with index % WORLD_SIZE == RANK, and checks every
+shard already there (the other ranks' too) against its flags: one directory is one run's answers
+(`shard_metadata`, which training reads, refuses a directory whose shards differ).
 """
 
 from __future__ import annotations
@@ -129,8 +131,30 @@ def _metadata(path: Path) -> dict:
         return meta
 
 
+# what every shard of one data set records alike (the rest is its own range of conversations)
+_PER_SHARD = frozenset({"conversation_ids", "slice_ids"})
+
+
 def shard_metadata(data_dir: Path) -> dict:
-    return _metadata(shard_paths(data_dir)[0])
+    """The settings the shards of `data_dir` were generated with (headers only); an error
+    where two shards differ (a directory two runs with other flags wrote into: under torchrun
+    each rank checks only the shards it writes)."""
+    paths = shard_paths(data_dir)
+    first = _metadata(paths[0])
+    common = {k: v for k, v in first.items() if k not in _PER_SHARD}
+    for path in paths[1:]:
+        meta = _metadata(path)
+        # (a setting an older shard did not record is not compared; features always are)
+        keys = (set(common) & set(meta)) | {"feature_layers"}
+        differ = sorted(k for k in keys if meta.get(k) != common.get(k))
+        if differ:
+            what = ", ".join(f"{k} {meta.get(k)} (vs {common.get(k)})" for k in differ)
+            raise DataError(
+                f"{path.name} was generated with other settings than {paths[0].name} in "
+                f"{data_dir}: {what}; one data set is one run's answers: regenerate it with "
+                "one set of flags"
+            )
+    return first
 
 
 def answered_ids(data_dir: Path) -> set[str]:
@@ -178,19 +202,14 @@ def iter_examples(data_dir: Path, features: bool = True) -> Iterator[Example]:
         yield from read_shard(path, features)
 
 
-def _shard_done(
-    path: Path, want: list[str], feature_layers: str | None = None, settings: dict | None = None
-) -> bool:
-    """Whether the shard at `path` holds the range `want`; False (to regenerate) for a range it
-    holds only the start of (a run extended past a partly filled last shard); an error for a
-    range that does not match (another shard size or conversation list in the same place)."""
-    if not path.exists():
-        return False
+def _check_settings(path: Path, feature_layers: str | None, settings: dict | None) -> dict | None:
+    """The metadata of the shard at `path`, where it was written with this run's features and
+    settings (an error otherwise); None for a shard that cannot be read."""
     try:
         meta = _metadata(path)
     except DataError as e:  # (damaged after it was written: writes are atomic)
         log.warning("%s is not a readable data shard (%s): regenerating it", path, e.__cause__)
-        return False
+        return None
     stored = meta.get("feature_layers")
     if stored != feature_layers:
         raise InvalidRequestError(
@@ -210,6 +229,20 @@ def _shard_done(
             f"{path} was generated with {', '.join(differ)}: use the same flags as the run that "
             "wrote it, or another --out"
         )
+    return meta
+
+
+def _shard_done(
+    path: Path, want: list[str], feature_layers: str | None = None, settings: dict | None = None
+) -> bool:
+    """Whether the shard at `path` holds the range `want`; False (to regenerate) for a range it
+    holds only the start of (a run extended past a partly filled last shard); an error for a
+    range that does not match (another shard size or conversation list in the same place)."""
+    if not path.exists():
+        return False
+    meta = _check_settings(path, feature_layers, settings)
+    if meta is None:
+        return False
     held = json.loads(meta["conversation_ids"])
     recorded = json.loads(meta["slice_ids"]) if "slice_ids" in meta else None
     if recorded is None:  # an older shard: the ids it holds must come from this range
@@ -307,9 +340,16 @@ def generate(
         "max_prompt_tokens": max_prompt_tokens,
         "source": f"{source} (train split), first user turn",
     }
+    meta["shard_size"] = shard_size  # (which range each shard holds: another size is refused)
     settings = {k: str(meta[k]) for k in ("model", "max_tokens", "temperature",
-                                          "max_prompt_tokens")}  # fmt: skip
+                                          "max_prompt_tokens", "shard_size")}  # fmt: skip
     layers = json.dumps(list(feature_layers)) if feature_layers is not None else None
+    # every shard there, the other ranks' too: each rank would otherwise check only its own,
+    # and a directory could end up holding two runs' answers
+    others = [p for p in sorted(out.glob("shard-*.safetensors"))
+              if p not in {shard_path(out, i) for i in mine}]  # fmt: skip
+    for path in others:
+        _check_settings(path, layers, settings)
     todo = [i for i in mine if not _shard_done(shard_path(out, i), ids_of(i), layers, settings)]
     if len(todo) < len(mine):
         log.info("resuming: %d of %d shards already written", len(mine) - len(todo), len(mine))

@@ -27,7 +27,7 @@ import torch
 
 from specdecode.errors import DataError
 from specdecode.models.llama import LlamaModel
-from specdecode.train.datagen import Example, hold_out, iter_examples
+from specdecode.train.datagen import Example, hold_out, iter_examples, shard_metadata
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,7 @@ def train_draft(
     # one or more data sets, the last eval_examples of each held out (as the heads' training)
     sets = []
     for d in [data_dir] if isinstance(data_dir, (str, Path)) else data_dir:
+        shard_metadata(Path(d))  # (one run's answers: an error for a mixed directory)
         examples = list(iter_examples(Path(d), features=False))  # (a head's features: unused)
         if len(examples) <= cfg.eval_examples:
             raise DataError(

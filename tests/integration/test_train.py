@@ -79,8 +79,15 @@ def test_a_longer_run_over_the_same_directory_fills_the_partial_last_shard(llm, 
     written = generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=4)
     assert written == [shard_path(tmp_path, 2)]
     assert [e.conversation_id for e in iter_examples(tmp_path)] == [c for c, _ in CONVS]
-    with pytest.raises(InvalidRequestError, match="shard-size"):
+    with pytest.raises(InvalidRequestError, match=r"shard_size 2 \(this run: 3\)"):
         generate(llm, CONVS, tmp_path, shard_size=3, max_tokens=4)
+    # shard sizes whose ranges start alike (2 -> 4, 4 -> 2) would have duplicated answers
+    for first, then in ((2, 4), (4, 2)):
+        out = tmp_path / f"sizes-{first}-{then}"
+        generate(llm, CONVS[:4], out, shard_size=first, max_tokens=4)
+        with pytest.raises(InvalidRequestError, match=rf"shard_size {first} \(this run: {then}"):
+            generate(llm, CONVS[:4], out, shard_size=then, max_tokens=4)
+        assert [e.conversation_id for e in iter_examples(out)] == ["c0", "c1", "c2", "c3"]
     with pytest.raises(InvalidRequestError, match="--features"):  # shards without features
         generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=4, feature_layers=(0, 1))
     # another length or temperature would mix two runs' answers in one data set
@@ -127,10 +134,27 @@ def test_a_second_data_set_skips_the_conversations_of_the_first(llm, tmp_path, c
 
 
 def test_torchrun_ranks_split_the_shards(llm, tmp_path, monkeypatch):
+    """Each rank writes its shards; every rank checks the other ranks' shards too, so a
+    directory never holds two runs' answers, and training refuses one that does."""
+    from specdecode.errors import InvalidRequestError
+    from specdecode.train.datagen import shard_metadata
+
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     written = generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=4)
     assert written == [shard_path(tmp_path, 1)]
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(InvalidRequestError, match=r"max_tokens 4 \(this run: 8\)"):
+        generate(llm, CONVS, tmp_path, shard_size=2, max_tokens=8)
+    assert not shard_path(tmp_path, 0).exists()
+    # a mixed directory (written before this check, or put together by hand) is refused
+    generate(llm, CONVS[:2], tmp_path / "other", shard_size=2, max_tokens=8)
+    shard_path(tmp_path / "other", 0).rename(shard_path(tmp_path, 0))
+    with pytest.raises(DataError, match="max_tokens 4 .vs 8."):
+        shard_metadata(tmp_path)
+    cfg = DraftTrainConfig(num_layers=1, steps=1, batch_size=2, eval_examples=1)
+    with pytest.raises(DataError, match="other settings"):
+        train_draft(llm.engine.model, tmp_path, tmp_path / "draft", cfg, [2])
 
 
 def test_layer_indices():
