@@ -8,10 +8,15 @@ first completion until the last request is sent, while all c clients are busy an
 interleave with decoding (the start, every prompt prefilled at once, and the drain, with fewer
 and fewer requests in flight, are not the level's load).
 Reported per (c, policy): output throughput (tok/s),
-mean time per output token after the first (TPOT, the inter-token latency a streaming user
-sees), median time to first token, acceptance, and for adaptive the share of decoding steps it
-chose to draft. The engine runs in-process behind the same `AsyncLLMEngine` the HTTP server
-uses, so the numbers are the engine's, not the HTTP stack's.
+mean time per output token after the first (TPOT: (end - first token) / (tokens - 1), per
+request), the mean gap between a request's streamed updates after the first (ITL, as vLLM's
+benchmark counts it: under speculation an update can carry several tokens, so ITL is above TPOT
+there), median time to first token, acceptance, and for adaptive the share of decoding steps it
+chose to draft. Where one policy at a level leaves no steady state to time (see `_steady`),
+every policy at that level is timed over its whole run, so their ratios compare like with like.
+Results are written after every row: a failure or Ctrl-C keeps the levels measured. The
+engine runs in-process behind the same `AsyncLLMEngine` the HTTP server uses, so the numbers are
+the engine's, not the HTTP stack's.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 
 from specdecode.argtypes import name_list, temperature
 from specdecode.bench import at_least, level_list, machine, output_dir, workloads
+from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -46,7 +52,7 @@ async def _level(engine, request, concurrency: int, n_requests: int) -> dict:
             first, n, timeline = None, 0, []  # (time, output tokens so far) per update
             async for u in engine.generate(ids, request_params):
                 if u.error:
-                    raise RuntimeError(u.error)
+                    raise BenchError(f"a request failed at concurrency {concurrency}: {u.error}")
                 now = time.perf_counter()
                 if u.token_ids and first is None:
                     first = now
@@ -61,6 +67,14 @@ async def _level(engine, request, concurrency: int, n_requests: int) -> dict:
     timed = _steady(rows, concurrency)
     steady, window = timed or (tokens, wall)  # none: the whole run
     tpot = [(end - first) / (n - 1) for _, first, end, n, _ in rows if n > 1]
+    gaps = []  # between the updates that brought tokens, after each request's first
+    for *_, timeline in rows:
+        times, before = [], 0
+        for t, k in timeline:
+            if k > before:
+                times.append(t)
+                before = k
+        gaps += [b - a for a, b in zip(times, times[1:], strict=False)]
     return {
         "requests": n_requests,
         "output_tokens": tokens,
@@ -79,6 +93,7 @@ async def _level(engine, request, concurrency: int, n_requests: int) -> dict:
         # requests in flight on average over the whole run, drain included
         "mean_in_flight": sum(end - t0 for t0, _, end, _, _ in rows) / wall,
         "tpot_ms": 1000 * statistics.mean(tpot) if tpot else None,
+        "itl_ms": 1000 * statistics.mean(gaps) if gaps else None,
         "ttft_p50_ms": 1000 * statistics.median(first - t0 for t0, first, _, _, _ in rows),
     }
 
@@ -109,6 +124,24 @@ def _steady(rows: list[tuple], concurrency: int) -> tuple[int, float] | None:
 # The least share of a level's output tokens its steady state must hold to be timed alone
 # (2c requests of lengths 0.5x-1.5x the mean put about half of them there).
 STEADY_SHARE = 0.25
+
+
+def _whole_level(rows: list[dict], c: int) -> bool:
+    """Where a row at concurrency c had no steady state to time, time every row at c over its
+    whole run (a ratio of a steady window to a whole run, start and drain included, compares
+    two different things); True if it did so."""
+    level = [r for r in rows if r["concurrency"] == c]
+    if not any(r["timed_over"] == "whole run" for r in level):
+        return False
+    for r in level:
+        if r["timed_over"] != "whole run":
+            r.update(timed_over="whole run", steady_seconds=r["seconds"],
+                     throughput_tok_s=r["output_tokens"] / r["seconds"])  # fmt: skip
+    return True
+
+
+class BenchError(SpecDecodeError):
+    """A request of the sweep failed (the rows measured before it are kept)."""
 
 
 def concurrency_levels(text: str) -> list[int]:
@@ -156,6 +189,7 @@ def closed_loop(
     on_row=None,
     warmup: bool = True,
     repeat_off: bool = False,
+    on_level=None,
 ) -> list[dict]:
     """For each concurrency c and each policy, c closed-loop clients over the engine `core`
     until max(2c, min_requests) requests are done (throughput over the steady state); one
@@ -208,6 +242,8 @@ def closed_loop(
                 rows.append(row)
                 if on_row is not None:
                     on_row(row, rows)
+            if _whole_level(rows, c) and on_level is not None:
+                on_level(c, rows)
         return rows
 
     box: dict = {}
@@ -233,31 +269,38 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     from specdecode.cli import engine_kwargs, speculative_config
     from specdecode.config import EngineConfig
     from specdecode.engine.engine import LLMEngine
+    from specdecode.errors import InvalidRequestError
 
     levels = concurrency_levels(args.concurrency)
     spec = speculative_config(args) or {"method": "ngram"}
     kwargs = {**engine_kwargs(args), "speculative_config": spec, "max_num_seqs": max(levels)}
     core = LLMEngine(EngineConfig(model=args.model, **kwargs))
     tok = core.tokenizer
-    prompts = []
+    # a prompt over --max-prompt-tokens, or without room for the longest answer (1.5x the
+    # mean) in the context, loses its middle: its start (the chat template's opening, a system
+    # turn) and its end (the question, the generation prompt) stay
+    longest = args.max_tokens + args.max_tokens // 2 + 1
+    limit = min(args.max_prompt_tokens, core.max_model_len - longest)
+    if limit < 8:
+        raise InvalidRequestError(
+            f"no room for a prompt: the context ({core.max_model_len}) less the longest answer "
+            f"({longest}, 1.5x --max-tokens) leaves {limit} tokens"
+        )
+    prompts, cut = [], 0
     for messages in workloads.load(args.workload, args.num_prompts):
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = list(tok(text, add_special_tokens=False).input_ids)[-args.max_prompt_tokens :]
+        ids = list(tok(text, add_special_tokens=False).input_ids)
+        if len(ids) > limit:
+            head = min(64, limit // 4)
+            ids, cut = ids[:head] + ids[len(ids) - (limit - head) :], cut + 1
         prompts.append(ids)
+    if cut:
+        log.info("%d of %d prompts cut to %d tokens (their middle)", cut, len(prompts), limit)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
-    print(f"calibrating the step-cost curve ({core.spec_config.method}) ...", flush=True)
-    core.calibrate(time_budget_s=20.0)
     policies = [p for p in args.policies.split(",") if p]
-    rows = closed_loop(
-        core,
-        prompts,
-        levels,
-        policies,
-        params,
-        args.min_requests,
-        on_row=_print,
-        repeat_off=args.repeat_off,
-    )
+    if "adaptive" in policies:  # (what the adaptive policy decides from; the others need none)
+        print(f"calibrating the step-cost curve ({core.spec_config.method}) ...", flush=True)
+        core.calibrate(time_budget_s=20.0)
     result = {
         "model": core.model_path.name,
         "speculative_config": core.spec_config.__dict__,
@@ -266,12 +309,40 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
         "max_tokens": args.max_tokens,
         "dtype": args.dtype,
         "machine": machine(),
-        "rows": rows,
-        "summary": summarize(rows),
+        "complete": False,
+        "rows": [],
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serve.json").write_text(json.dumps(result, indent=1))
+
+    def save(rows: list[dict]) -> None:  # after every row: what was measured is kept
+        result.update(rows=rows, summary=summarize(rows))
+        tmp = out / "serve.json.tmp"
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(out / "serve.json")
+
+    def on_row(row: dict, rows: list[dict]) -> None:
+        _print(row, rows)
+        save(rows)
+
+    def on_level(c: int, rows: list[dict]) -> None:
+        print(f"c={c:<4} no steady state for every policy: all of them timed over the whole "
+              "run (raise --min-requests)", flush=True)  # fmt: skip
+        save(rows)
+
+    try:
+        rows = closed_loop(
+            core, prompts, levels, policies, params, args.min_requests,
+            on_row=on_row, repeat_off=args.repeat_off, on_level=on_level,
+        )  # fmt: skip
+    except (BenchError, KeyboardInterrupt) as e:
+        kept = f"; the {len(result['rows'])} rows measured before are in {out / 'serve.json'}"
+        if isinstance(e, KeyboardInterrupt):
+            print(f"interrupted{kept}", flush=True)
+            raise
+        raise InvalidRequestError(f"{e}{kept if result['rows'] else ''}") from None
+    result["complete"] = True
+    save(rows)
     (out / "serve.md").write_text(markdown(result))
     plot(result, out / "serve.png")
     print(f"wrote {out / 'serve.json'}, {out / 'serve.md'}, {out / 'serve.png'}")
@@ -356,9 +427,21 @@ def summarize(rows: list[dict]) -> dict:
             # it ran twice): one inside it is a tie this run cannot tell apart
             negative = [c for c in levels if c in ratios and ratios[c] < 1.0 - spreads.get(c, 0)]
             ties = [c for c in levels if c in ratios and c not in negative and ratios[c] < 1.0]
-            out["static_negative_from"] = negative[0] if negative else None
+            # "from c": a loss there and at every level above it; other losses are listed
+            measured = [c for c in levels if c in ratios]
+            tail = [c for i, c in enumerate(measured) if set(measured[i:]) <= set(negative)]
+            out["static_negative_from"] = tail[0] if tail else None
+            out["static_negative_at"] = negative
+            at = ", ".join(map(str, negative))
             lines.append(
-                f"static speculation loses to plain decoding from concurrency {negative[0]}"
+                f"static speculation loses to plain decoding from concurrency {tail[0]} on"
+                + (
+                    f" (and at {', '.join(str(c) for c in negative if c < tail[0])})"
+                    if negative[0] < tail[0]
+                    else ""
+                )  # fmt: skip
+                if tail
+                else f"static speculation loses to plain decoding at concurrency {at} only"
                 if negative
                 else "static speculation never lost to plain decoding in this sweep"
                 + (
@@ -420,10 +503,12 @@ def markdown(result: dict) -> str:
     for c in levels:
         cells = [f"{_throughput(rows, c, p):.1f}" for p in policies]
         s, a = _ratio(rows, c, "static"), _ratio(rows, c, "adaptive")
-        off, ad = by.get((c, "off")), by.get((c, "adaptive"))
-        tpot = (
-            f"{off['tpot_ms']:.1f} / {ad['tpot_ms']:.1f}"
-            if off and ad and off["tpot_ms"] is not None and ad["tpot_ms"] is not None
+        ad = by.get((c, "adaptive"))
+        offs = [r["tpot_ms"] for r in rows if r["concurrency"] == c and r["policy"] == "off"
+                and r["tpot_ms"] is not None]  # fmt: skip
+        tpot = (  # (plain decoding's: the mean of its runs, as its throughput)
+            f"{sum(offs) / len(offs):.1f} / {ad['tpot_ms']:.1f}"
+            if offs and ad and ad["tpot_ms"] is not None
             else "-"
         )
         share, lite = (ad.get("drafting_share"), ad.get("lite_share")) if ad else (None, None)

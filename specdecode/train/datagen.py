@@ -371,7 +371,7 @@ def generate(
     engine.manager.prefix_caching = caching and recorder is None
     waiting: dict[int, list] = {}  # shard -> [(conversation id, prompt ids, Sequence)]
     written = []
-    bar = tqdm(total=len(todo), desc=f"generating (rank {rank}/{world})", unit="shard")
+    bar = None  # (made once the requests are in: a warning about them gets a line of its own)
     tokens, skipped, asked = 0, 0, 0
     try:
         for i in todo:
@@ -400,6 +400,7 @@ def generate(
                 asked,
                 max_prompt_tokens,
             )
+        bar = tqdm(total=len(todo), desc=f"generating (rank {rank}/{world})", unit="shard")
         while waiting:
             for seq in engine.step():
                 tokens += len(seq.output_token_ids) if seq.finished else 0
@@ -417,7 +418,8 @@ def generate(
                 bar.update(1)
                 bar.set_postfix(answer_tokens=tokens)
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         if recorder is not None:
             engine.feature_observers.remove(recorder)
             engine.runner.feature_layers = drafter_layers

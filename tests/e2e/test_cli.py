@@ -327,6 +327,35 @@ def test_bench_serve_sweeps_policies(tiny_llama_dir, tmp_path):
     md = (out / "serve.md").read_text()
     assert "adaptive vs off" in md and "off runs apart" in md
     assert (out / "serve.png").read_bytes()[:4] == b"\x89PNG"
+    assert result["complete"] and all(row["itl_ms"] > 0 for row in result["rows"])
+
+
+def test_bench_serve_keeps_the_levels_measured_before_a_failure(
+    tiny_llama_dir, tmp_path, monkeypatch, capsys
+):
+    """A request failing at the second level ends the run with a clear error; the first
+    level's rows are in serve.json (written after every row), marked incomplete."""
+    from specdecode.bench import serve
+    from specdecode.cli import main
+
+    real, calls = serve._level, []
+
+    async def level(engine, request, concurrency, n):
+        calls.append(concurrency)
+        if concurrency == 3:
+            raise serve.BenchError("a request failed at concurrency 3: boom")
+        return await real(engine, request, concurrency, n)
+
+    monkeypatch.setattr(serve, "_level", level)
+    out = tmp_path / "serve"
+    rc = main(["bench", "serve", "--model", str(_roomy_tiny(tiny_llama_dir, tmp_path)),
+               "--concurrency", "1,3", "--policies", "off,static", "--num-prompts", "2",
+               "--min-requests", "2", "--max-tokens", "4", "--out", str(out)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "boom" in err and "the 3 rows measured before are in" in err
+    assert "Traceback" not in err and "calibrating" not in capsys.readouterr().out
+    result = json.loads((out / "serve.json").read_text())
+    assert not result["complete"] and [r["concurrency"] for r in result["rows"]] == [1, 1, 1]
 
 
 def _serve(*flags: str) -> tuple[subprocess.Popen, int]:

@@ -3,6 +3,8 @@ two runs, the noise column, and the adaptive policy's drafting and lite-draft sh
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from specdecode.bench.serve import markdown, summarize
@@ -42,8 +44,10 @@ def test_the_table_reads_ratios_noise_and_lite_drafts():
     table = markdown(result).splitlines()
     one = next(line for line in table if line.startswith("| 1 |"))
     four = next(line for line in table if line.startswith("| 4 |"))
-    cells = one.split(" | ")[1:]  # off, adaptive, static vs off (none ran), adaptive vs off, ...
-    assert cells == ["11.0", "16.5", "-", "1.50x", "100.0 / 60.6", "100% (lite 79%)", "18.2% |"]
+    # off (the mean of its runs), adaptive, static vs off (none ran), adaptive vs off, TPOT
+    # off (its runs' mean) / adaptive, ...
+    cells = one.split(" | ")[1:]
+    assert cells == ["11.0", "16.5", "-", "1.50x", "91.7 / 60.6", "100% (lite 79%)", "18.2% |"]
     # no lite drafts verified: nothing said
     assert four.split(" | ")[1:] == ["30.0", "30.0", "-", "1.00x", "33.3 / 33.3", "0%", "0.0% |"]
 
@@ -78,10 +82,12 @@ def test_a_level_is_timed_while_every_client_is_busy(monkeypatch):
     monkeypatch.setattr("specdecode.bench.serve.time", clock)
 
     class Engine:
+        per_update, error = 1, None  # tokens an update brings (speculation: several)
+
         async def generate(self, ids, params):
-            for k in range(1, params + 1):
+            for k in range(self.per_update, params + 1, self.per_update):
                 await clock.step()
-                yield SimpleNamespace(error=None, token_ids=[k], num_output_tokens=k)
+                yield SimpleNamespace(error=self.error, token_ids=[k], num_output_tokens=k)
 
     async def run(concurrency, n):
         async def steps():  # every request waiting: one step for all of them
@@ -96,12 +102,15 @@ def test_a_level_is_timed_while_every_client_is_busy(monkeypatch):
 
         stepping = asyncio.create_task(steps())
         try:
-            return await _level(Engine(), lambda i: ([1], lengths[i]), concurrency, n)
+            return await _level(engine, lambda i: ([1], lengths[i]), concurrency, n)
         finally:
             stepping.cancel()
 
+    engine = Engine()
     row = asyncio.run(run(2, 4))
     assert row["output_tokens"] == 14 and row["seconds"] == pytest.approx(10 * tick)
+    # a token per update: the gap between updates (ITL) is the time per token (TPOT)
+    assert row["itl_ms"] == pytest.approx(1000 * tick) == row["tpot_ms"]
     assert row["steady_seconds"] == pytest.approx(2 * tick)
     assert row["throughput_tok_s"] == pytest.approx(2 / tick)
     assert row["timed_over"] == "steady state"
@@ -113,6 +122,18 @@ def test_a_level_is_timed_while_every_client_is_busy(monkeypatch):
     assert row["throughput_tok_s"] == pytest.approx(28 / (24 * tick))
     with pytest.raises(ValueError, match=">= 1"):
         asyncio.run(run(0, 1))
+    # two tokens an update (accepted drafts): a tick between updates, half a tick a token
+    # after the first update's two (TPOT is per token, ITL per update, as in vLLM's benchmark)
+    engine.per_update, lengths[:] = 2, [2, 4, 2, 6]
+    row = asyncio.run(run(2, 4))
+    assert row["itl_ms"] == pytest.approx(1000 * tick)
+    assert row["tpot_ms"] == pytest.approx(1000 * statistics.mean([0, tick / 3, 0, 2 * tick / 5]))
+    # a failed request ends the sweep with what failed, as a clear error
+    from specdecode.bench.serve import BenchError
+
+    engine.error = "the engine stopped"
+    with pytest.raises(BenchError, match="concurrency 2: the engine stopped"):
+        asyncio.run(run(2, 4))
 
 
 def test_the_steady_window_leaves_out_the_start_and_the_drain():
@@ -262,3 +283,36 @@ def test_a_suite_report_leaves_out_what_did_not_run(tmp_path):
     text = (tmp_path / "B.md").read_text()
     assert "References" not in text and "under a minute" in text
     assert "14 drafted tokens" in text and "speedup_vs_concurrency" not in text
+
+
+def test_a_level_is_timed_alike_for_every_policy():
+    """Where one policy's run at a level has no steady state, every policy there is timed over
+    its whole run: a steady window against a whole run (start and drain) is no ratio."""
+    from specdecode.bench.serve import _whole_level
+
+    def timed(policy, tok, sec, steady, over):
+        return {**_row(4, policy, steady), "output_tokens": tok, "seconds": sec,
+                "steady_seconds": 1.0, "timed_over": over}  # fmt: skip
+
+    rows = [timed("off", 100, 10.0, 14.0, "steady state"),
+            timed("static", 150, 10.0, 15.0, "whole run")]  # fmt: skip
+    assert _whole_level(rows, 4)
+    assert [r["throughput_tok_s"] for r in rows] == [10.0, 15.0]
+    assert {r["timed_over"] for r in rows} == {"whole run"}
+    assert not _whole_level([timed("off", 1, 1.0, 5.0, "steady state")], 4)
+
+
+def test_losing_at_one_level_is_not_losing_from_it():
+    """Static below plain decoding at concurrency 1 and above it at 4 and 16 loses "at 1 only",
+    not "from 1" (a review's run printed the latter with static at 1.41x at 4)."""
+    rows = [_row(c, p, v) for c, s in ((1, 80.0), (4, 130.0), (16, 120.0))
+            for p, v in (("off", 100.0), ("static", s))]  # fmt: skip
+    out = summarize(rows)
+    assert out["static_negative_from"] is None and out["static_negative_at"] == [1]
+    assert "loses to plain decoding at concurrency 1 only" in out["text"]
+    rows += [_row(32, "off", 100.0), _row(32, "static", 90.0)]
+    rows = [r for r in rows if r["concurrency"] != 16] + [_row(16, "off", 100.0),
+                                                          _row(16, "static", 95.0)]  # fmt: skip
+    out = summarize(rows)
+    assert out["static_negative_from"] == 16 and out["static_negative_at"] == [1, 16, 32]
+    assert "from concurrency 16 on (and at 1)" in out["text"]
