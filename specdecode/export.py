@@ -137,7 +137,8 @@ def export_head(
         out / "model.safetensors",
     )
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    if fmt == "sglang" and isinstance(head, EagleHead) and head.vocab_ids is not None:
+    # (EAGLE-1 only: an EAGLE-3 head, an EagleHead too, carries its vocabulary as d2t)
+    if fmt == "sglang" and kind == "eagle" and head.vocab_ids is not None:
         torch.save(head.vocab_ids.detach().cpu().long().contiguous(), out / TOKEN_MAP)
     for f in _COPIED:
         if (Path(head_dir) / f).is_file():

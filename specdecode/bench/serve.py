@@ -336,11 +336,12 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
             on_row=on_row, repeat_off=args.repeat_off, on_level=on_level,
         )  # fmt: skip
     except (BenchError, KeyboardInterrupt) as e:
-        kept = f"; the {len(result['rows'])} rows measured before are in {out / 'serve.json'}"
+        n = len(result["rows"])
+        kept = f"; the {n} rows measured before are in {out / 'serve.json'}" if n else ""
         if isinstance(e, KeyboardInterrupt):
             print(f"interrupted{kept}", flush=True)
             raise
-        raise InvalidRequestError(f"{e}{kept if result['rows'] else ''}") from None
+        raise InvalidRequestError(f"{e}{kept}") from None
     result["complete"] = True
     save(rows)
     (out / "serve.md").write_text(markdown(result))
@@ -417,9 +418,9 @@ def summarize(rows: list[dict]) -> dict:
         if not ratios:
             continue
         out[policy] = ratios
-        worst = min(ratios, key=ratios.get)
+        worst, first = min(ratios, key=ratios.get), min(ratios)  # (rows so far: any level)
         lines.append(
-            f"{policy}: {ratios[levels[0]]:.2f}x off at concurrency {levels[0]}, worst "
+            f"{policy}: {ratios[first]:.2f}x off at concurrency {first}, worst "
             f"{ratios[worst]:.2f}x at {worst}"
         )
         if policy == "static":

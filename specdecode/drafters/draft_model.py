@@ -96,8 +96,9 @@ class DraftModelDrafter(Drafter):
 
             if model.vocab_ids is not None:
                 raise InvalidRequestError(
-                    "this draft already has a reduced vocabulary (`train draft --draft-vocab`); "
-                    "a token map cannot choose other rows: drop token_map"
+                    f"this draft's LM head has rows of its own ({model.vocab_ids.numel()} "
+                    "tokens, trained by `train draft`): a token map cannot choose others; drop "
+                    "token_map (or train the draft with the vocabulary you want: --draft-vocab)"
                 )
             model.reduce_vocab(engine_token_map(config, engine))
         if config.draft_vocab_size and config.draft_vocab_size < model.config.vocab_size:

@@ -201,6 +201,8 @@ def head_kind(path: Path) -> str | None:
     raw = _read_config(path)
     if "specdecode_head" in raw:
         return raw["specdecode_head"].get("kind")
+    if "specdecode_draft" in raw:  # a draft model `train draft` wrote (one layer, maybe)
+        return None
     spec = raw.get("speculators_model_type")
     if spec in ("eagle3", "eagle"):
         return spec
@@ -539,7 +541,7 @@ def resolve_head(model: str | None, kind: str, engine: LLMEngine) -> Path:
         return default_head_path(kind, engine)
     if model in RECIPES:
         return built_head(model)
-    return Path(model)
+    return Path(model).expanduser()
 
 
 def head_weight_dtype(config: SpeculativeConfig, target_dtype: torch.dtype) -> torch.dtype:

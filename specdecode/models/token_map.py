@@ -68,6 +68,8 @@ def load_token_map(
         raise InvalidRequestError(f"token map {path} cannot be read: {e}") from e
     if isinstance(raw, dict) and len(raw) == 1:  # ({"token_ids": [...]} or a state dict)
         raw = next(iter(raw.values()))
+    if isinstance(raw, list) and not raw:
+        raise InvalidRequestError(f"token map {path}: it keeps no token; need >= 2")
     if isinstance(raw, list) and not all(isinstance(t, int) and not isinstance(t, bool)
                                          for t in raw):  # fmt: skip
         raise InvalidRequestError(f"token map {path}: a 1-D list of integer token ids is needed")
@@ -86,7 +88,8 @@ def load_token_map(
             f"token map {path}: ids {int(ids.min())}..{int(ids.max())} are outside the target's "
             f"vocabulary (0..{vocab_size - 1}): it was made for another tokenizer"
         )
-    ids = torch.unique(torch.cat([ids, torch.tensor(always, dtype=torch.long)]))
+    ends = [t for t in always if 0 <= t < vocab_size]  # (a tokenizer's id past the model's)
+    ids = torch.unique(torch.cat([ids, torch.tensor(ends, dtype=torch.long)]))
     if ids.numel() < 2:
         raise InvalidRequestError(f"token map {path}: it keeps {ids.numel()} token; need >= 2")
     return ids
@@ -94,7 +97,7 @@ def load_token_map(
 
 def save_token_map(ids: torch.Tensor, path: str | Path) -> None:
     """Write a map as `.safetensors` (one int64 tensor) or `.json` (a list)."""
-    path = Path(path)
+    path = Path(path).expanduser()
     ids = ids.detach().cpu().long().contiguous()
     if path.suffix.lower() == ".json":
         path.write_text(json.dumps(ids.tolist()) + "\n", encoding="utf-8")

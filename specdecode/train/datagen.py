@@ -131,8 +131,9 @@ def _metadata(path: Path) -> dict:
         return meta
 
 
-# what every shard of one data set records alike (the rest is its own range of conversations)
-_PER_SHARD = frozenset({"conversation_ids", "slice_ids"})
+# what every shard of one data set records alike: the flags `generate` checks a resumed run
+# against, and the features (descriptions such as `source` are not compared)
+_SETTINGS = ("model", "max_tokens", "temperature", "max_prompt_tokens", "shard_size")
 
 
 def shard_metadata(data_dir: Path) -> dict:
@@ -141,14 +142,13 @@ def shard_metadata(data_dir: Path) -> dict:
     each rank checks only the shards it writes)."""
     paths = shard_paths(data_dir)
     first = _metadata(paths[0])
-    common = {k: v for k, v in first.items() if k not in _PER_SHARD}
     for path in paths[1:]:
         meta = _metadata(path)
         # (a setting an older shard did not record is not compared; features always are)
-        keys = (set(common) & set(meta)) | {"feature_layers"}
-        differ = sorted(k for k in keys if meta.get(k) != common.get(k))
+        keys = {k for k in _SETTINGS if k in first and k in meta} | {"feature_layers"}
+        differ = sorted(k for k in keys if meta.get(k) != first.get(k))
         if differ:
-            what = ", ".join(f"{k} {meta.get(k)} (vs {common.get(k)})" for k in differ)
+            what = ", ".join(f"{k} {meta.get(k)} (vs {first.get(k)})" for k in differ)
             raise DataError(
                 f"{path.name} was generated with other settings than {paths[0].name} in "
                 f"{data_dir}: {what}; one data set is one run's answers: regenerate it with "
@@ -202,13 +202,17 @@ def iter_examples(data_dir: Path, features: bool = True) -> Iterator[Example]:
         yield from read_shard(path, features)
 
 
-def _check_settings(path: Path, feature_layers: str | None, settings: dict | None) -> dict | None:
+def _check_settings(
+    path: Path, feature_layers: str | None, settings: dict | None, mine: bool = True
+) -> dict | None:
     """The metadata of the shard at `path`, where it was written with this run's features and
-    settings (an error otherwise); None for a shard that cannot be read."""
+    settings (an error otherwise); None for a shard that cannot be read (`mine`: this rank
+    regenerates it, else the rank it belongs to does)."""
     try:
         meta = _metadata(path)
     except DataError as e:  # (damaged after it was written: writes are atomic)
-        log.warning("%s is not a readable data shard (%s): regenerating it", path, e.__cause__)
+        who = "regenerating it" if mine else "the rank it belongs to regenerates it"
+        log.warning("%s is not a readable data shard (%s): %s", path, e.__cause__, who)
         return None
     stored = meta.get("feature_layers")
     if stored != feature_layers:
@@ -341,15 +345,14 @@ def generate(
         "source": f"{source} (train split), first user turn",
     }
     meta["shard_size"] = shard_size  # (which range each shard holds: another size is refused)
-    settings = {k: str(meta[k]) for k in ("model", "max_tokens", "temperature",
-                                          "max_prompt_tokens", "shard_size")}  # fmt: skip
+    settings = {k: str(meta[k]) for k in _SETTINGS}
     layers = json.dumps(list(feature_layers)) if feature_layers is not None else None
     # every shard there, the other ranks' too: each rank would otherwise check only its own,
     # and a directory could end up holding two runs' answers
     others = [p for p in sorted(out.glob("shard-*.safetensors"))
               if p not in {shard_path(out, i) for i in mine}]  # fmt: skip
     for path in others:
-        _check_settings(path, layers, settings)
+        _check_settings(path, layers, settings, mine=False)
     todo = [i for i in mine if not _shard_done(shard_path(out, i), ids_of(i), layers, settings)]
     if len(todo) < len(mine):
         log.info("resuming: %d of %d shards already written", len(mine) - len(todo), len(mine))

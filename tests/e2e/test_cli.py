@@ -351,9 +351,10 @@ def test_bench_serve_keeps_the_levels_measured_before_a_failure(
     rc = main(["bench", "serve", "--model", str(_roomy_tiny(tiny_llama_dir, tmp_path)),
                "--concurrency", "1,3", "--policies", "off,static", "--num-prompts", "2",
                "--min-requests", "2", "--max-tokens", "4", "--out", str(out)])  # fmt: skip
-    err = capsys.readouterr().err
-    assert rc == 2 and "boom" in err and "the 3 rows measured before are in" in err
-    assert "Traceback" not in err and "calibrating" not in capsys.readouterr().out
+    got = capsys.readouterr()
+    assert rc == 2 and "boom" in got.err and "the 3 rows measured before are in" in got.err
+    assert "Traceback" not in got.err and "calibrating" not in got.out  # (no adaptive policy)
+    assert "c=1    static" in got.out  # (the rows printed as they came)
     result = json.loads((out / "serve.json").read_text())
     assert not result["complete"] and [r["concurrency"] for r in result["rows"]] == [1, 1, 1]
 

@@ -316,3 +316,6 @@ def test_losing_at_one_level_is_not_losing_from_it():
     out = summarize(rows)
     assert out["static_negative_from"] == 16 and out["static_negative_at"] == [1, 16, 32]
     assert "from concurrency 16 on (and at 1)" in out["text"]
+    # summarised after every row, levels in any order: a level with "off" alone so far is fine
+    partial = [_row(16, "off", 100.0), _row(16, "static", 90.0), _row(4, "off", 100.0)]
+    assert summarize(partial)["static"] == {16: pytest.approx(0.9)}

@@ -282,6 +282,7 @@ def test_export_eagle3_reads_back(target, tmp_path, fmt):
     save_head(head, tmp_path / "ours", CFG, {})
     config = export_head(tmp_path / "ours", target, fmt, tmp_path / fmt, "org/target")
     names = set(json.loads((tmp_path / fmt / "config.json").read_text()))
+    assert not (tmp_path / fmt / "token_map.pt").exists()  # (its vocabulary is its d2t)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / fmt / "model.safetensors"), "pt") as f:

@@ -4,6 +4,7 @@ clear errors, not tracebacks or silent drops (each case from a review that tried
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specdecode.config import SpeculativeConfig
 from specdecode.errors import InvalidRequestError
@@ -81,6 +82,21 @@ def test_without_a_method_the_models_checkpoint_names_it(tmp_path):
     assert (ngram.method, ngram.model) == ("ngram", None)
     assert SpeculativeConfig.from_dict({"model": "qwen2.5-coder-1.5b-eagle3"}).method == "eagle3"
     assert SpeculativeConfig.from_dict({"model": str(tmp_path)}).method == "draft_model"
+    # a one-layer model (a `train draft --num-layers 1` draft, or any): no EAGLE fc, a draft
+    import json
+
+    from safetensors.torch import save_file
+
+    one = tmp_path / "one-layer"
+    one.mkdir()
+    (one / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                 "num_hidden_layers": 1}))  # fmt: skip
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)}, one / "m.safetensors")
+    assert SpeculativeConfig.from_dict({"model": str(one)}).method == "draft_model"
+    save_file({"fc.weight": torch.zeros(2, 4)}, one / "m.safetensors")  # SafeAILab EAGLE-1's
+    assert SpeculativeConfig.from_dict({"model": str(one)}).method == "eagle"
+    (one / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "specdecode_draft": {}}))
+    assert SpeculativeConfig.from_dict({"model": str(one)}).method == "draft_model"
     with pytest.raises(InvalidRequestError, match="needs a 'method'"):
         SpeculativeConfig.from_dict({"num_speculative_tokens": 3})
 

@@ -20,6 +20,8 @@ def test_a_written_map_reads_back_sorted_distinct_with_the_end_ids(tmp_path, suf
     save_token_map(torch.tensor([7, 3, 3, 40]), path)
     assert load_token_map(path, 50).tolist() == [3, 7, 40]
     assert load_token_map(path, 50, always=(2, 40)).tolist() == [2, 3, 7, 40]
+    # an end id past the model's vocabulary (a tokenizer's added token) is not the model's
+    assert load_token_map(path, 50, always=(2, 60)).tolist() == [2, 3, 7, 40]
 
 
 def test_sglangs_pickled_maps_need_allow_pickle(tmp_path):
@@ -43,6 +45,7 @@ def test_sglangs_pickled_maps_need_allow_pickle(tmp_path):
         ([[1, 2], [3, 4]], "1-D"),
         ([True, False], "1-D list of integer token ids"),
         ([3], "need >= 2"),
+        ([], "keeps no token"),
         ({"a": [1], "b": [2]}, "not a list of token ids"),
         ("7", "not a list of token ids"),
     ],
