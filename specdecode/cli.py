@@ -665,6 +665,14 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.prefix import add_args as add_prefix_bench_args
 
     add_prefix_bench_args(pre)
+    hb = bsub.add_parser(
+        "http",
+        help="load over HTTP against any OpenAI-compatible server (this one, vLLM, SGLang): "
+        "TTFT, TPOT, ITL, E2EL, throughput, and the server's acceptance where it exports it",
+    )
+    from specdecode.bench.http_load import add_args as add_http_bench_args
+
+    add_http_bench_args(hb)
     rep = bsub.add_parser("report", help="docs/BENCHMARKS.md from bench suite output directories")
     rep.add_argument("runs", nargs="+", help="directories written by `bench suite`")
     rep.add_argument("--advise", default=None, help="an `advise --validate --json` result")
@@ -1153,6 +1161,10 @@ def main(argv: list[str] | None = None) -> int:
             from specdecode.bench.prefix import run_prefix_bench
 
             run_prefix_bench(args)
+        elif args.command == "bench" and args.bench == "http":
+            from specdecode.bench.http_load import run_http_bench
+
+            run_http_bench(args)
         elif args.command == "bench" and args.bench == "serve":
             from specdecode.bench.serve import run_serve_bench
 

@@ -1,4 +1,4 @@
-"""Benchmarks: `specdecode bench latency | serve | suite | structured | prefix | report`."""
+"""Benchmarks: `specdecode bench latency | serve | http | suite | structured | prefix | report`."""
 
 from __future__ import annotations
 

@@ -1417,3 +1417,79 @@ def _write_tokenizer_config(out) -> None:
             }
         )
     )
+
+
+def test_bench_http_measures_a_server_over_http(served, plain, tmp_path, capsys):
+    """`bench http` replays a traffic file against this server over loopback: every answer's
+    tokens counted (the server's usage), a request the server refuses counted as failed with
+    its reason, and the acceptance read from the server's vLLM counters on /metrics."""
+    from specdecode.bench.http_load import gaps_between_arrivals, spec_counters
+    from specdecode.cli import main
+
+    lines = [{"messages": chat_messages(q), "max_tokens": 12, "temperature": 0,
+              "ignore_eos": True} for q in QUESTIONS]  # fmt: skip
+    lines.append({"model": "no-such-model", "messages": chat_messages("hi"), "max_tokens": 4})
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "http.json"
+    rc = main(["bench", "http", "--base-url", f"http://127.0.0.1:{served.port}/v1",
+               "--traffic", str(traffic), "--num-prompts", "7", "--max-concurrency", "3",
+               "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert (r["completed"], r["failed"]) == (6, 1) and "HTTP 404" in r["errors"][0]
+    assert r["total_output_tokens"] == 6 * 12
+    assert r["total_input_tokens"] == sum(len(plain._chat_ids(chat_messages(q))) for q in QUESTIONS)
+    assert 0 < r["ttft"]["mean_ms"] <= r["e2el"]["mean_ms"] and r["itl"]["mean_ms"] > 0
+    spec = r["speculative"]  # (repetitive questions: the n-gram drafter drafts)
+    assert spec["drafts"] > 0 and 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
+    assert "Successful requests:                6" in capsys.readouterr().out
+    # the counters it reads are this server's (vLLM's names)
+    from specdecode.bench.http_load import Target
+
+    assert spec_counters(Target(f"http://127.0.0.1:{served.port}", None, 10))
+    assert gaps_between_arrivals(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
+    gaps = gaps_between_arrivals(4000, 10.0, 1.0, 0)
+    assert abs(sum(gaps) / len(gaps) - 0.1) < 0.01  # a Poisson process of rate 10
+    assert main(["bench", "http", "--base-url", "http://127.0.0.1:1", "--num-prompts", "1"]) == 2
+
+
+@pytest.mark.parametrize("policy,calibrated", [("adaptive", True), ("static", False)])
+def test_serve_times_its_step_costs_before_it_listens(tiny_llama_dir, monkeypatch, policy,
+                                                      calibrated):  # fmt: skip
+    """The adaptive policy's step-cost curve is timed while the server loads, not by the first
+    requests' step (they waited ~3 s for it: a 5 s p99 TTFT in a `bench http` run)."""
+    from specdecode.cli import build_parser
+    from specdecode.serving.server import run_server
+
+    events = []
+    real = LLMEngine.calibrate
+
+    def calibrate(self, *a, **k):
+        events.append("calibrate")
+        return real(self, *a, **k)
+
+    class Listening:  # uvicorn's server, which here stops at once (and so stops the engine)
+        def __init__(self, config):
+            self.started, self.should_exit = True, False
+
+        def run(self):
+            events.append("listen")
+
+    monkeypatch.setattr(LLMEngine, "calibrate", calibrate)
+    monkeypatch.setattr(uvicorn, "Server", Listening)
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            str(tiny_llama_dir),
+            "--port",
+            "0",
+            "--speculative-policy",
+            policy,
+            "--speculative-config",
+            '{"method": "ngram"}',
+        ]  # fmt: skip
+    )
+    run_server(args)
+    assert events == (["calibrate", "listen"] if calibrated else ["listen"])
