@@ -459,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     tdraft.add_argument("--out", type=output_dir, required=True)
     tdraft.add_argument("--num-layers", type=_at_least_one, default=2)
     tdraft.add_argument("--draft-vocab", type=integer(0), default=8192)
-    tdraft.add_argument("--steps", type=_at_least_one, default=300)
+    tdraft.add_argument("--steps", type=_at_least_one, default=None, help="(default: 300)")
     tdraft.add_argument("--batch-size", type=_at_least_one, default=8)
     tdraft.add_argument("--max-len", type=integer(2), default=384)
     tdraft.add_argument("--lr", type=number(above=0), default=3e-4)
@@ -475,6 +475,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="continue training the draft saved here (its layers and draft vocabulary are "
         "kept; a new schedule of --steps)",
+    )
+    tdraft.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run saved in --out where it stopped (a checkpoint, Ctrl-C, the time "
+        "budget): its fp32 weights, optimizer state, schedule, data order, step and time; its "
+        "settings are kept, but --steps and --max-minutes may raise them",
+    )
+    tdraft.add_argument(
+        "--checkpoint-minutes",
+        type=number(0),
+        default=5.0,
+        help="write the draft as it stands, and its trainer state, to --out this often (0: only "
+        "at the end); a run killed later keeps it and --resume continues it",
     )
 
     for kind, what in (
@@ -824,15 +838,19 @@ def cmd_train(args: argparse.Namespace) -> None:
     from specdecode.train.draft import DraftTrainConfig, train_draft
 
     heads = args.train in ("medusa", "eagle", "eagle3")
-    _check_train_out(Path(args.out), heads and args.resume, args.init, heads)
-    if heads and args.resume:  # (what there is to resume, before the data and the model)
+    _check_train_out(Path(args.out), args.resume, args.init, heads)
+    if args.resume:  # (what there is to resume, before the data and the model)
+        from specdecode.train.draft import resume_draft_config
         from specdecode.train.heads import resume_config
 
         if args.init:
             raise InvalidRequestError(
                 "--resume continues the run in --out; --init starts a new one"
             )
-        resume_config(Path(args.out), args.train)
+        if heads:
+            resume_config(Path(args.out), args.train)
+        else:
+            resume_draft_config(Path(args.out))
     for d in args.data:  # before the model loads: a wrong path or a mixed set fails at once
         shard_metadata(Path(d))
         if Path(d).resolve() == Path(args.out).resolve():
@@ -904,14 +922,24 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = DraftTrainConfig(
         num_layers=args.num_layers,
         draft_vocab=args.draft_vocab,
-        steps=args.steps,
+        steps=args.steps or 300,
         batch_size=args.batch_size,
         max_len=args.max_len,
         lr=args.lr,
         eval_examples=args.eval_examples,
         max_minutes=args.max_minutes,
         init=args.init,
+        checkpoint_minutes=args.checkpoint_minutes or None,
     )
+    if args.resume:
+        from dataclasses import replace
+
+        from specdecode.train.draft import resume_draft_config
+
+        fresh = cfg
+        cfg = resume_draft_config(Path(args.out), steps=args.steps, max_minutes=args.max_minutes)
+        cfg = replace(cfg, checkpoint_minutes=args.checkpoint_minutes or None)
+        _check_resume_flags(args, fresh, cfg)
     data = [Path(d) for d in args.data]
     history = train_draft(loaded.model, data, Path(args.out), cfg, eos, loaded.path)
     keys = ("before", "after", "steps_done", "stopped_by", "train_seconds", "train_examples",
@@ -920,7 +948,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if history["stopped_by"].startswith("time budget"):
         print(
             f"stopped by its {history['stopped_by']} after {history['steps_done']} of "
-            f"{cfg.steps} steps; `--init {args.out}` trains it on",
+            f"{cfg.steps} steps; `--resume` with a larger --max-minutes goes on",
             file=sys.stderr,
         )
     if history["stopped_by"] == "interrupt":  # saved; but not done: exit 130
@@ -934,11 +962,7 @@ def _check_train_out(out, resume: bool, init: str | None, heads: bool) -> None:
         return
     if init is not None and Path(init).resolve() == out.resolve():
         return
-    how = (
-        "continue it with --resume (or --init naming it), or "
-        if heads
-        else ("continue it with --init naming it, or ")
-    )
+    how = "continue it with --resume (or --init naming it), or "
     raise InvalidRequestError(
         f"--out {str(out)!r} already holds a model; {how}choose another folder or remove it"
     )
@@ -1028,7 +1052,8 @@ def _words_after(argv: list[str] | None, *command: str) -> list[str]:
 
 # `train --resume` keeps the run's settings: these flags, given with values of their own, are
 # refused rather than ignored (HeadTrainConfig field: the flag's name where it differs)
-RESUMED_SETTINGS = {"draft_vocab": None, "batch_tokens": None, "max_len": None, "lr": None,
+RESUMED_SETTINGS = {"num_layers": None, "batch_size": None,
+                    "draft_vocab": None, "batch_tokens": None, "max_len": None, "lr": None,
                     "warmup": None, "eval_examples": None, "bf16": "precision",
                     "num_heads": None, "noise": None, "ce_weight": None, "ttt_steps": None,
                     "ttt_ramp": None, "variant": None}  # fmt: skip

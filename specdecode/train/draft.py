@@ -44,6 +44,109 @@ class DraftTrainConfig:
     seed: int = 0
     max_minutes: float | None = None  # stop sooner (the draft as it stands is saved)
     init: str | None = None  # continue from a draft saved there (its layers and vocabulary)
+    # write the draft as it stands, and what `resume` needs, to the output directory this often
+    # (a run killed later keeps it); None: only at the end
+    checkpoint_minutes: float | None = 5.0
+    # continue the run saved in the output directory where it stopped (`resume_draft_config`):
+    # its fp32 weights, optimizer moments, schedule, data order, step and time so far
+    resume: bool = False
+
+
+# beside the draft's files, what `resume` continues (as the heads' runs keep theirs)
+STATE_FILE = "resume/trainer_state.safetensors"
+
+
+def resume_draft_config(out_dir: Path, **overrides) -> DraftTrainConfig:
+    """The settings of the draft run saved in `out_dir`, to continue it with `resume`;
+    `overrides` that are not None replace them (steps, the time budget, the checkpoints)."""
+    from safetensors import safe_open
+
+    path = out_dir / STATE_FILE
+    if not out_dir.is_dir():
+        raise DataError(f"nothing to resume: {out_dir} does not exist (a new run drops --resume)")
+    if not path.is_file():
+        raise DataError(
+            f"{out_dir} holds no draft run to resume ({STATE_FILE} is missing: drafts saved "
+            "before this version continue with --init)"
+        )
+    try:
+        with safe_open(str(path), "pt") as f:
+            state = json.loads((f.metadata() or {})["state"])
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise DataError(f"{path} is not a draft trainer state ({type(e).__name__})") from None
+    if state.get("kind") != "draft":
+        raise DataError(f"{out_dir} holds a {state.get('kind')} run, not a draft's")
+    fields = set(DraftTrainConfig.__dataclass_fields__)
+    cfg = {k: v for k, v in state["config"].items() if k in fields}
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    cfg.update(resume=True, init=str(out_dir))
+    return DraftTrainConfig(**cfg)
+
+
+def _train_digest(train: list[Example]) -> str:
+    """The training conversations in their order: the saved data order indexes them."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(e.conversation_id for e in train).encode()).hexdigest()
+
+
+def _save_state(out_dir, params, opt, sched, gen, order, state: dict) -> None:
+    """What `resume` needs beyond the draft's files: the fp32 weights (the draft's file is
+    bf16), the optimizer's moments, the schedule, the data order still to come and its
+    generator, the step and time reached. Safetensors and JSON, no pickle."""
+    from specdecode.models.loader import write_safetensors
+
+    opt_state = opt.state_dict()
+    tensors = {
+        f"optimizer.{i}.{k}": v.detach().contiguous()
+        for i, st in opt_state["state"].items()
+        for k, v in st.items()
+        if torch.is_tensor(v)
+    }
+    tensors.update({f"weights.{i}": p.detach().contiguous() for i, p in enumerate(params)})
+    tensors["data.order"] = torch.tensor(order, dtype=torch.long)
+    tensors["rng.data"] = gen.get_state()
+    meta = {
+        **state,
+        "kind": "draft",
+        "param_groups": opt_state["param_groups"],
+        "scheduler": sched.state_dict(),
+        "param_shapes": [list(p.shape) for p in params],
+    }
+    (out_dir / STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
+    write_safetensors(tensors, out_dir / STATE_FILE, {"state": json.dumps(meta)})
+
+
+def _load_state(out_dir: Path, params, opt, sched, gen, digest: str) -> tuple[dict, list[int]]:
+    """Restore what `_save_state` wrote; (its state, the data order still to come)."""
+    from safetensors import safe_open
+
+    path = out_dir / STATE_FILE
+    try:
+        with safe_open(str(path), "pt") as f:
+            state = json.loads(f.metadata()["state"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise DataError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+    if state["param_shapes"] != [list(p.shape) for p in params]:
+        raise DataError(f"{path} was saved by a draft of another shape")
+    if state["train_digest"] != digest:
+        raise DataError(
+            f"{path} was trained on other --data (other conversations, or in another order): "
+            "resume with the same data (--init trains on other data)"
+        )
+    per_param: dict[int, dict] = {}
+    for key, v in tensors.items():
+        if key.startswith("optimizer."):
+            _, i, name = key.split(".", 2)
+            per_param.setdefault(int(i), {})[name] = v.to(params[int(i)].device)
+    opt.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+    sched.load_state_dict(state["scheduler"])
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            p.copy_(tensors[f"weights.{i}"])
+    gen.set_state(tensors["rng.data"])
+    return state, tensors["data.order"].tolist()
 
 
 def layer_indices(total: int, n: int) -> list[int]:
@@ -194,7 +297,10 @@ def train_draft(
         sets.append((str(d), examples))
     train, _, held = hold_out(sets, cfg.eval_examples)
     target.requires_grad_(False).eval()
-    if cfg.init is not None:  # its own layers and vocabulary, trained on (and recorded)
+    if cfg.resume:  # the run in out_dir: its draft's shape (the weights come from its state)
+        draft = load_trained_draft(out_dir, target, trainable=True)
+        vocab_ids = draft.vocab_ids
+    elif cfg.init is not None:  # its own layers and vocabulary, trained on (and recorded)
         draft = load_trained_draft(Path(cfg.init), target, trainable=True)
         vocab_ids = draft.vocab_ids
         cfg = replace(cfg, num_layers=draft.config.num_layers, draft_vocab=len(vocab_ids))
@@ -214,23 +320,53 @@ def train_draft(
     )
     train_feats = teacher_features(target, train, cfg.max_len, cfg.batch_size)
     held_feats = teacher_features(target, held, cfg.max_len, cfg.batch_size)
-    history = {"before": _evaluate(target, draft, held, held_feats, cfg)}
     gen = torch.Generator().manual_seed(cfg.seed)
     order: list[int] = []
-    t0 = time.perf_counter()
+    digest = _train_digest(train)
+    done, start, spent = 0, 0, 0.0
+    if cfg.resume:
+        state, order = _load_state(out_dir, params, opt, sched, gen, digest)
+        done, start, spent = state["steps_done"], state["next_step"], state["train_seconds"]
+        if cfg.max_minutes is not None and spent >= 60 * cfg.max_minutes and start < cfg.steps:
+            raise DataError(
+                f"the run in {out_dir} has used its time budget of {cfg.max_minutes:g} minutes "
+                f"({spent / 60:.1f} trained): give --max-minutes above that to go on"
+            )
+        history = {"before": state["before"], "resumed_at_step": start}
+        log.info("resuming the draft at step %d of %d", start, cfg.steps)
+    else:
+        history = {"before": _evaluate(target, draft, held, held_feats, cfg)}
+    t0 = time.perf_counter() - spent  # (a resumed run's time counts on)
     deadline = None if cfg.max_minutes is None else t0 + 60 * cfg.max_minutes
-    done, stopped_by = 0, "steps"
-    bar = tqdm(range(cfg.steps), desc="training draft", unit="step")
+    stopped_by = "steps"
+    last_save = time.perf_counter()
+
+    def checkpoint(next_step: int, final: bool = False) -> None:
+        info = {"checkpoint": not final, "steps_done": done, "config": cfg.__dict__,
+                "train_seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+        if not final:  # (the end's draft is saved with its whole history below)
+            save_draft(draft, out_dir, target, info, tokenizer_dir)
+        state = {"steps_done": done, "next_step": next_step, "before": history["before"],
+                 "train_seconds": info["train_seconds"], "config": cfg.__dict__,
+                 "train_digest": digest}  # fmt: skip
+        _save_state(out_dir, params, opt, sched, gen, order, state)
+
+    bar = tqdm(range(start, cfg.steps), desc="training draft", unit="step", initial=start,
+               total=cfg.steps)  # fmt: skip
+    step = start
+    snapshot = None  # the data order and generator before the step in flight
     try:  # Ctrl-C stops training; the draft as it stands is evaluated and saved
         for step in bar:
             if deadline is not None and time.perf_counter() >= deadline:
                 stopped_by = f"time budget ({cfg.max_minutes:g} min)"
                 break
+            snapshot = (list(order), gen.get_state())
             if len(order) < cfg.batch_size:
                 order = torch.randperm(len(train), generator=gen).tolist()
             idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
             loss, agree, n = _losses(target, draft, *_batch(train, train_feats, idx, cfg.max_len))
             if not n:  # no answer token within max_len in this batch
+                snapshot = None
                 continue
             value = loss.item()
             if not math.isfinite(value):  # nothing worth saving comes of it
@@ -244,9 +380,20 @@ def train_draft(
             opt.step()
             sched.step()
             done += 1
+            snapshot = None
             bar.set_postfix(loss=f"{value:.3f}", top1=f"{agree.item():.2f}")
+            if cfg.checkpoint_minutes is not None and (
+                time.perf_counter() - last_save >= 60 * cfg.checkpoint_minutes
+            ):
+                checkpoint(step + 1)
+                last_save = time.perf_counter()
+        else:
+            step = cfg.steps
     except KeyboardInterrupt:
+        # the step it cut short runs again on resuming (its batch back in the data order)
         stopped_by = "interrupt"
+        if snapshot is not None:
+            order, _ = snapshot[0], gen.set_state(snapshot[1])
     finally:
         bar.close()
     history["after"] = _evaluate(target, draft, held, held_feats, cfg)
@@ -267,6 +414,7 @@ def train_draft(
         config=cfg.__dict__,
     )
     save_draft(draft, out_dir, target, history, tokenizer_dir)
+    checkpoint(step, final=True)  # (a finished run goes on with --resume and more --steps)
     return history
 
 
@@ -277,6 +425,7 @@ def _coverage(examples: list[Example], vocab_ids: torch.Tensor) -> float:
 
 
 @torch.no_grad()
+@torch.no_grad()  # (no graph for held-out metrics)
 def _evaluate(target, draft, held: list[Example], feats, cfg: DraftTrainConfig) -> dict:
     loss_sum = agree_sum = total = 0.0  # weighted by answer tokens
     for i in range(0, len(held), cfg.batch_size):

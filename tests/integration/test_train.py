@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import DataError
@@ -335,3 +336,56 @@ def test_train_draft_takes_several_data_sets_from_the_command_line(
         capsys.readouterr()
         assert main(argv) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["interrupt", "killed"])
+def test_a_stopped_draft_run_resumes_bit_for_bit(llm, tiny_llama_dir, tmp_path, monkeypatch, how):
+    """`train draft --resume` continues where the run stopped (Ctrl-C: the step in flight runs
+    again; killed: from its last checkpoint) with its fp32 weights, optimizer moments, schedule
+    and data order: the weights at the end equal an uninterrupted run's bit for bit."""
+    from safetensors.torch import load_file
+
+    import specdecode.train.draft as draft_mod
+    from specdecode.models.loader import load_model
+    from specdecode.train.draft import STATE_FILE, resume_draft_config
+
+    convs = [(f"c{i}", [{"role": "user", "content": f"say {i % 7} {i}"}]) for i in range(24)]
+    generate(llm, convs, tmp_path / "data", shard_size=12, max_tokens=12)
+    target = load_model(tiny_llama_dir).model
+    cfg = DraftTrainConfig(num_layers=1, draft_vocab=48, steps=7, batch_size=4, lr=3e-3,
+                           eval_examples=4, checkpoint_minutes=0.0)  # fmt: skip
+
+    def weights(out):
+        t = load_file(str(out / STATE_FILE))
+        return {k: v for k, v in t.items() if k.startswith(("weights.", "optimizer."))}
+
+    whole = train_draft(target, tmp_path / "data", tmp_path / "whole", cfg, [2])
+    real, calls = draft_mod._losses, []
+
+    def stopping(*a, **k):
+        calls.append(torch.is_grad_enabled())  # (evaluation runs without gradients)
+        if calls[-1] and sum(calls) == 4:  # during the fourth step
+            raise KeyboardInterrupt if how == "interrupt" else RuntimeError("killed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(draft_mod, "_losses", stopping)
+    out = tmp_path / "stopped"
+    if how == "interrupt":
+        assert train_draft(target, tmp_path / "data", out, cfg, [2])["stopped_by"] == "interrupt"
+    else:
+        with pytest.raises(RuntimeError, match="killed"):
+            train_draft(target, tmp_path / "data", out, cfg, [2])
+    monkeypatch.setattr(draft_mod, "_losses", real)
+    resumed_cfg = resume_draft_config(out)
+    assert (resumed_cfg.steps, resumed_cfg.num_layers, resumed_cfg.resume) == (7, 1, True)
+    history = train_draft(target, tmp_path / "data", out, resumed_cfg, [2])
+    assert history["resumed_at_step"] == 3 and history["steps_done"] == whole["steps_done"]
+    a, b = weights(tmp_path / "whole"), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert history["after"] == whole["after"]
+    # other data is refused, and a folder with no run says so
+    generate(llm, convs[:20], tmp_path / "fewer", shard_size=12, max_tokens=12)
+    with pytest.raises(DataError, match="other --data"):
+        train_draft(target, tmp_path / "fewer", out, resumed_cfg, [2])
+    with pytest.raises(DataError, match="no draft run to resume"):
+        resume_draft_config(tmp_path / "data")
