@@ -1,22 +1,27 @@
 """`specdecode bench http`: load over HTTP against any OpenAI-compatible server (`specdecode
-serve`, vLLM, SGLang), as vLLM's `vllm bench serve` measures one.
+serve`, vLLM, SGLang), measured as vLLM's `vllm bench serve` measures one.
 
-Requests are streamed (`stream`, with `stream_options.include_usage` for the token counts) and
-sent at `--request-rate` per second (Poisson arrivals; `--burstiness` below 1 is burstier, above
-1 steadier: gamma-distributed gaps, as vLLM's benchmark draws them; `inf` sends them all at
-once), at most `--max-concurrency` in flight. Reported as vLLM's benchmark reports them: the
-requests that completed and failed, the duration (first send to last end), request and token
-throughput, and per request TTFT (time to the first streamed token), TPOT ((end - first token)
-/ (output tokens - 1)), ITL (the gaps between streamed updates: under speculation an update can
-carry several tokens, so ITL is above TPOT there) and E2EL (end to end), each as mean, median
-and p99. Where the server exports vLLM's speculative-decoding counters on `/metrics`
+Requests are streamed (`stream`, with `stream_options.include_usage` for the server's token
+counts) and arrive on a schedule drawn up front: gaps with mean 1/`--request-rate` (Poisson;
+`--burstiness` below 1 is burstier, above 1 steadier: gamma-distributed, as vLLM draws them;
+`inf` sends them all at once), at most `--max-concurrency` in flight (a request waits for a
+slot and its clock starts when it is sent, as in vLLM's). Reported as vLLM's benchmark reports
+them: the requests that completed and failed, the duration (the start of the schedule to the
+last answer), request and token throughput, and per request TTFT, TPOT ((end - first token) /
+(output tokens - 1)), ITL (the gaps between streamed updates: under speculation an update can
+carry several tokens, so ITL is above TPOT there) and E2EL, each as mean, median and p99
+(percentiles interpolated, as numpy's). One difference: the first token is the first update
+that carries output (text, reasoning or a tool call), not the first chunk, since a server may
+send the reply's role before its prompt is even read (this one does), which would make TTFT
+near zero. Where the server exports vLLM's speculative-decoding counters on `/metrics`
 (`vllm:spec_decode_num_*`: this server and vLLM do), their change over the run gives the
 acceptance and mean acceptance length it served.
 
-The prompts: a benchmark workload, sent as chat messages, or `--traffic FILE` (one request body
-per line, as `advise` reads: chat `{"messages"}` or completions `{"prompt"}` bodies, a bare list
-of messages, or OpenAI Batch API lines), sent as written with `stream` added. Standard library
-HTTP only: one thread per request in flight.
+The prompts: a benchmark workload, sent as chat messages, or `--traffic FILE` (one request per
+line, the lines `advise` accepts: chat `{"messages"}` and completions `{"prompt"}` bodies sent
+as written with `stream` added and the served model named, Responses bodies and bare message
+lists as chat, OpenAI Batch API lines as their body). Standard library HTTP only: a thread and
+a connection per request in flight.
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ import json
 import math
 import random
 import statistics
-import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +40,7 @@ from pathlib import Path
 
 from specdecode.errors import InvalidRequestError, SpecDecodeError
 
+MAX_THREADS = 256  # requests in flight at most without --max-concurrency (a thread each)
 SPEC_COUNTERS = (
     "vllm:spec_decode_num_drafts",
     "vllm:spec_decode_num_draft_tokens",
@@ -55,6 +60,7 @@ class Outcome:
     prompt_tokens: int = 0
     output_tokens: int = 0
     sent: float = 0.0  # (wall clock, perf_counter)
+    no_usage: bool = False  # the server sent no usage: output_tokens counts updates
 
 
 class Target:
@@ -95,7 +101,7 @@ def _stream(target: Target, path: str, body: dict) -> Outcome:
         if r.status != 200:
             out.error = f"HTTP {r.status}: {r.read()[:300].decode(errors='replace')}"
             return out
-        last, updates = None, 0
+        last, updates, usage, done = None, 0, False, False
         while True:
             line = r.readline()
             if not line:
@@ -104,20 +110,23 @@ def _stream(target: Target, path: str, body: dict) -> Outcome:
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
+            if not data:  # (a keep-alive)
+                continue
             if data == b"[DONE]":
+                done = True
                 break
             chunk = json.loads(data)
+            if not isinstance(chunk, dict):
+                raise ValueError(f"a stream chunk that is not an object: {data[:80]!r}")
             if "error" in chunk and not chunk.get("choices"):
-                out.error = str(chunk["error"].get("message", chunk["error"]))[:300]
+                err = chunk["error"]
+                out.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
                 return out
             if chunk.get("usage"):
+                usage = True
                 out.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
                 out.output_tokens = chunk["usage"].get("completion_tokens", 0)
-            text = "".join(
-                (c.get("delta") or {}).get("content") or c.get("text") or ""
-                for c in chunk.get("choices") or []
-            )
-            if text:
+            if any(_carries_output(c) for c in chunk.get("choices") or []):
                 now = time.perf_counter()
                 if last is None:
                     out.ttft = now - out.sent
@@ -125,16 +134,29 @@ def _stream(target: Target, path: str, body: dict) -> Outcome:
                     out.gaps.append(now - last)
                 last, updates = now, updates + 1
         out.e2el = time.perf_counter() - out.sent
-        if not out.output_tokens:  # a server without include_usage: its updates, at least
-            out.output_tokens = updates
-        out.ok = out.ttft is not None or out.output_tokens == 0
+        if not usage:  # a server without include_usage: its updates, at least (an undercount
+            out.output_tokens = updates  # under speculation: `run_http_bench` says so)
+            out.no_usage = True
+        # an answer, or an empty one the server counted (no stream at all is a failure)
+        out.ok = out.ttft is not None or (usage and done and out.output_tokens == 0)
         if not out.ok:
-            out.error = "the stream ended without an answer"
-    except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
-        out.error = f"{type(e).__name__}: {e}"
+            out.error = "no streamed answer (was it a stream?)"
     finally:
         conn.close()
     return out
+
+
+def _carries_output(choice: dict) -> bool:
+    """Whether a streamed choice brings output: text (chat or completions), reasoning, or a
+    tool call (a role-only or finish-only chunk does not)."""
+    delta = choice.get("delta") or {}
+    return bool(
+        choice.get("text")
+        or delta.get("content")
+        or delta.get("reasoning_content")
+        or delta.get("reasoning")
+        or delta.get("tool_calls")
+    )
 
 
 def spec_counters(target: Target) -> dict[str, float] | None:
@@ -169,7 +191,8 @@ def gaps_between_arrivals(n: int, rate: float, burstiness: float, seed: int) -> 
 
 
 def _requests(args: argparse.Namespace, model: str) -> list[tuple[str, dict]]:
-    """(endpoint path, body) per request, `--num-prompts` of them (the prompts cycled)."""
+    """(endpoint path, body) per request: `--num-prompts` of them (the prompts cycled; a traffic
+    file's lines once each by default), each naming the served `model`."""
     bodies: list[tuple[str, dict]] = []
     if args.traffic:
         from specdecode.advise import read_traffic
@@ -177,39 +200,37 @@ def _requests(args: argparse.Namespace, model: str) -> list[tuple[str, dict]]:
         read = read_traffic(args.traffic, args.max_tokens)  # (a clear error for a bad file)
         for bad in read.bad_lines:
             print(f"skipped: {bad}", flush=True)
-        with open(args.traffic, encoding="utf-8-sig") as f:
-            for line in f:
-                try:
-                    raw = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # (a blank or bad line: reported above)
-                url = "/v1/chat/completions"
-                if isinstance(raw, dict) and "body" in raw and "custom_id" in raw:
-                    url, raw = raw.get("url") or url, raw["body"]
-                if isinstance(raw, list):
-                    raw = {"messages": raw}
-                if not isinstance(raw, dict) or not ({"messages", "prompt"} & set(raw)):
-                    continue  # (a Responses body or a bad line: read_traffic reported them)
-                if "prompt" in raw and "messages" not in raw:
-                    url = "/v1/completions"
-                raw = {"max_tokens": args.max_tokens, **raw}
-                bodies.append((url, raw))
-        if not bodies:
-            raise InvalidRequestError(f"{args.traffic}: no chat or completions request to send")
+        usable = {r.line: r for r in read.requests}
+        with open(args.traffic, encoding="utf-8-sig", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                if n not in usable:
+                    continue
+                raw, url = json.loads(line), None
+                if isinstance(raw, dict) and isinstance(raw.get("body"), dict) and "url" in raw:
+                    url, raw = raw["url"], raw["body"]  # (a Batch API line, as advise reads it)
+                if isinstance(raw, dict) and ("messages" in raw or "prompt" in raw):
+                    chat = "/v1/chat/completions" if "messages" in raw else "/v1/completions"
+                    url, body = url or chat, {"max_tokens": args.max_tokens, **raw}
+                else:  # a Responses body or a bare message list: its messages, as chat
+                    r = usable[n]
+                    body = {"messages": r.messages, "max_tokens": r.max_tokens,
+                            "temperature": r.temperature}  # fmt: skip
+                    url = "/v1/chat/completions"
+                bodies.append((url, body))
     else:
         from specdecode.bench import workloads
 
-        for messages in workloads.load(args.workload, args.num_prompts):
+        for messages in workloads.load(args.workload, args.num_prompts or 32):
             body = {"messages": messages, "max_tokens": args.max_tokens,
                     "temperature": args.temperature}  # fmt: skip
             if args.ignore_eos:
                 body["ignore_eos"] = True  # (vLLM's and this server's extension)
             bodies.append(("/v1/chat/completions", body))
     out = []
-    for i in range(args.num_prompts):
+    for i in range(args.num_prompts or len(bodies)):
         path, body = bodies[i % len(bodies)]
-        body = {**body, "model": body.get("model") or model, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        # the served model, whatever the line named (a Batch API file names OpenAI's models)
+        body = {**body, "model": model, "stream": True, "stream_options": {"include_usage": True}}
         out.append((path, body))
     return out
 
@@ -221,17 +242,23 @@ def _served_model(target: Target) -> str:
         raise InvalidRequestError(f"no server at {target.host}:{target.port}: {e}") from None
     if status != 200:
         raise InvalidRequestError(f"GET /v1/models answered {status}: {text[:200]!r}")
-    models = json.loads(text).get("data") or []
-    if not models:
-        raise InvalidRequestError("the server lists no model: give --served-model-name")
-    return models[0]["id"]
+    try:
+        return json.loads(text)["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise InvalidRequestError(
+            f"GET /v1/models names no model ({text[:200]!r}): give --served-model-name"
+        ) from None
 
 
 def _stats(values: list[float]) -> dict:
     if not values:
         return {"mean_ms": None, "median_ms": None, "p99_ms": None}
-    ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+    # (interpolated between ranks, as numpy's percentile and so vLLM's benchmark)
+    p99 = (
+        values[0]
+        if len(values) == 1
+        else statistics.quantiles(values, n=100, method="inclusive")[98]
+    )
     return {
         "mean_ms": 1000 * statistics.mean(values),
         "median_ms": 1000 * statistics.median(values),
@@ -240,6 +267,7 @@ def _stats(values: list[float]) -> dict:
 
 
 def summarize(outcomes: list[Outcome], duration: float, spec: dict | None) -> dict:
+    """Every request's outcome (a failed one included) over the run's duration."""
     done = [o for o in outcomes if o.ok]
     out_tokens = sum(o.output_tokens for o in done)
     in_tokens = sum(o.prompt_tokens for o in done)
@@ -281,27 +309,32 @@ def run_http_bench(args: argparse.Namespace) -> dict:
     requests = _requests(args, model)
     gaps = gaps_between_arrivals(len(requests), args.request_rate, args.burstiness, args.seed)
     before = spec_counters(target)
-    slots = threading.BoundedSemaphore(args.max_concurrency or len(requests))
-    outcomes: list[Outcome | None] = [None] * len(requests)
+    outcomes: list[Outcome] = [Outcome(error="not sent") for _ in requests]
 
     def one(i: int) -> None:
         try:
             outcomes[i] = _stream(target, *requests[i])
-        finally:
-            slots.release()
+        except Exception as e:  # noqa: BLE001 - counted as failed, with what it was
+            outcomes[i] = Outcome(error=f"{type(e).__name__}: {e}"[:300])
 
+    # the pool's threads are the slots: a request waits for one, and its clock starts when it
+    # is sent; the schedule goes on meanwhile (arrival times fixed from the start)
+    workers = args.max_concurrency or min(len(requests), MAX_THREADS)
     print(f"{len(requests)} requests to {args.base_url} ({model}), rate {args.request_rate} "
-          f"/s, at most {args.max_concurrency or 'all'} in flight", flush=True)  # fmt: skip
+          f"/s, at most {workers} in flight", flush=True)  # fmt: skip
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=args.max_concurrency or len(requests)) as pool:
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        due = start
         for i, gap in enumerate(gaps):
-            time.sleep(gap)
-            slots.acquire()  # (a slot first: its request's clock starts when it is sent)
+            due += gap
+            if (wait := due - time.perf_counter()) > 0:
+                time.sleep(wait)
             pool.submit(one, i)
-    got = [o for o in outcomes if o is not None]
-    duration = max((o.sent + o.e2el for o in got), default=start) - min(
-        (o.sent for o in got), default=start
-    )
+    duration = time.perf_counter() - start
+    got = outcomes
+    if any(o.no_usage for o in got if o.ok):
+        print("note: the server sent no usage: output tokens are counted as streamed updates "
+              "(an undercount where an update carries several)", flush=True)  # fmt: skip
     after = spec_counters(target)
     spec = (
         {k: after[k] - before[k] for k in SPEC_COUNTERS} if before is not None and after else None
@@ -394,11 +427,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--workload", default="chat", choices=list(workloads.WORKLOADS))
     p.add_argument("--traffic", default=None, help="a JSONL file of request bodies to replay")
-    p.add_argument("--num-prompts", type=at_least(1), default=32, help="requests sent")
+    p.add_argument(
+        "--num-prompts",
+        type=at_least(1),
+        default=None,
+        help="requests sent, the prompts cycled (default: 32, or each --traffic line once)",
+    )
     p.add_argument("--max-tokens", type=at_least(1), default=128)
     p.add_argument("--temperature", type=temperature, default=0.0, help="(workload prompts)")
     p.add_argument(
-        "--ignore-eos", action="store_true", help="every answer max-tokens long (vLLM's flag)"
+        "--ignore-eos",
+        action="store_true",
+        help="(workload prompts) every answer max-tokens long (vLLM's flag)",
     )
     p.add_argument(
         "--request-rate", type=_rate, default=math.inf, help="requests per second (default inf)"
@@ -410,8 +450,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="gamma shape of the gaps between arrivals: 1 Poisson, below 1 burstier",
     )
     p.add_argument(
-        "--max-concurrency", type=at_least(1), default=None, help="requests in flight at most"
+        "--max-concurrency",
+        type=at_least(1),
+        default=None,
+        help=f"requests in flight at most (default: all, up to {MAX_THREADS}: a thread each)",
     )
     p.add_argument("--seed", type=int, default=0, help="of the arrival times")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
+    p.add_argument(
+        "--timeout", type=_positive, default=600.0, help="seconds a request may wait for a byte"
+    )
     p.add_argument("--json", type=output_file, default=None, help="also write the results here")

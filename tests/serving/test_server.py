@@ -1428,22 +1428,30 @@ def test_bench_http_measures_a_server_over_http(served, plain, tmp_path, capsys)
 
     lines = [{"messages": chat_messages(q), "max_tokens": 12, "temperature": 0,
               "ignore_eos": True} for q in QUESTIONS]  # fmt: skip
-    lines.append({"model": "no-such-model", "messages": chat_messages("hi"), "max_tokens": 4})
+    # a Batch API line (naming OpenAI's model: the served one is sent) to a path the server
+    # does not have, a Responses body (sent as chat), and a line advise refuses (not sent)
+    lines.append({"custom_id": "1", "method": "POST", "url": "/v1/no-such-path",
+                  "body": {"model": "gpt-4o-mini", "messages": chat_messages("hi")}})  # fmt: skip
+    lines.append({"model": "gpt-4o-mini", "input": "abcabc", "max_output_tokens": 5})
+    lines.append({"messages": chat_messages("hi"), "temperature": -1})
     traffic = tmp_path / "traffic.jsonl"
     traffic.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "http.json"
     rc = main(["bench", "http", "--base-url", f"http://127.0.0.1:{served.port}/v1",
-               "--traffic", str(traffic), "--num-prompts", "7", "--max-concurrency", "3",
+               "--traffic", str(traffic), "--max-concurrency", "3",
                "--json", str(out)])  # fmt: skip
     assert rc == 0
     r = json.loads(out.read_text())
-    assert (r["completed"], r["failed"]) == (6, 1) and "HTTP 404" in r["errors"][0]
-    assert r["total_output_tokens"] == 6 * 12
-    assert r["total_input_tokens"] == sum(len(plain._chat_ids(chat_messages(q))) for q in QUESTIONS)
+    assert r["num_prompts"] == 8  # (each usable line once)
+    assert (r["completed"], r["failed"]) == (7, 1) and "HTTP 404" in r["errors"][0]
+    assert 6 * 12 < r["total_output_tokens"] <= 6 * 12 + 5
+    chats = [chat_messages(q) for q in QUESTIONS] + [chat_messages("abcabc")]
+    assert r["total_input_tokens"] == sum(len(plain._chat_ids(m)) for m in chats)
     assert 0 < r["ttft"]["mean_ms"] <= r["e2el"]["mean_ms"] and r["itl"]["mean_ms"] > 0
     spec = r["speculative"]  # (repetitive questions: the n-gram drafter drafts)
     assert spec["drafts"] > 0 and 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
-    assert "Successful requests:                6" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Successful requests:                7" in printed and "line 9" in printed
     # the counters it reads are this server's (vLLM's names)
     from specdecode.bench.http_load import Target
 
