@@ -722,6 +722,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
         ignore_eos=args.ignore_eos,
     )
     llm = LLM(args.model, **engine_kwargs(args))
+    engine = llm.engine
+    if engine.drafter is not None and engine.controller.policy == "adaptive":
+        # one request: its steps feed one token and its drafts, so the step-cost curve is
+        # timed that far (~0.3 s); the engine's first step would time every batch size the
+        # engine could reach (~3 s, paid by this one request)
+        k = engine.spec_config.num_speculative_tokens
+        engine.calibrate(upto=2 * (1 + engine.drafter.max_nodes(k)))
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     for piece in llm.stream(prompt, params, chat=args.chat):
         sys.stdout.write(piece)

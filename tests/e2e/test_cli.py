@@ -590,3 +590,24 @@ def test_data_generate_refuses_counts_below_one(flag, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["data", "generate", "--out", "d", flag, "0"])
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_generate_times_only_the_step_costs_one_request_needs(tiny_llama_dir, monkeypatch, capsys):
+    """`generate` serves one request: the adaptive policy's step-cost curve is timed up to that
+    request's steps (a token and its drafts), not every batch size the engine could reach, which
+    the first step would time (~3 s on SmolLM2 here, more than the answer took)."""
+    from specdecode.cli import main
+    from specdecode.engine.engine import LLMEngine
+
+    calls, real = [], LLMEngine.calibrate
+
+    def calibrate(self, *a, **k):
+        calls.append(k.get("upto"))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(LLMEngine, "calibrate", calibrate)
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", "abcabc",
+                 "--max-tokens", "8", "--speculative-config", spec]) in (0, None)  # fmt: skip
+    assert calls == [2 * (1 + 3)]
+    capsys.readouterr()
