@@ -19,6 +19,21 @@ _at_least_two = integer(2)
 _DEVICES = ("auto", "cpu", "cuda")
 
 
+def _lossless_threshold(text: str) -> float:
+    """SGLang's acceptance thresholds: 1.0 is its exact rejection sampling; below it accepts
+    drafts the target would not have sampled."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if v != 1.0:
+        raise argparse.ArgumentTypeError(
+            f"{text}: a threshold below 1 accepts drafts the target would not sample (lossy); "
+            "only 1.0, exact rejection sampling, is offered"
+        )
+    return v
+
+
 def _one_device(text: str) -> int:
     """A tensor-parallel size: 1, the one device this engine runs on."""
     if text.strip() != "1":
@@ -149,6 +164,14 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         help="tree nodes verified per step, the root included (NGRAM, or STANDALONE without "
         "--speculative-eagle-topk: a chain of N - 1 drafts)",
     )
+    for flag in ("--speculative-accept-threshold-single", "--speculative-accept-threshold-acc"):
+        sg.add_argument(
+            flag,
+            type=_lossless_threshold,
+            default=None,
+            help="SGLang's relaxed acceptance: 1.0 only (lossless rejection sampling; lower "
+            "values change the output and are not offered)",
+        )
     sg.add_argument(
         "--speculative-token-map",
         default=None,

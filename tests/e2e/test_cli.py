@@ -174,6 +174,11 @@ def test_sglang_and_vllm_server_flags_are_their_aliases():
     with pytest.raises(SystemExit) as e:  # one device: refused
         main(["generate", "--prompt", "x", "-tp", "2"])
     assert e.value.code == 2
+    # SGLang's relaxed acceptance: its exact setting (1.0) parses, a lossy one is refused
+    ok = ["--speculative-accept-threshold-single", "1", "--speculative-accept-threshold-acc", "1.0"]
+    assert build_parser().parse_args(["serve", *ok]).speculative_accept_threshold_single == 1.0
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--speculative-accept-threshold-acc", "0.3"])
 
 
 def test_vllm_flags_without_a_method_take_the_models(tmp_path):
