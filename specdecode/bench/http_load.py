@@ -211,11 +211,8 @@ def _requests(args: argparse.Namespace, model: str) -> list[tuple[str, dict]]:
                 if isinstance(raw, dict) and ("messages" in raw or "prompt" in raw):
                     chat = "/v1/chat/completions" if "messages" in raw else "/v1/completions"
                     url, body = url or chat, {"max_tokens": args.max_tokens, **raw}
-                else:  # a Responses body or a bare message list: its messages, as chat
-                    r = usable[n]
-                    body = {"messages": r.messages, "max_tokens": r.max_tokens,
-                            "temperature": r.temperature}  # fmt: skip
-                    url = "/v1/chat/completions"
+                else:  # a bare message list, or a Responses body as chat (all its options)
+                    body, url = _as_chat(raw, args.max_tokens), "/v1/chat/completions"
                 bodies.append((url, body))
     else:
         from specdecode.bench import workloads
@@ -233,6 +230,20 @@ def _requests(args: argparse.Namespace, model: str) -> list[tuple[str, dict]]:
         body = {**body, "model": model, "stream": True, "stream_options": {"include_usage": True}}
         out.append((path, body))
     return out
+
+
+def _as_chat(raw, max_tokens: int) -> dict:
+    """A bare message list or a Responses body as a chat completions body (the server's own
+    translation, every option kept)."""
+    if isinstance(raw, list):
+        return {"messages": raw, "max_tokens": max_tokens}
+    from specdecode.serving.protocol import ResponsesRequest
+
+    chat = ResponsesRequest.model_validate(raw).as_chat()
+    body = chat.model_dump(exclude_unset=True, exclude_none=True)
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_tokens"] = max_tokens
+    return body
 
 
 def _served_model(target: Target) -> str:
@@ -346,7 +357,7 @@ def run_http_bench(args: argparse.Namespace) -> dict:
         "num_prompts": len(requests),
         "request_rate": args.request_rate,
         "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency,
+        "max_concurrency": workers,
         "max_tokens": args.max_tokens,
         **summarize(got, duration, spec),
     }

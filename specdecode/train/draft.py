@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -130,16 +131,13 @@ def _load_state(out_dir: Path, params, opt, sched, gen, digest: str) -> tuple[di
         raise DataError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
     if state["param_shapes"] != [list(p.shape) for p in params]:
         raise DataError(f"{path} was saved by a draft of another shape")
-    if state["train_digest"] != digest:
-        raise DataError(
-            f"{path} was trained on other --data (other conversations, or in another order): "
-            "resume with the same data (--init trains on other data)"
-        )
+    if state["train_digest"] != digest:  # (checked before: `_check_resumable`)
+        raise DataError(f"{path} was trained on other --data")
     per_param: dict[int, dict] = {}
     for key, v in tensors.items():
         if key.startswith("optimizer."):
             _, i, name = key.split(".", 2)
-            per_param.setdefault(int(i), {})[name] = v.to(params[int(i)].device)
+            per_param.setdefault(int(i), {})[name] = v  # (load_state_dict places them)
     opt.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
     sched.load_state_dict(state["scheduler"])
     with torch.no_grad():
@@ -297,7 +295,9 @@ def train_draft(
         sets.append((str(d), examples))
     train, _, held = hold_out(sets, cfg.eval_examples)
     target.requires_grad_(False).eval()
+    digest = _train_digest(train)
     if cfg.resume:  # the run in out_dir: its draft's shape (the weights come from its state)
+        _check_resumable(out_dir, cfg, digest)  # (before the teacher's features: minutes)
         draft = load_trained_draft(out_dir, target, trainable=True)
         vocab_ids = draft.vocab_ids
     elif cfg.init is not None:  # its own layers and vocabulary, trained on (and recorded)
@@ -315,23 +315,24 @@ def train_draft(
     coverage = _coverage(held, vocab_ids)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))
-    )
+
+    def rate(s: int) -> float:  # warm-up, then a cosine over the run's --steps
+        return min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, rate)
     train_feats = teacher_features(target, train, cfg.max_len, cfg.batch_size)
     held_feats = teacher_features(target, held, cfg.max_len, cfg.batch_size)
     gen = torch.Generator().manual_seed(cfg.seed)
     order: list[int] = []
-    digest = _train_digest(train)
     done, start, spent = 0, 0, 0.0
     if cfg.resume:
         state, order = _load_state(out_dir, params, opt, sched, gen, digest)
         done, start, spent = state["steps_done"], state["next_step"], state["train_seconds"]
-        if cfg.max_minutes is not None and spent >= 60 * cfg.max_minutes and start < cfg.steps:
-            raise DataError(
-                f"the run in {out_dir} has used its time budget of {cfg.max_minutes:g} minutes "
-                f"({spent / 60:.1f} trained): give --max-minutes above that to go on"
-            )
+        # the rate at the step reached on this run's schedule (raised --steps: a longer
+        # cosine from here; the same --steps: the saved rate, bit for bit)
+        for group, base in zip(opt.param_groups, sched.base_lrs, strict=True):
+            group["lr"] = base * rate(sched.last_epoch)
+        sched._last_lr = [group["lr"] for group in opt.param_groups]
         history = {"before": state["before"], "resumed_at_step": start}
         log.info("resuming the draft at step %d of %d", start, cfg.steps)
     else:
@@ -353,20 +354,28 @@ def train_draft(
 
     bar = tqdm(range(start, cfg.steps), desc="training draft", unit="step", initial=start,
                total=cfg.steps)  # fmt: skip
-    step = start
+    position = start  # the next step to run (past skipped batches, unlike `done`)
     snapshot = None  # the data order and generator before the step in flight
-    try:  # Ctrl-C stops training; the draft as it stands is evaluated and saved
+    # Ctrl-C stops training at the next step boundary (a second one at once): the draft as it
+    # stands is evaluated and saved, its state whole for --resume
+    interrupted = threading.Event()
+    restore = _on_sigint(interrupted)
+    try:
         for step in bar:
+            if interrupted.is_set():
+                stopped_by = "interrupt"
+                break
             if deadline is not None and time.perf_counter() >= deadline:
                 stopped_by = f"time budget ({cfg.max_minutes:g} min)"
                 break
+            position = step
             snapshot = (list(order), gen.get_state())
             if len(order) < cfg.batch_size:
                 order = torch.randperm(len(train), generator=gen).tolist()
             idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
             loss, agree, n = _losses(target, draft, *_batch(train, train_feats, idx, cfg.max_len))
             if not n:  # no answer token within max_len in this batch
-                snapshot = None
+                position, snapshot = step + 1, None
                 continue
             value = loss.item()
             if not math.isfinite(value):  # nothing worth saving comes of it
@@ -380,21 +389,23 @@ def train_draft(
             opt.step()
             sched.step()
             done += 1
-            snapshot = None
+            position, snapshot = step + 1, None
             bar.set_postfix(loss=f"{value:.3f}", top1=f"{agree.item():.2f}")
             if cfg.checkpoint_minutes is not None and (
                 time.perf_counter() - last_save >= 60 * cfg.checkpoint_minutes
             ):
-                checkpoint(step + 1)
+                checkpoint(position)
                 last_save = time.perf_counter()
         else:
-            step = cfg.steps
+            position = max(position, cfg.steps)
     except KeyboardInterrupt:
-        # the step it cut short runs again on resuming (its batch back in the data order)
+        # (a second Ctrl-C, or one off the main thread): the step it cut short runs again on
+        # resuming, its batch back in the data order
         stopped_by = "interrupt"
         if snapshot is not None:
             order, _ = snapshot[0], gen.set_state(snapshot[1])
     finally:
+        restore()
         bar.close()
     history["after"] = _evaluate(target, draft, held, held_feats, cfg)
     if not all(math.isfinite(v) for v in history["after"].values()):
@@ -414,8 +425,55 @@ def train_draft(
         config=cfg.__dict__,
     )
     save_draft(draft, out_dir, target, history, tokenizer_dir)
-    checkpoint(step, final=True)  # (a finished run goes on with --resume and more --steps)
+    checkpoint(position, final=True)  # (a finished run goes on with --resume, more --steps)
     return history
+
+
+def _on_sigint(flag: threading.Event):
+    """Make Ctrl-C set `flag` (a second one raises KeyboardInterrupt at once); return what
+    restores the previous handler. Off the main thread, signals cannot be caught: nothing."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, frame):
+        if flag.is_set():
+            raise KeyboardInterrupt
+        flag.set()
+        log.warning("Ctrl-C: stopping after this step and saving the draft (again: at once)")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    return lambda: signal.signal(signal.SIGINT, previous)
+
+
+def _check_resumable(out_dir: Path, cfg: DraftTrainConfig, digest: str) -> None:
+    """The checks a resume can fail, from the state's header alone: the same data, a budget
+    left, --steps not below the run's."""
+    from safetensors import safe_open
+
+    path = out_dir / STATE_FILE
+    try:
+        with safe_open(str(path), "pt") as f:
+            state = json.loads(f.metadata()["state"])
+    except Exception as e:  # noqa: BLE001 - a missing, truncated or foreign file
+        raise DataError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+    if state.get("train_digest") != digest:
+        raise DataError(
+            f"{path} was trained on other --data (other conversations, or in another order): "
+            "resume with the same data (--init trains on other data)"
+        )
+    if cfg.steps < state["config"]["steps"]:
+        raise DataError(
+            f"--steps {cfg.steps} is below the run's {state['config']['steps']}: --resume "
+            "goes on with the run's steps or more"
+        )
+    spent, reached = state["train_seconds"], state["next_step"]
+    if cfg.max_minutes is not None and spent >= 60 * cfg.max_minutes and reached < cfg.steps:
+        raise DataError(
+            f"the run in {out_dir} has used its time budget of {cfg.max_minutes:g} minutes "
+            f"({spent / 60:.1f} trained): give --max-minutes above that to go on"
+        )
 
 
 def _coverage(examples: list[Example], vocab_ids: torch.Tensor) -> float:
@@ -425,7 +483,6 @@ def _coverage(examples: list[Example], vocab_ids: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-@torch.no_grad()  # (no graph for held-out metrics)
 def _evaluate(target, draft, held: list[Example], feats, cfg: DraftTrainConfig) -> dict:
     loss_sum = agree_sum = total = 0.0  # weighted by answer tokens
     for i in range(0, len(held), cfg.batch_size):
@@ -464,7 +521,9 @@ def save_draft(
             "training": history,
         },
     }
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tmp = out_dir / "config.json.tmp"  # (rewritten at every checkpoint: never half written)
+    tmp.write_text(json.dumps(config, indent=2))
+    tmp.replace(out_dir / "config.json")
     if tokenizer_dir is not None:
         import shutil
 

@@ -338,11 +338,15 @@ def test_train_draft_takes_several_data_sets_from_the_command_line(
         assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("how", ["interrupt", "killed"])
+@pytest.mark.parametrize("how", ["ctrl-c", "interrupt", "killed"])
 def test_a_stopped_draft_run_resumes_bit_for_bit(llm, tiny_llama_dir, tmp_path, monkeypatch, how):
-    """`train draft --resume` continues where the run stopped (Ctrl-C: the step in flight runs
-    again; killed: from its last checkpoint) with its fp32 weights, optimizer moments, schedule
-    and data order: the weights at the end equal an uninterrupted run's bit for bit."""
+    """`train draft --resume` continues where the run stopped (Ctrl-C: after the step in
+    flight; an interrupt inside a step, as a second Ctrl-C: that step runs again; killed: from
+    its last checkpoint) with its fp32 weights, optimizer moments, schedule and data order: the
+    weights at the end equal an uninterrupted run's bit for bit."""
+    import os
+    import signal
+
     from safetensors.torch import load_file
 
     import specdecode.train.draft as draft_mod
@@ -365,13 +369,17 @@ def test_a_stopped_draft_run_resumes_bit_for_bit(llm, tiny_llama_dir, tmp_path, 
     def stopping(*a, **k):
         calls.append(torch.is_grad_enabled())  # (evaluation runs without gradients)
         if calls[-1] and sum(calls) == 4:  # during the fourth step
-            raise KeyboardInterrupt if how == "interrupt" else RuntimeError("killed")
+            if how == "ctrl-c":
+                os.kill(os.getpid(), signal.SIGINT)  # (the step goes on; training stops after)
+            else:
+                raise KeyboardInterrupt if how == "interrupt" else RuntimeError("killed")
         return real(*a, **k)
 
     monkeypatch.setattr(draft_mod, "_losses", stopping)
     out = tmp_path / "stopped"
-    if how == "interrupt":
+    if how != "killed":
         assert train_draft(target, tmp_path / "data", out, cfg, [2])["stopped_by"] == "interrupt"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (restored)
     else:
         with pytest.raises(RuntimeError, match="killed"):
             train_draft(target, tmp_path / "data", out, cfg, [2])
@@ -379,11 +387,14 @@ def test_a_stopped_draft_run_resumes_bit_for_bit(llm, tiny_llama_dir, tmp_path, 
     resumed_cfg = resume_draft_config(out)
     assert (resumed_cfg.steps, resumed_cfg.num_layers, resumed_cfg.resume) == (7, 1, True)
     history = train_draft(target, tmp_path / "data", out, resumed_cfg, [2])
-    assert history["resumed_at_step"] == 3 and history["steps_done"] == whole["steps_done"]
+    assert history["resumed_at_step"] == (4 if how == "ctrl-c" else 3)
+    assert history["steps_done"] == whole["steps_done"]
     a, b = weights(tmp_path / "whole"), weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert history["after"] == whole["after"]
     # other data is refused, and a folder with no run says so
+    with pytest.raises(DataError, match="below the run's"):  # (--steps only goes up)
+        train_draft(target, tmp_path / "data", out, resume_draft_config(out, steps=3), [2])
     generate(llm, convs[:20], tmp_path / "fewer", shard_size=12, max_tokens=12)
     with pytest.raises(DataError, match="other --data"):
         train_draft(target, tmp_path / "fewer", out, resumed_cfg, [2])
