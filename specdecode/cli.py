@@ -116,6 +116,31 @@ def add_prefix_caching_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_run_flags(p: argparse.ArgumentParser, what: str) -> None:
+    """A training run's length, checkpoints and resume (`train draft` and the heads')."""
+    p.add_argument(
+        "--max-minutes",
+        type=number(above=0),
+        default=None,
+        help=f"stop after this many minutes if --steps are not done; the {what} as it stands is "
+        "saved (as on Ctrl-C)",
+    )
+    p.add_argument(
+        "--checkpoint-minutes",
+        type=number(0),
+        default=5.0,
+        help=f"write the {what} as it stands, and its trainer state, to --out this often (0: "
+        "only at the end); a run killed later keeps it and --resume continues it",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run saved in --out where it stopped (a checkpoint, Ctrl-C, the time "
+        "budget): its fp32 weights, optimizer state, step, schedule, data order and time; its "
+        "settings are kept, but --steps and --max-minutes may raise them",
+    )
+
+
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     spec = p.add_argument_group("speculative decoding (vLLM flags)")
     spec.add_argument(
@@ -487,32 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
     tdraft.add_argument("--max-len", type=integer(2), default=384)
     tdraft.add_argument("--lr", type=number(above=0), default=3e-4)
     tdraft.add_argument(
-        "--max-minutes",
-        type=number(above=0),
-        default=None,
-        help="stop after this many minutes if --steps are not done; the draft as it stands "
-        "is saved (as on Ctrl-C)",
-    )
-    tdraft.add_argument(
         "--init",
         default=None,
         help="continue training the draft saved here (its layers and draft vocabulary are "
         "kept; a new schedule of --steps)",
     )
-    tdraft.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run saved in --out where it stopped (a checkpoint, Ctrl-C, the time "
-        "budget): its fp32 weights, optimizer state, schedule, data order, step and time; its "
-        "settings are kept, but --steps and --max-minutes may raise them",
-    )
-    tdraft.add_argument(
-        "--checkpoint-minutes",
-        type=number(0),
-        default=5.0,
-        help="write the draft as it stands, and its trainer state, to --out this often (0: only "
-        "at the end); a run killed later keeps it and --resume continues it",
-    )
+    _add_run_flags(tdraft, "draft")
 
     for kind, what in (
         ("medusa", "Medusa-1 heads on the target's last feature"),
@@ -544,29 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help="continue training this head (on any data; its draft vocabulary is kept)",
         )
-        th.add_argument(
-            "--resume",
-            action="store_true",
-            help="continue the run saved in --out where it stopped (a checkpoint, Ctrl-C, the "
-            "time budget): its weights, optimizer state, step, schedule, data order and time; "
-            "its settings are kept, but --steps and --max-minutes may raise them",
-        )
         th.add_argument("--eval-examples", type=_at_least_one, default=64)
-        th.add_argument(
-            "--max-minutes",
-            type=number(above=0),
-            default=None,
-            help="stop after this many minutes if --steps are not done (the learning-rate "
-            "schedule follows whichever ends first)",
-        )
-        th.add_argument(
-            "--checkpoint-minutes",
-            type=number(0),
-            default=5.0,
-            help="write the head as it stands to --out this often (0: only at the end); a run "
-            "killed later keeps it, --resume continues the run from it (--init: a new run from "
-            "its weights); Ctrl-C stops training and saves",
-        )
+        _add_run_flags(th, "head")
         th.add_argument(
             "--precision",
             choices=["auto", "bf16", "fp32"],
@@ -746,12 +730,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
     llm = LLM(args.model, **engine_kwargs(args))
     engine = llm.engine
-    if engine.drafter is not None and engine.controller.policy == "adaptive":
+    if engine.drafter is not None:
         # one request: its steps feed one token and its drafts, so the step-cost curve is
         # timed that far (~0.3 s); the engine's first step would time every batch size the
         # engine could reach (~3 s, paid by this one request)
         k = engine.spec_config.num_speculative_tokens
-        engine.calibrate(upto=2 * (1 + engine.drafter.max_nodes(k)))
+        engine.ensure_calibrated(upto=2 * (1 + engine.drafter.max_nodes(k)))
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     for piece in llm.stream(prompt, params, chat=args.chat):
         sys.stdout.write(piece)
@@ -868,7 +852,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from specdecode.train.draft import DraftTrainConfig, train_draft
 
     heads = args.train in ("medusa", "eagle", "eagle3")
-    _check_train_out(Path(args.out), args.resume, args.init, heads)
+    _check_train_out(Path(args.out), args.resume, args.init)
     if args.resume:  # (what there is to resume, before the data and the model)
         from specdecode.train.draft import resume_draft_config
         from specdecode.train.heads import resume_config
@@ -985,7 +969,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise KeyboardInterrupt
 
 
-def _check_train_out(out, resume: bool, init: str | None, heads: bool) -> None:
+def _check_train_out(out, resume: bool, init: str | None) -> None:
     """Training writes its checkpoints into --out: one that already holds a model is continued
     (a head's: --resume, or --init naming it) or left alone, never replaced unasked."""
     if resume or not (out / "config.json").is_file():

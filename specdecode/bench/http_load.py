@@ -342,8 +342,7 @@ def run_http_bench(args: argparse.Namespace) -> dict:
                 time.sleep(wait)
             pool.submit(one, i)
     duration = time.perf_counter() - start
-    got = outcomes
-    if any(o.no_usage for o in got if o.ok):
+    if any(o.no_usage for o in outcomes if o.ok):
         print("note: the server sent no usage: output tokens are counted as streamed updates "
               "(an undercount where an update carries several)", flush=True)  # fmt: skip
     after = spec_counters(target)
@@ -359,7 +358,7 @@ def run_http_bench(args: argparse.Namespace) -> dict:
         "burstiness": args.burstiness,
         "max_concurrency": workers,
         "max_tokens": args.max_tokens,
-        **summarize(got, duration, spec),
+        **summarize(outcomes, duration, spec),
     }
     print(report(result))
     if args.json:
@@ -405,30 +404,8 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def _rate(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected requests per second or inf, got {text!r}"
-        ) from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"the request rate must be > 0, got {text!r}")
-    return v
-
-
-def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return v
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
-    from specdecode.argtypes import output_file, temperature
+    from specdecode.argtypes import number, output_file, temperature
     from specdecode.bench import at_least, workloads
 
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
@@ -452,11 +429,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="(workload prompts) every answer max-tokens long (vLLM's flag)",
     )
     p.add_argument(
-        "--request-rate", type=_rate, default=math.inf, help="requests per second (default inf)"
+        "--request-rate",
+        type=lambda t: math.inf if t.strip().lower() in ("inf", "infinity") else number(above=0)(t),
+        default=math.inf,
+        help="requests per second (default inf: all at once)",
     )
     p.add_argument(
         "--burstiness",
-        type=_positive,
+        type=number(above=0),
         default=1.0,
         help="gamma shape of the gaps between arrivals: 1 Poisson, below 1 burstier",
     )
@@ -468,6 +448,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="of the arrival times")
     p.add_argument(
-        "--timeout", type=_positive, default=600.0, help="seconds a request may wait for a byte"
+        "--timeout",
+        type=number(above=0),
+        default=600.0,
+        help="seconds a request may wait for a byte",
     )
     p.add_argument("--json", type=output_file, default=None, help="also write the results here")

@@ -505,11 +505,10 @@ def markdown(result: dict) -> str:
         cells = [f"{_throughput(rows, c, p):.1f}" for p in policies]
         s, a = _ratio(rows, c, "static"), _ratio(rows, c, "adaptive")
         ad = by.get((c, "adaptive"))
-        offs = [r["tpot_ms"] for r in rows if r["concurrency"] == c and r["policy"] == "off"
-                and r["tpot_ms"] is not None]  # fmt: skip
-        tpot = (  # (plain decoding's: the mean of its runs, as its throughput)
-            f"{sum(offs) / len(offs):.1f} / {ad['tpot_ms']:.1f}"
-            if offs and ad and ad["tpot_ms"] is not None
+        off_tpot = _throughput(rows, c, "off", "tpot_ms")  # (the mean of its runs)
+        tpot = (
+            f"{off_tpot:.1f} / {ad['tpot_ms']:.1f}"
+            if off_tpot is not None and ad and ad["tpot_ms"] is not None
             else "-"
         )
         share, lite = (ad.get("drafting_share"), ad.get("lite_share")) if ad else (None, None)

@@ -320,8 +320,7 @@ class LLMEngine:
         # (the bare-forward curve, even where steps run under another policy already measured
         # some points: plain steps alone measure one token, and the curve drawn through them
         # priced every draft as compute-bound, so an engine switched to adaptive never drafted)
-        if ctrl.policy == "adaptive" and not ctrl.step_cost.calibration:
-            self.calibrate()
+        self.ensure_calibrated()
         k = self.spec_config.num_speculative_tokens if ctrl.policy != "off" else 0
         lookahead = self.drafter.max_nodes(k) if k else 0
         t0 = time.perf_counter()
@@ -535,6 +534,14 @@ class LLMEngine:
         return pruned
 
     @torch.inference_mode()
+    def ensure_calibrated(self, upto: int | None = None) -> None:
+        """Time the step-cost curve where the adaptive policy needs it and it has none yet:
+        at the first step, or before it (`serve` while it loads; `generate` only as far as
+        `upto`, what its one request reaches)."""
+        ctrl = self.controller
+        if ctrl.policy == "adaptive" and not ctrl.step_cost.calibration:
+            self.calibrate(upto=upto)
+
     def calibrate(
         self, time_budget_s: float = 3.0, context: int = 32, upto: int | None = None
     ) -> None:

@@ -102,9 +102,9 @@ def save_token_map(ids: torch.Tensor, path: str | Path) -> None:
     if path.suffix.lower() == ".json":
         path.write_text(json.dumps(ids.tolist()) + "\n", encoding="utf-8")
     elif path.suffix.lower() == ".safetensors":
-        from safetensors.torch import save_file
+        from specdecode.models.loader import write_safetensors
 
-        save_file({SAFETENSORS_KEY: ids}, str(path))
+        write_safetensors({SAFETENSORS_KEY: ids}, path)  # (atomic, the umask's mode)
     else:
         raise InvalidRequestError(
             f"{path}: a token map is written as .safetensors or .json (pickle is not written)"

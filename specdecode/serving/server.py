@@ -916,12 +916,11 @@ def run_server(args) -> None:
         log.warning(
             "serving on %s without an API key: anyone who can reach it can use it", args.host
         )
-    ctrl = core.controller
-    if ctrl.policy == "adaptive" and not ctrl.step_cost.calibration:
+    if core.controller.policy == "adaptive":
         # before the port opens, as the rest of loading: the first step would run it (~3 s),
         # and the first requests would wait for it (a `bench http` run saw a 5 s p99 TTFT)
         print("specdecode: timing the step-cost curve (adaptive policy) ...", flush=True)
-        core.calibrate()
+        core.ensure_calibrated()
     # HTTP on a thread, the engine on the main thread (see AsyncLLMEngine.run)
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")

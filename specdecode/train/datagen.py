@@ -349,8 +349,8 @@ def generate(
     layers = json.dumps(list(feature_layers)) if feature_layers is not None else None
     # every shard there, the other ranks' too: each rank would otherwise check only its own,
     # and a directory could end up holding two runs' answers
-    others = [p for p in sorted(out.glob("shard-*.safetensors"))
-              if p not in {shard_path(out, i) for i in mine}]  # fmt: skip
+    own = {shard_path(out, i) for i in mine}
+    others = [p for p in sorted(out.glob("shard-*.safetensors")) if p not in own]
     for path in others:
         _check_settings(path, layers, settings, mine=False)
     todo = [i for i in mine if not _shard_done(shard_path(out, i), ids_of(i), layers, settings)]

@@ -29,6 +29,14 @@ import torch
 from specdecode.errors import DataError
 from specdecode.models.llama import LlamaModel
 from specdecode.train.datagen import Example, hold_out, iter_examples, shard_metadata
+from specdecode.train.state import (
+    STATE_FILE,
+    read_state,
+    restore,
+    resume_settings,
+    train_digest,
+    write_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,98 +61,11 @@ class DraftTrainConfig:
     resume: bool = False
 
 
-# beside the draft's files, what `resume` continues (as the heads' runs keep theirs)
-STATE_FILE = "resume/trainer_state.safetensors"
-
-
 def resume_draft_config(out_dir: Path, **overrides) -> DraftTrainConfig:
     """The settings of the draft run saved in `out_dir`, to continue it with `resume`;
     `overrides` that are not None replace them (steps, the time budget, the checkpoints)."""
-    from safetensors import safe_open
-
-    path = out_dir / STATE_FILE
-    if not out_dir.is_dir():
-        raise DataError(f"nothing to resume: {out_dir} does not exist (a new run drops --resume)")
-    if not path.is_file():
-        raise DataError(
-            f"{out_dir} holds no draft run to resume ({STATE_FILE} is missing: drafts saved "
-            "before this version continue with --init)"
-        )
-    try:
-        with safe_open(str(path), "pt") as f:
-            state = json.loads((f.metadata() or {})["state"])
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise DataError(f"{path} is not a draft trainer state ({type(e).__name__})") from None
-    if state.get("kind") != "draft":
-        raise DataError(f"{out_dir} holds a {state.get('kind')} run, not a draft's")
-    fields = set(DraftTrainConfig.__dataclass_fields__)
-    cfg = {k: v for k, v in state["config"].items() if k in fields}
-    cfg.update({k: v for k, v in overrides.items() if v is not None})
-    cfg.update(resume=True, init=str(out_dir))
-    return DraftTrainConfig(**cfg)
-
-
-def _train_digest(train: list[Example]) -> str:
-    """The training conversations in their order: the saved data order indexes them."""
-    import hashlib
-
-    return hashlib.sha256("\n".join(e.conversation_id for e in train).encode()).hexdigest()
-
-
-def _save_state(out_dir, params, opt, sched, gen, order, state: dict) -> None:
-    """What `resume` needs beyond the draft's files: the fp32 weights (the draft's file is
-    bf16), the optimizer's moments, the schedule, the data order still to come and its
-    generator, the step and time reached. Safetensors and JSON, no pickle."""
-    from specdecode.models.loader import write_safetensors
-
-    opt_state = opt.state_dict()
-    tensors = {
-        f"optimizer.{i}.{k}": v.detach().contiguous()
-        for i, st in opt_state["state"].items()
-        for k, v in st.items()
-        if torch.is_tensor(v)
-    }
-    tensors.update({f"weights.{i}": p.detach().contiguous() for i, p in enumerate(params)})
-    tensors["data.order"] = torch.tensor(order, dtype=torch.long)
-    tensors["rng.data"] = gen.get_state()
-    meta = {
-        **state,
-        "kind": "draft",
-        "param_groups": opt_state["param_groups"],
-        "scheduler": sched.state_dict(),
-        "param_shapes": [list(p.shape) for p in params],
-    }
-    (out_dir / STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
-    write_safetensors(tensors, out_dir / STATE_FILE, {"state": json.dumps(meta)})
-
-
-def _load_state(out_dir: Path, params, opt, sched, gen, digest: str) -> tuple[dict, list[int]]:
-    """Restore what `_save_state` wrote; (its state, the data order still to come)."""
-    from safetensors import safe_open
-
-    path = out_dir / STATE_FILE
-    try:
-        with safe_open(str(path), "pt") as f:
-            state = json.loads(f.metadata()["state"])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise DataError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
-    if state["param_shapes"] != [list(p.shape) for p in params]:
-        raise DataError(f"{path} was saved by a draft of another shape")
-    if state["train_digest"] != digest:  # (checked before: `_check_resumable`)
-        raise DataError(f"{path} was trained on other --data")
-    per_param: dict[int, dict] = {}
-    for key, v in tensors.items():
-        if key.startswith("optimizer."):
-            _, i, name = key.split(".", 2)
-            per_param.setdefault(int(i), {})[name] = v  # (load_state_dict places them)
-    opt.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
-    sched.load_state_dict(state["scheduler"])
-    with torch.no_grad():
-        for i, p in enumerate(params):
-            p.copy_(tensors[f"weights.{i}"])
-    gen.set_state(tensors["rng.data"])
-    return state, tensors["data.order"].tolist()
+    older = "drafts saved before this version continue with --init"
+    return resume_settings(out_dir, "draft", DraftTrainConfig, older, **overrides)
 
 
 def layer_indices(total: int, n: int) -> list[int]:
@@ -295,7 +216,7 @@ def train_draft(
         sets.append((str(d), examples))
     train, _, held = hold_out(sets, cfg.eval_examples)
     target.requires_grad_(False).eval()
-    digest = _train_digest(train)
+    digest = train_digest(train)
     if cfg.resume:  # the run in out_dir: its draft's shape (the weights come from its state)
         _check_resumable(out_dir, cfg, digest)  # (before the teacher's features: minutes)
         draft = load_trained_draft(out_dir, target, trainable=True)
@@ -326,7 +247,11 @@ def train_draft(
     order: list[int] = []
     done, start, spent = 0, 0, 0.0
     if cfg.resume:
-        state, order = _load_state(out_dir, params, opt, sched, gen, digest)
+        state, tensors = read_state(out_dir)
+        restore(params, opt, tensors, state)
+        sched.load_state_dict(state["scheduler"])
+        gen.set_state(tensors["rng.data"])
+        order = tensors["data.order"].tolist()
         done, start, spent = state["steps_done"], state["next_step"], state["train_seconds"]
         # the rate at the step reached on this run's schedule (raised --steps: a longer
         # cosine from here; the same --steps: the saved rate, bit for bit)
@@ -350,7 +275,9 @@ def train_draft(
         state = {"steps_done": done, "next_step": next_step, "before": history["before"],
                  "train_seconds": info["train_seconds"], "config": cfg.__dict__,
                  "train_digest": digest}  # fmt: skip
-        _save_state(out_dir, params, opt, sched, gen, order, state)
+        tensors = {"data.order": torch.tensor(order, dtype=torch.long), "rng.data": gen.get_state()}
+        write_state(out_dir, params, opt, tensors,
+                    {**state, "kind": "draft", "scheduler": sched.state_dict()})  # fmt: skip
 
     bar = tqdm(range(start, cfg.steps), desc="training draft", unit="step", initial=start,
                total=cfg.steps)  # fmt: skip
@@ -359,7 +286,7 @@ def train_draft(
     # Ctrl-C stops training at the next step boundary (a second one at once): the draft as it
     # stands is evaluated and saved, its state whole for --resume
     interrupted = threading.Event()
-    restore = _on_sigint(interrupted)
+    restore_sigint = _on_sigint(interrupted)
     try:
         for step in bar:
             if interrupted.is_set():
@@ -396,8 +323,6 @@ def train_draft(
             ):
                 checkpoint(position)
                 last_save = time.perf_counter()
-        else:
-            position = max(position, cfg.steps)
     except KeyboardInterrupt:
         # (a second Ctrl-C, or one off the main thread): the step it cut short runs again on
         # resuming, its batch back in the data order
@@ -405,7 +330,7 @@ def train_draft(
         if snapshot is not None:
             order, _ = snapshot[0], gen.set_state(snapshot[1])
     finally:
-        restore()
+        restore_sigint()
         bar.close()
     history["after"] = _evaluate(target, draft, held, held_feats, cfg)
     if not all(math.isfinite(v) for v in history["after"].values()):
@@ -436,6 +361,8 @@ def _on_sigint(flag: threading.Event):
 
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # (nohup, a background job: kept)
+        return lambda: None
 
     def handler(signum, frame):
         if flag.is_set():
@@ -450,14 +377,8 @@ def _on_sigint(flag: threading.Event):
 def _check_resumable(out_dir: Path, cfg: DraftTrainConfig, digest: str) -> None:
     """The checks a resume can fail, from the state's header alone: the same data, a budget
     left, --steps not below the run's."""
-    from safetensors import safe_open
-
     path = out_dir / STATE_FILE
-    try:
-        with safe_open(str(path), "pt") as f:
-            state = json.loads(f.metadata()["state"])
-    except Exception as e:  # noqa: BLE001 - a missing, truncated or foreign file
-        raise DataError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+    state, _ = read_state(out_dir, tensors=False)
     if state.get("train_digest") != digest:
         raise DataError(
             f"{path} was trained on other --data (other conversations, or in another order): "

@@ -40,6 +40,14 @@ from specdecode.train.datagen import (
     shard_metadata,
 )
 from specdecode.train.draft import frequent_tokens
+from specdecode.train.state import (
+    STATE_FILE,
+    read_state,
+    restore,
+    resume_settings,
+    train_digest,
+    write_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,38 +93,12 @@ class HeadTrainConfig:
     resume: bool = False
 
 
-# beside each checkpoint, what `resume` continues: in a folder of its own, since engines that
-# load the head (vLLM, SGLang, this one) read every *.safetensors file at its top level
-STATE_FILE = "resume/trainer_state.safetensors"
-
-
 def resume_config(out_dir: Path, kind: str, **overrides) -> HeadTrainConfig:
     """The settings of the run saved in `out_dir` (a checkpoint, a run stopped by Ctrl-C or its
     time budget, or a finished one), to continue it with `resume`; `overrides` that are not
     None replace them (the time budget, the checkpoint interval, the number of steps)."""
-    from safetensors import safe_open
-
-    path = out_dir / STATE_FILE
-    if not out_dir.is_dir():
-        raise DataError(f"nothing to resume: {out_dir} does not exist (a new run drops --resume)")
-    if not path.is_file():
-        raise DataError(
-            f"{out_dir} holds no run to resume ({STATE_FILE} is missing: heads saved before "
-            "this version, or other projects' heads, continue with --init)"
-        )
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-    try:
-        state = json.loads(meta["state"])
-    except (KeyError, ValueError) as e:
-        raise DataError(f"{path} is not a trainer state of this project") from e
-    if state.get("kind") != kind:
-        raise DataError(f"{out_dir} holds a {state.get('kind')} run, not {kind}")
-    fields = set(HeadTrainConfig.__dataclass_fields__)
-    cfg = {k: v for k, v in state["config"].items() if k in fields}
-    cfg.update({k: v for k, v in overrides.items() if v is not None})
-    cfg.update(resume=True, init=str(out_dir))
-    return HeadTrainConfig(**cfg)
+    older = "heads saved before this version, or other projects' heads, continue with --init"
+    return resume_settings(out_dir, kind, HeadTrainConfig, older, **overrides)
 
 
 @dataclass
@@ -487,22 +469,10 @@ class _Trainer:
 
     def _save_state(self, opt, out_dir: Path, done, position, skipped, seconds: float) -> None:
         """What `resume` needs beyond the head's file (saved just before, with the same
-        `steps_done`): the fp32 weights, the optimizer's moments and steps, the data order still
-        to come and the generators, the step and time reached. Safetensors and JSON, no pickle."""
-        from specdecode.models.loader import write_safetensors
-
+        `steps_done`): see `train.state`."""
         kind, before, params = self._state_info
-        opt_state = opt.state_dict()
-        tensors = {
-            f"optimizer.{i}.{k}": v.detach().contiguous()
-            for i, st in opt_state["state"].items()
-            for k, v in st.items()
-            if torch.is_tensor(v)
-        }
-        # the fp32 master weights (the head's own file is bf16): the run goes on bit for bit
-        tensors.update({f"weights.{i}": p.detach().contiguous() for i, p in enumerate(params)})
         streams = self._streams()
-        tensors["data.order"] = torch.tensor(streams.pop("order"), dtype=torch.long)
+        tensors = {"data.order": torch.tensor(streams.pop("order"), dtype=torch.long)}
         tensors.update({f"rng.{k}": v for k, v in streams.items()})
         state = {
             "kind": kind,
@@ -512,33 +482,14 @@ class _Trainer:
             "train_seconds": seconds,
             "config": self._recorded_config(),
             "before": before,
-            "param_groups": opt_state["param_groups"],
-            "param_shapes": [list(p.shape) for p in params],
             "train_examples": len(self.train),
-            "train_ids": self._train_ids(),
+            "train_ids": train_digest(self.train),
         }
-        (out_dir / STATE_FILE).parent.mkdir(exist_ok=True)
-        write_safetensors(tensors, out_dir / STATE_FILE, {"state": json.dumps(state)})
-
-    def _train_ids(self) -> str:
-        """A digest of the training conversations in their order: the saved data order indexes
-        them, so a resume needs the very same list."""
-        import hashlib
-
-        ids = "\n".join(e.conversation_id for e in self.train)
-        return hashlib.sha256(ids.encode()).hexdigest()
+        write_state(out_dir, params, opt, tensors, state)
 
     def _load_state(self, out_dir: Path, params, opt, kind: str):
         """Restore what `_save_state` wrote: (steps done, skipped, seconds, `before` metrics)."""
-        from safetensors import safe_open
-
-        path = out_dir / STATE_FILE
-        try:
-            with safe_open(str(path), "pt") as f:
-                state = json.loads(f.metadata()["state"])
-                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
-        except Exception as e:  # a truncated or foreign file
-            raise DataError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+        state, tensors = read_state(out_dir)
         head_cfg = json.loads((out_dir / "config.json").read_text())
         head_steps = head_cfg.get("specdecode_head", {}).get("training", {}).get("steps_done")
         if head_steps != state["steps_done"]:  # killed between the two writes: the state
@@ -546,10 +497,10 @@ class _Trainer:
                 "%s: the head file is of step %s, the trainer state of step %s: resuming from "
                 "the trainer state", out_dir, head_steps, state["steps_done"],
             )  # fmt: skip
-        shapes = [list(p.shape) for p in params]
-        if state["kind"] != kind or state["param_shapes"] != shapes:
+        path = out_dir / STATE_FILE
+        if state["kind"] != kind or state["param_shapes"] != [list(p.shape) for p in params]:
             raise DataError(f"{path} was saved by another kind or shape of head")
-        ids = self._train_ids()
+        ids = train_digest(self.train)
         same = state.get("train_ids", ids) == ids  # (states written before it: the count only)
         if state["train_examples"] != len(self.train) or not same:
             raise DataError(
@@ -558,15 +509,7 @@ class _Trainer:
                 + ("" if same else " (other ones, or in another order)")
                 + ": resume with the same data, in the same order (--init trains on other data)"
             )
-        per_param: dict[int, dict] = {}
-        for key, v in tensors.items():
-            if key.startswith("optimizer."):
-                _, i, name = key.split(".", 2)
-                per_param.setdefault(int(i), {})[name] = v.to(params[int(i)].device)
-        opt.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
-        with torch.no_grad():
-            for i, p in enumerate(params):
-                p.copy_(tensors[f"weights.{i}"])
+        restore(params, opt, tensors, state)
         streams = {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
         self._set_streams({"order": tensors["data.order"].tolist(), **streams})
         return (
