@@ -601,27 +601,7 @@ def with_method(raw: dict[str, Any]) -> dict[str, Any]:
 
         path = Path(model).expanduser()
         method = (head_kind(path) if path.is_dir() else None) or "draft_model"
-        if method == "eagle" and not _has_fc(path):  # a one-layer model, not an EAGLE-1 head
-            method = "draft_model"
     return {**raw, "method": method}
-
-
-def _has_fc(path) -> bool:
-    """Whether a one-layer checkpoint has EAGLE's fc (its weight names, from the safetensors
-    headers); a pickle checkpoint, not read here, is taken for the head its config says."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        return True
-    from safetensors import safe_open
-
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                if any(k.endswith("fc.weight") for k in st.keys()):
-                    return True
-        except Exception:  # (a damaged file: loading it says what is wrong)
-            return True
-    return False
 
 
 # vLLM speculative config keys with nothing to set here: accepted at the value that means what

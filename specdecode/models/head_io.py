@@ -211,9 +211,26 @@ def head_kind(path: Path) -> str | None:
         return "medusa"
     if "Eagle3" in arch or "draft_vocab_size" in raw:
         return "eagle3"
-    if raw.get("num_hidden_layers") == 1 or "Eagle" in arch:
-        return "eagle"
+    if "Eagle" in arch or (raw.get("num_hidden_layers") == 1 and _has_fc(path)):
+        return "eagle"  # (SafeAILab's EAGLE-1 config is a one-layer Llama's: its fc tells)
     return None
+
+
+def _has_fc(path: Path) -> bool:
+    """Whether a one-layer checkpoint has EAGLE's fc, by its safetensors headers (a one-layer
+    draft model has none); a pickle checkpoint, not read here, is taken for the head its config
+    looks like."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                if any(k.endswith("fc.weight") for k in st.keys()):  # noqa: SIM118
+                    return True
+        except Exception:  # noqa: BLE001 - a damaged file: loading it says what is wrong
+            return True
+    return not files
 
 
 def _load_tensors(path: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:

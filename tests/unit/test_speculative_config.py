@@ -93,6 +93,9 @@ def test_without_a_method_the_models_checkpoint_names_it(tmp_path):
                                                  "num_hidden_layers": 1}))  # fmt: skip
     save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)}, one / "m.safetensors")
     assert SpeculativeConfig.from_dict({"model": str(one)}).method == "draft_model"
+    from specdecode.models.head_io import head_kind
+
+    assert head_kind(one) is None  # (served as a head, it is refused as no head at all)
     save_file({"fc.weight": torch.zeros(2, 4)}, one / "m.safetensors")  # SafeAILab EAGLE-1's
     assert SpeculativeConfig.from_dict({"model": str(one)}).method == "eagle"
     (one / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "specdecode_draft": {}}))
