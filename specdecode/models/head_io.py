@@ -328,8 +328,6 @@ def load_head(
     else:
         raise InvalidRequestError(f"{path}: not a Medusa, EAGLE or EAGLE-3 head")
     head = head.to(device)
-    if kind == "medusa" and head.own_projections is not None:  # (a list: not moved by .to)
-        head.own_projections = [w.to(device) for w in head.own_projections]
     if token_map is not None:
         vocab_ids = _apply_token_map(path, kind, head, vocab_ids, token_map)
     if vocab_ids is not None:

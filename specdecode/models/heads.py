@@ -87,8 +87,21 @@ class MedusaHeads(nn.Module):
         )
         self.proj: VocabProjection | None = None  # attach()
         self.vocab_ids: torch.Tensor | None = None
-        # per-head vocabulary projections of imported Medusa checkpoints (else the target's)
-        self.own_projections: list[torch.Tensor] | None = None
+        self._own = 0  # imported per-head projections, as buffers own_proj_{k} (`own_projections`)
+
+    @property
+    def own_projections(self) -> list[torch.Tensor] | None:
+        """The per-head vocabulary projections of an imported Medusa checkpoint (None: the
+        target's LM head). Buffers, not saved with a head: they move with the module (`.to`)."""
+        return [getattr(self, f"own_proj_{k}") for k in range(self._own)] if self._own else None
+
+    @own_projections.setter
+    def own_projections(self, weights: list[torch.Tensor] | None) -> None:
+        for k in range(self._own):
+            delattr(self, f"own_proj_{k}")
+        self._own = len(weights or [])
+        for k, w in enumerate(weights or []):
+            self.register_buffer(f"own_proj_{k}", w, persistent=False)
 
     @property
     def num_heads(self) -> int:

@@ -264,6 +264,9 @@ def test_medusa_layouts(target, tmp_path, layout):
     with torch.no_grad():
         want = torch.stack([heads.medusa_head[k](x) @ projs[k].T for k in range(2)], dim=1)
         torch.testing.assert_close(loaded(x), want, atol=1e-4, rtol=1e-4)
+    # its own projections are the module's (buffers): they move with it, to a device or dtype
+    assert load_head(tmp_path, target).to(torch.float64).own_projections[1].dtype == torch.float64
+    assert "own_proj_0" not in loaded.state_dict()  # (never saved as the head's own weights)
     # a token map (FR-Spec) keeps those rows of the head's own projections
     keep = torch.tensor([2, 5, 11, 40])
     mapped = load_head(tmp_path, target, token_map=keep)
