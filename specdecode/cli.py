@@ -843,7 +843,6 @@ def _write_token_map(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    import json
     from pathlib import Path
 
     from specdecode.engine.engine import resolve_device, resolve_dtype
@@ -908,30 +907,13 @@ def cmd_train(args: argparse.Namespace) -> None:
             **extra,
         )
         if args.resume:
-            from dataclasses import replace
-
             from specdecode.train.heads import resume_config
 
-            fresh = hcfg
-            hcfg = resume_config(
-                Path(args.out), args.train, steps=args.steps, max_minutes=args.max_minutes
-            )
-            hcfg = replace(hcfg, checkpoint_minutes=args.checkpoint_minutes or None)
-            _check_resume_flags(args, fresh, hcfg)
+            hcfg = _resumed(args, hcfg, lambda out, **o: resume_config(out, args.train, **o))
         fn = {"medusa": train_medusa, "eagle": train_eagle, "eagle3": train_eagle3}[args.train]
         loaded.model.requires_grad_(False)
         history = fn(loaded.model, [Path(d) for d in args.data], Path(args.out), hcfg, eos)
-        keys = ("before", "after", "steps_done", "stopped_by", "train_seconds",
-                "draft_vocab_coverage", "train_answer_tokens")  # fmt: skip
-        print(json.dumps({k: history[k] for k in keys}, indent=2))
-        if history["stopped_by"].startswith("time budget"):
-            print(
-                f"stopped by its {history['stopped_by']} after {history['steps_done']} of "
-                f"{hcfg.steps} steps; `--resume` with a larger --max-minutes goes on",
-                file=sys.stderr,
-            )
-        if history["stopped_by"] == "interrupt":  # saved, resumable; but not done: exit 130
-            raise KeyboardInterrupt
+        _report_run(history, hcfg.steps, ("draft_vocab_coverage", "train_answer_tokens"))
         return
     cfg = DraftTrainConfig(
         num_layers=args.num_layers,
@@ -946,26 +928,38 @@ def cmd_train(args: argparse.Namespace) -> None:
         checkpoint_minutes=args.checkpoint_minutes or None,
     )
     if args.resume:
-        from dataclasses import replace
-
         from specdecode.train.draft import resume_draft_config
 
-        fresh = cfg
-        cfg = resume_draft_config(Path(args.out), steps=args.steps, max_minutes=args.max_minutes)
-        cfg = replace(cfg, checkpoint_minutes=args.checkpoint_minutes or None)
-        _check_resume_flags(args, fresh, cfg)
+        cfg = _resumed(args, cfg, resume_draft_config)
     data = [Path(d) for d in args.data]
     history = train_draft(loaded.model, data, Path(args.out), cfg, eos, loaded.path)
-    keys = ("before", "after", "steps_done", "stopped_by", "train_seconds", "train_examples",
-            "held_out_examples", "draft_vocab_size", "draft_vocab_coverage")  # fmt: skip
+    _report_run(history, cfg.steps, ("train_examples", "held_out_examples", "draft_vocab_size",
+                                     "draft_vocab_coverage"))  # fmt: skip
+
+
+def _resumed(args: argparse.Namespace, fresh, saved_settings):
+    """--resume: the saved run's settings (`saved_settings(out, steps=, max_minutes=)`), with
+    the flags that may change them; one that would change another is refused."""
+    from dataclasses import replace
+
+    cfg = saved_settings(Path(args.out), steps=args.steps, max_minutes=args.max_minutes)
+    cfg = replace(cfg, checkpoint_minutes=args.checkpoint_minutes or None)
+    _check_resume_flags(args, fresh, cfg)
+    return cfg
+
+
+def _report_run(history: dict, steps: int, extra: tuple[str, ...]) -> None:
+    """A training run's figures, and how it ended: a time budget says how to go on; Ctrl-C
+    (saved, resumable, but not done) exits 130."""
+    keys = ("before", "after", "steps_done", "stopped_by", "train_seconds", *extra)
     print(json.dumps({k: history[k] for k in keys}, indent=2))
     if history["stopped_by"].startswith("time budget"):
         print(
-            f"stopped by its {history['stopped_by']} after {history['steps_done']} of "
-            f"{cfg.steps} steps; `--resume` with a larger --max-minutes goes on",
+            f"stopped by its {history['stopped_by']} after {history['steps_done']} of {steps} "
+            "steps; `--resume` with a larger --max-minutes goes on",
             file=sys.stderr,
         )
-    if history["stopped_by"] == "interrupt":  # saved; but not done: exit 130
+    if history["stopped_by"] == "interrupt":
         raise KeyboardInterrupt
 
 
