@@ -821,7 +821,7 @@ def _write_token_map(args: argparse.Namespace) -> None:
 
     from specdecode.models.token_map import save_token_map
     from specdecode.train.datagen import iter_examples, shard_metadata
-    from specdecode.train.draft import frequent_tokens
+    from specdecode.train.draft import answer_coverage, frequent_tokens
 
     if Path(args.out).suffix.lower() not in (".safetensors", ".json"):
         raise InvalidRequestError(f"--out {args.out!r}: a token map is .safetensors or .json")
@@ -830,13 +830,12 @@ def _write_token_map(args: argparse.Namespace) -> None:
         shard_metadata(Path(d))  # (a clear error for a folder without shards, or a mixed one)
         examples += list(iter_examples(Path(d), features=False))
     ids = frequent_tokens(examples, args.size, [])
-    kept = set(ids.tolist())
-    answer = [t for e in examples for t, m in zip(e.input_ids, e.loss_mask, strict=True) if m]
-    covered = sum(t in kept for t in answer) / max(1, len(answer))
+    answers = sum(sum(e.loss_mask) for e in examples)
+    covered = answer_coverage(examples, ids)
     save_token_map(ids, args.out)
     short = f" (the data holds only {len(ids)} distinct tokens)" if len(ids) < args.size else ""
     print(
-        f"wrote {len(ids)} token ids to {args.out}{short}: {covered:.1%} of the {len(answer)} "
+        f"wrote {len(ids)} token ids to {args.out}{short}: {covered:.1%} of the {answers} "
         f"answer tokens of {len(examples)} conversations; serve with --speculative-token-map "
         f"{args.out}"
     )

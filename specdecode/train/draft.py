@@ -233,7 +233,7 @@ def train_draft(
         k = size if cfg.draft_vocab == 0 else min(cfg.draft_vocab, size)
         vocab_ids = frequent_tokens(train, k, eos_ids, size)
         draft = make_draft(target, cfg.num_layers, vocab_ids)
-    coverage = _coverage(held, vocab_ids)
+    coverage = answer_coverage(held, vocab_ids)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
 
@@ -397,7 +397,10 @@ def _check_resumable(out_dir: Path, cfg: DraftTrainConfig, digest: str) -> None:
         )
 
 
-def _coverage(examples: list[Example], vocab_ids: torch.Tensor) -> float:
+def answer_coverage(examples: list[Example], vocab_ids: torch.Tensor | None) -> float:
+    """The share of the examples' answer tokens a draft vocabulary holds (None: the whole)."""
+    if vocab_ids is None:
+        return 1.0
     allowed = set(vocab_ids.tolist())
     toks = [t for ex in examples for t, m in zip(ex.input_ids, ex.loss_mask, strict=True) if m]
     return sum(t in allowed for t in toks) / max(1, len(toks))

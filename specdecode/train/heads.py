@@ -39,7 +39,7 @@ from specdecode.train.datagen import (
     iter_examples,
     shard_metadata,
 )
-from specdecode.train.draft import frequent_tokens
+from specdecode.train.draft import answer_coverage, frequent_tokens
 from specdecode.train.state import (
     STATE_FILE,
     read_state,
@@ -241,7 +241,7 @@ class _Trainer:
         self.lm_full = lm
         self.lm_rows = lm if self.vocab_ids is None else lm[self._vocab_dev]
         self.train_tokens = sum(sum(e.loss_mask) for e in self.train)
-        self.coverage = _coverage(self.held, self.vocab_ids)
+        self.coverage = answer_coverage(self.held, self.vocab_ids)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         # label look-ahead padding
         self.extra = max(cfg.num_heads, cfg.eval_positions, cfg.ttt_steps) + 1
@@ -552,14 +552,6 @@ def native_bf16_matmul() -> bool:
     from specdecode.kernels import _cpu_flags
 
     return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
-
-
-def _coverage(examples: list[Example], vocab_ids: torch.Tensor | None) -> float:
-    if vocab_ids is None:
-        return 1.0
-    allowed = set(vocab_ids.tolist())
-    toks = [t for ex in examples for t, m in zip(ex.input_ids, ex.loss_mask, strict=True) if m]
-    return sum(t in allowed for t in toks) / max(1, len(toks))
 
 
 def _soft_ce(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
