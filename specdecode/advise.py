@@ -148,9 +148,13 @@ def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature)
         max_tokens = body.requested_max_tokens() if given is not None else default_max_tokens
         params = body.sampling_params(max_tokens, None)
         if kind is ChatCompletionRequest:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            from specdecode.serving.tools import template_messages
+
+            messages = template_messages([m.template_fields() for m in body.messages])
             # a template a line carries is the user's own traffic (the server took it)
             options = body.template_options(trusted=True)
+            tools = body.tool_calling()  # (rendered as the server renders them by default)
+            options["tools"] = [dict(t) for t in tools.tools] if tools else None
     except ValidationError as e:
         err = e.errors()[0]
         from specdecode.serving.protocol import field_path

@@ -379,6 +379,29 @@ def build_parser() -> argparse.ArgumentParser:
         "returns it; 0 (default, as vLLM's) keeps none",
     )
     srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default where a request gives tools): the model '
+        "decides, its reply parsed for calls by --tool-call-parser (vLLM's flag). Without it "
+        'such requests are refused; "required" and named functions are constrained, and '
+        "need neither flag",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help="how tool calls are written in a reply: hermes (vLLM's name; qwen25, SGLang's: "
+        "<tool_call>JSON</tool_call>, as Qwen2.5's and Hermes' templates write them); json "
+        "(those, or a reply that is nothing but a bare or fenced JSON call of a given tool, "
+        "as Qwen2.5-Coder answers). Given alone, as in SGLang, it turns on "
+        "--enable-auto-tool-choice",
+    )
+    srv.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='leave the tools out of the prompt where tool_choice is "none" (vLLM\'s flag; '
+        "by default the template renders them anyway)",
+    )
+    srv.add_argument(
         "--response-role",
         default="assistant",
         metavar="ROLE",

@@ -16,6 +16,7 @@ from specdecode.engine.engine import LLMEngine
 from specdecode.engine.output import OutputProcessor
 from specdecode.errors import InvalidRequestError
 from specdecode.sampling import SamplingParams
+from specdecode.serving.tools import check_tools, template_messages
 
 Prompt = str | dict[str, Any] | list[int]
 Messages = list[dict[str, str]]
@@ -65,7 +66,10 @@ class LLM:
             {**m, "content": content_text(m["content"])} if isinstance(m["content"], list) else m
             for m in messages
         ]
-        return self.engine.render_chat(messages, "generate()", **options)
+        if options.get("tools"):  # checked as the server checks them (not called here)
+            tools = check_tools(options["tools"], "none", True, None, None)
+            options = {**options, "tools": [dict(t) for t in tools.tools]}
+        return self.engine.render_chat(template_messages(messages), "generate()", **options)
 
     def _chat_ids(self, messages: Messages) -> list[int]:
         return self._text_ids(self.apply_chat_template(messages))
@@ -105,10 +109,12 @@ class LLM:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """One conversation or a list of them; the options are vLLM's (`continue_final_message`
-        with `add_generation_prompt=False` continues a final assistant message). Each
-        output's `prompt` is the rendered template."""
+        with `add_generation_prompt=False` continues a final assistant message; `tools`:
+        OpenAI's function tools, for templates that describe them). Each output's `prompt`
+        is the rendered template."""
         if not isinstance(messages, (list, tuple)):
             raise InvalidRequestError("chat() takes a list of messages or a list of conversations")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -117,6 +123,7 @@ class LLM:
             "continue_final_message": continue_final_message,
             "chat_template": chat_template,
             "chat_template_kwargs": chat_template_kwargs,
+            "tools": tools,
         }
         texts = [self.apply_chat_template(list(c), **options) for c in conversations]
         return self._run([self._text_ids(t) for t in texts], sampling_params, texts, use_tqdm)

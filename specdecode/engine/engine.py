@@ -239,12 +239,14 @@ class LLMEngine:
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
         documents: list[dict] | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """Chat messages -> prompt text, with `chat_template`, else --chat-template, else the
         tokenizer's template (vLLM's options: `continue_final_message` leaves the last
         assistant message open instead of starting a new one; `chat_template_kwargs` go to
         the template as variables; `documents` to templates that read them, as in
-        transformers). `instead`: what to use when the model has none (named in the error)."""
+        transformers), `tools` (OpenAI's function tools, for templates that describe them).
+        `instead`: what to use when the model has none (named in the error)."""
         extra = dict(chat_template_kwargs or {})
         reserved = sorted(set(extra) & _render_arguments(type(self.tokenizer)))
         if reserved:  # apply_chat_template's own arguments, not template variables
@@ -267,7 +269,8 @@ class LLMEngine:
             return self.tokenizer.apply_chat_template(
                 messages, chat_template=template, tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, documents=documents, **extra,
+                continue_final_message=continue_final_message, documents=documents,
+                tools=tools, **extra,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - templates raise on roles they do not accept
             raise InvalidRequestError(

@@ -20,6 +20,7 @@ from pydantic import (
 from specdecode.argtypes import MAX_TEMPERATURE
 from specdecode.errors import InvalidRequestError
 from specdecode.sampling import SamplingParams
+from specdecode.serving.tools import ToolCalling, check_tools
 from specdecode.structured import StructuredOutput
 
 _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -82,7 +83,7 @@ class _Request(_NullIsDefault):
     use_beam_search: bool = False
     best_of: int | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # tool calling is not implemented: tools are refused unless the request says not to call
+    # tools: chat completions call them (see tools.py); elsewhere refused unless not called
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
@@ -135,12 +136,22 @@ class _Request(_NullIsDefault):
                 "prompt_logprobs are returned with the whole response, not streamed",
                 param="prompt_logprobs",
             )
+        self.tool_calling()
+
+    def tool_calling(self) -> ToolCalling | None:
+        """The request's tools, checked (chat completions); elsewhere tools are refused unless
+        the request says not to call them."""
         for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
             if getattr(self, tools) and getattr(self, choice) != "none":
                 raise InvalidRequestError(
-                    f'tool calling is not supported: {tools} needs {choice}: "none"',
+                    f"tool calling is not supported {self.tools_where()}: {tools} needs "
+                    f'{choice}: "none"',
                     param=tools,
                 )
+        return None
+
+    def tools_where(self) -> str:
+        return "here (chat completions calls tools)"
 
     # structured output: OpenAI's response_format, vLLM's guided_* fields and structured_outputs
     response_format: dict[str, Any] | None = None
@@ -175,6 +186,14 @@ class _Request(_NullIsDefault):
                 given[key] = getattr(self, field)
         if self.structured_outputs:
             given.update(self.structured_outputs)
+        tools = self.tool_calling()
+        if tools is not None and tools.constrained:
+            if given:
+                raise InvalidRequestError(
+                    f"{self.structured_param()} and tool_choice {tools.mode!r} both constrain "
+                    "the output: give one", param="tool_choice",
+                )  # fmt: skip
+            return StructuredOutput(json=tools.constraint())
         if not given:
             return None
         try:
@@ -185,6 +204,9 @@ class _Request(_NullIsDefault):
     def structured_param(self) -> str:
         """The field that asked for structured output, for an error's `param` (the request's
         own name for it: guided_regex, say); response_format where several did."""
+        tools = self.tool_calling()
+        if tools is not None and tools.constrained:
+            return "tool_choice"
         names = [
             f
             for f in (
@@ -250,6 +272,18 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    # an assistant's earlier tool calls; a tool message's answer to one (OpenAI's fields)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def template_fields(self) -> dict[str, Any]:
+        """The message as chat templates read it (see tools.template_messages)."""
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for k in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, k) is not None:
+                m[k] = getattr(self, k)
+        return m
 
     @model_validator(mode="after")
     def _needs_content(self):
@@ -313,6 +347,11 @@ class ChatCompletionRequest(_ChatRendering, _Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: StrictBool = False  # (vLLM's) the reply starts with the last message, if the reply's
+    parallel_tool_calls: StrictBool = True
+
+    def tool_calling(self) -> ToolCalling | None:
+        return check_tools(self.tools, self.tool_choice, self.parallel_tool_calls,
+                           self.functions, self.function_call)  # fmt: skip
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -379,6 +418,10 @@ class TokenizeRequest(_ChatRendering, _NullIsDefault):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: StrictBool | None = None
     return_token_strs: StrictBool = False
+    tools: list[Any] | None = None  # rendered with the messages, as chat completions do
+
+    def tool_calling(self) -> ToolCalling | None:
+        return check_tools(self.tools, "none", True, None, None)
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -542,6 +585,12 @@ class ResponsesAsChat(ChatCompletionRequest):
 
     def max_tokens_field(self) -> str:
         return "max_output_tokens"
+
+    def tool_calling(self) -> ToolCalling | None:
+        return _Request.tool_calling(self)
+
+    def tools_where(self) -> str:
+        return "on /v1/responses (/v1/chat/completions calls tools)"
 
     def structured_param(self) -> str:
         return "text"

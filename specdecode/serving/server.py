@@ -47,6 +47,7 @@ from specdecode.serving.protocol import (
     field_path,
 )
 from specdecode.serving.responses import ResponseStore, response_events, response_object
+from specdecode.serving.tools import ToolCalling, parser_format, template_messages, whole
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM's flag)
     response_role: str = "assistant"  # a chat reply's role (vLLM's --response-role)
     max_stored_responses: int = 0  # Responses API: the last N kept in memory (0: none)
+    # tool_choice "auto": the format calls are parsed from (--tool-call-parser; None: refused)
+    tool_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False  # (vLLM's flag)
 
 
 class APIError(Exception):
@@ -305,6 +309,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def chat(request: Request):
         req = await read_json(request, ChatCompletionRequest)
         messages, text = render(req, "/v1/completions")
+        tools = req.tool_calling()  # (checked by render)
+        if tools is not None and tools.mode == "auto" and config.tool_parser is None:
+            raise bad_request(
+                'tool_choice "auto" (the default with tools) needs a server started with '
+                '--enable-auto-tool-choice --tool-call-parser hermes; "required" or a named '
+                'function works without them, "none" calls no tool',
+                "tool_choice",
+            )
+        if tools is not None and tools.mode == "none":
+            tools = None  # (text, as without tools)
         ids = encode(text, "messages", add_special_tokens=req.add_special_tokens)
         max_tokens = check_length(len(ids), req, "messages")
         params = req.sampling_params(max_tokens, req.requested_logprobs())
@@ -316,7 +330,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         # echo (vLLM's): the reply starts with the last message where that is the reply's own
         echo = last["content"] if req.echo and last["role"] == role else ""
         echoes = [echo] * req.n if echo else []
-        return await respond(request, req, jobs, len(ids), chat=True, echoes=echoes, role=role)
+        return await respond(
+            request, req, jobs, len(ids), chat=True, echoes=echoes, role=role, tools=tools
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -430,10 +446,17 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     def render(req, instead: str) -> tuple[list[dict], str]:
         """A request's chat messages, and the prompt text they render to (its template
         options; `instead`: what to use where the model has no template)."""
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
+            messages = template_messages([m.template_fields() for m in req.messages])
+            tools = req.tool_calling()
+            if tools is not None and not (
+                tools.mode == "none" and config.exclude_tools_when_tool_choice_none
+            ):
+                tools = [dict(t) for t in tools.tools]
+            else:
+                tools = None
             options = req.template_options(config.trust_request_chat_template)
-            return messages, core.render_chat(messages, instead, **options)
+            return messages, core.render_chat(messages, instead, tools=tools, **options)
         except InvalidRequestError as e:
             raise bad_request(str(e), e.param) from e
 
@@ -446,11 +469,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     # ---- generation ----------------------------------------------------------------------------
 
     async def respond(
-        request: Request, req, jobs, prompt_tokens: int, chat: bool, echoes=(), role="assistant"
-    ):
+        request: Request, req, jobs, prompt_tokens: int, chat: bool, echoes=(), role="assistant",
+        tools: ToolCalling | None = None,
+    ):  # fmt: skip
         """Run the jobs (one per choice) and answer, streamed or whole. `echoes`: per choice,
         the prompt (text, or token ids: decoded once the engine has checked them) its text
-        starts with (`echo`); empty for none. `role`: a chat reply's."""
+        starts with (`echo`); empty for none. `role`: a chat reply's. `tools`: a chat
+        request's tool calling (its replies parsed for calls)."""
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         handles: list[RequestHandle] = []
@@ -480,7 +505,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         prompt_tokens = (prompt_tokens, handles[::n])
         # a choice that fails mid-generation with a 400 is a grammar dead end: its field
         param = req.structured_param() if so is not None else None
-        meta = (request_id, created, chat, prompt_tokens, param, role)
+        meta = (request_id, created, chat, prompt_tokens, param, role, tools)
         echoes = [e if isinstance(e, str) else tokenizer.decode(e) for e in echoes]
         # vLLM's return_tokens_as_token_ids: the request's, else the server's flag
         labels = req.return_tokens_as_token_ids
@@ -518,7 +543,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         """The whole response; `prompt_logprobs`: the request asked for them (vLLM's field),
         where echo with logprobs computes them for its own use; `token_ids`: vLLM's
         `return_token_ids` (the prompt's and each choice's token ids)."""
-        request_id, created, chat, prompt_tokens, param, role = meta
+        request_id, created, chat, prompt_tokens, param, role, tools = meta
         firsts = prompt_tokens[1]  # each prompt's first choice
         decoded: dict = {}  # each prompt's vLLM prompt_logprobs, built once
 
@@ -549,9 +574,19 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         choices = []
         for i, (h, r) in enumerate(zip(handles, results, strict=True)):
             choice: dict = {"index": i}
+            finish = r["finish"]
             if chat:
-                content = (echoes[i] if echoes else "") + r["text"]
-                choice["message"] = {"role": role, "content": content}
+                echo = echoes[i] if echoes else ""
+                if tools is None:
+                    choice["message"] = {"role": role, "content": echo + r["text"]}
+                else:
+                    content, calls = whole(tools.stream(config.tool_parser), r["text"])
+                    if echo:
+                        content = echo + (content or "")
+                    choice["message"] = {"role": role, "content": content}
+                    if calls:
+                        choice["message"]["tool_calls"] = calls
+                    finish = tool_finish(tools, bool(calls), finish)
             else:
                 choice["text"] = (echoes[i] if echoes else "") + r["text"]
             wants = h.seq.params.logprobs is not None
@@ -569,7 +604,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     else None
                 )
             choice["logprobs"] = lp
-            choice["finish_reason"] = r["finish"]
+            choice["finish_reason"] = finish
             choice["stop_reason"] = h.seq.stop_reason  # (vLLM's: the stop string or token id)
             if prompt_logprobs and not chat:  # vLLM's field, per choice
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(first, decoded)
@@ -741,7 +776,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         chunk's new token ids; the prompt's in the first chunk, of each choice for
         completions); `continuous`: vLLM's `continuous_usage_stats` (each update's chunk
         carries its choice's usage so far: its prompt's tokens and its own)."""
-        request_id, created, chat, prompt_tokens, param, role = meta
+        request_id, created, chat, prompt_tokens, param, role, tools = meta
         obj = "chat.completion.chunk" if chat else "text_completion"
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -832,12 +867,25 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                         u.logprobs, chat, contexts[i], offsets[i], labels=labels
                     )
                 c: dict = {"index": i}
-                if chat:
+                finish = u.finish_reason
+                if chat and tools is not None:
+                    parsed = streams[i].feed(u.text)
+                    if u.finished:
+                        end = streams[i].finish()
+                        parsed.content += end.content
+                        parsed.calls += end.calls
+                        finish = tool_finish(tools, streams[i].num_calls > 0, finish)
+                    c["delta"] = {}
+                    if parsed.content:
+                        c["delta"]["content"] = parsed.content
+                    if parsed.calls:
+                        c["delta"]["tool_calls"] = parsed.calls
+                elif chat:
                     c["delta"] = {"content": u.text} if u.text else {}
                 else:
                     c["text"] = u.text
                 c["logprobs"] = lp
-                c["finish_reason"] = u.finish_reason
+                c["finish_reason"] = finish
                 if u.finished:
                     c["stop_reason"] = handles[i].seq.stop_reason
                 if token_ids:
@@ -848,6 +896,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 return chunk([c], so_far(i, u.num_output_tokens))
 
             remaining, completion = len(handles), {}
+            streams = [tools.stream(config.tool_parser) for _ in handles] if tools else []
             # text offsets count from the end of the echoed text
             offsets = [len(e) for e in echoes] if scored else [0] * len(handles)
             contexts = [h.seq.prompt_token_ids[-DETOKENIZE_CONTEXT:] for h in handles]
@@ -882,6 +931,14 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
+def tool_finish(tools: ToolCalling, called: bool, finish: str | None) -> str | None:
+    """A reply's finish reason: "tool_calls" where it ended by calling tools (OpenAI's; a
+    named function's call ends with "stop", as OpenAI's does)."""
+    if called and finish == "stop" and tools.mode in ("auto", "required"):
+        return "tool_calls"
+    return finish
+
+
 def run_server(args) -> None:
     """`specdecode serve`: load the engine, then serve until interrupted."""
     import os
@@ -893,6 +950,7 @@ def run_server(args) -> None:
     from specdecode.engine.engine import LLMEngine
 
     model = serve_model(args)
+    parser = tool_parser(args)  # (flags checked before the model loads)
     kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs}
     core = LLMEngine(EngineConfig(model=model, **kwargs))
     name, aliases = served_names(model, args.served_model_name)
@@ -910,6 +968,8 @@ def run_server(args) -> None:
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             response_role=args.response_role,
             max_stored_responses=args.max_stored_responses,
+            tool_parser=parser,
+            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         ),
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
@@ -943,6 +1003,17 @@ def run_server(args) -> None:
             restore()
     if not server.started:
         raise SpecDecodeError(f"the HTTP server could not start on {args.host}:{args.port}")
+
+
+def tool_parser(args) -> str | None:
+    """The call format tool_choice "auto" parses: vLLM's `--enable-auto-tool-choice
+    --tool-call-parser NAME`, or SGLang's `--tool-call-parser NAME` alone."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise InvalidRequestError(
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes: calls written as "
+            "<tool_call>JSON</tool_call>, as Qwen2.5's and Hermes' chat templates write them)"
+        )
+    return parser_format(args.tool_call_parser)
 
 
 def serve_model(args) -> str | None:

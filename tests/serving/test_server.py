@@ -6,6 +6,7 @@ alone, and hundreds of concurrent streams lose or duplicate nothing."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.client
 import json
 import socket
@@ -1507,3 +1508,161 @@ def test_serve_times_its_step_costs_before_it_listens(tiny_llama_dir, monkeypatc
     )
     run_server(args)
     assert events == (["calibrate", "listen"] if calibrated else ["listen"])
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 5}, "days": {"type": "integer",
+                           "minimum": 1, "maximum": 9}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}  # fmt: skip
+NOW_TOOL = {"type": "function", "function": {"name": "now"}}
+
+
+def joined_calls(chunks) -> tuple[str, list[dict], list]:
+    """A stream's content, its tool-call deltas joined (OpenAI's rule), its finish reasons."""
+    content, calls, finishes = "", [], []
+    for c in chunks:
+        for ch in c.choices:
+            content += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                if d.id is not None:
+                    assert d.index == len(calls) and d.type == "function"
+                    calls.append({"id": d.id, "name": d.function.name,
+                                  "arguments": d.function.arguments or ""})  # fmt: skip
+                else:
+                    calls[d.index]["arguments"] += d.function.arguments or ""
+            if ch.finish_reason:
+                finishes.append(ch.finish_reason)
+    return content, calls, finishes
+
+
+def test_tool_choice_required_and_named_are_constrained(client):
+    """ "required": a JSON list of calls of the given tools, under the grammar (any model, no
+    parser); a named function: its arguments. Streamed, the deltas join into the same calls."""
+    ask = functools.partial(client.chat.completions.create, model=MODEL, max_tokens=120,
+                            temperature=0, messages=chat_messages("weather?"))  # fmt: skip
+    r = ask(tools=[WEATHER_TOOL, NOW_TOOL], tool_choice="required", parallel_tool_calls=False)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert len(msg.tool_calls) == 1  # (parallel_tool_calls false: one at most)
+    call = msg.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    args = json.loads(call.function.arguments)
+    if call.function.name == "weather":
+        assert set(args) == {"city", "days"} and 1 <= args["days"] <= 9
+    else:
+        assert call.function.name == "now" and args == {}
+    content, calls, finishes = joined_calls(
+        ask(
+            tools=[WEATHER_TOOL, NOW_TOOL],
+            stream=True,
+            tool_choice="required",
+            parallel_tool_calls=False,
+        )
+    )
+    assert content == "" and finishes == ["tool_calls"]
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (call.function.name, call.function.arguments)
+    ]
+    named = {"type": "function", "function": {"name": "weather"}}
+    r = ask(tools=[WEATHER_TOOL, NOW_TOOL], tool_choice=named, n=2, temperature=1.0, seed=3)
+    for choice in r.choices:
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "weather" and choice.finish_reason == "stop"  # (OpenAI's)
+        assert set(json.loads(call.function.arguments)) == {"city", "days"}
+    content, calls, finishes = joined_calls(ask(tools=[WEATHER_TOOL], tool_choice=named,
+                                                stream=True))  # fmt: skip
+    assert len(calls) == 1 and calls[0]["name"] == "weather" and finishes == ["stop"]
+    assert set(json.loads(calls[0]["arguments"])) == {"city", "days"}
+    # "none": text, as without tools
+    r = ask(tools=[WEATHER_TOOL], tool_choice="none", max_tokens=4, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.tool_calls is None and len(r.choices[0].message.content) == 4
+
+
+def test_tool_choice_auto_parses_the_reply(engine, client):
+    """ "auto" needs a parser (vLLM's flags); with one, a hermes-style reply becomes calls,
+    whole or streamed (the reply is forced here with guided_regex: the tiny model would not
+    write one)."""
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice") as e:
+        client.chat.completions.create(model=MODEL, messages=chat_messages("x"), max_tokens=2,
+                                       tools=[WEATHER_TOOL])  # fmt: skip
+    assert e.value.body["param"] == "tool_choice"
+    s = Served(engine, api_key=None, tool_parser="hermes")
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none")
+        reply = ('Ok. <tool_call>{"name": "weather", "arguments": {"city": "Oslo", "days": 2}}'
+                 '</tool_call><tool_call>{"name": "now", "arguments": {}}</tool_call>')  # fmt: skip
+        regex = __import__("re").escape(reply)
+        ask = functools.partial(c.chat.completions.create, model=MODEL, max_tokens=200,
+                                temperature=0, messages=chat_messages("weather?"),
+                                tools=[WEATHER_TOOL, NOW_TOOL])  # fmt: skip
+        r = ask(extra_body={"guided_regex": regex})
+        msg = r.choices[0].message
+        assert msg.content == "Ok. " and r.choices[0].finish_reason == "tool_calls"
+        got = [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls]
+        assert got == [("weather", {"city": "Oslo", "days": 2}), ("now", {})]
+        content, calls, finishes = joined_calls(ask(extra_body={"guided_regex": regex},
+                                                    stream=True))  # fmt: skip
+        assert content == "Ok. " and finishes == ["tool_calls"]
+        assert [(x["name"], json.loads(x["arguments"])) for x in calls] == got
+        # no call: text, finish "stop"
+        r = ask(extra_body={"guided_regex": "no <tool"})
+        assert r.choices[0].message.content == "no <tool" and not r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "stop"
+        # a conversation carrying an earlier call and its result renders
+        history = [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+             "function": {"name": "now", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+        ]  # fmt: skip
+        r = c.chat.completions.create(model=MODEL, messages=history, max_tokens=3,
+                                      tools=[WEATHER_TOOL], tool_choice="none")  # fmt: skip
+        assert r.choices[0].finish_reason in ("length", "stop")
+    finally:
+        s.stop()
+
+
+def test_tools_reach_the_template_and_bad_tools_are_400(engine, client, plain):
+    core = engine.engine
+    template = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}{{ c.function.arguments.a }}{% endfor %}"
+                "{% endfor %}")  # fmt: skip
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 7}'}}
+    from specdecode.serving.tools import template_messages
+
+    msgs = template_messages([{"role": "assistant", "content": "", "tool_calls": [call]}])
+    text = core.render_chat(msgs, "x", chat_template=template, tools=[WEATHER_TOOL])
+    assert text == "[weather]<assistant>7"
+    # the Python API renders them alike (and checks them as the server does)
+    raw_msgs = [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    assert plain.apply_chat_template(raw_msgs, chat_template=template, tools=[WEATHER_TOOL]) == text
+    with pytest.raises(InvalidRequestError, match="two tools named"):
+        plain.chat(chat_messages("x"), tools=[WEATHER_TOOL, WEATHER_TOOL])
+    for tools, choice, message, param in [
+        ([{"type": "function", "function": {}}], "auto", "function.name", "tools"),
+        ([WEATHER_TOOL], {"type": "function", "function": {"name": "x"}}, "not among",
+         "tool_choice"),
+        ([WEATHER_TOOL], "required", "both constrain", "tool_choice"),
+    ]:  # fmt: skip
+        extra = {"guided_regex": "a"} if message == "both constrain" else {}
+        with pytest.raises(openai.BadRequestError, match=message) as e:
+            client.chat.completions.create(
+                model=MODEL,
+                messages=chat_messages("x"),
+                max_tokens=2,
+                tools=tools,
+                tool_choice=choice,
+                extra_body=extra,
+            )
+        assert e.value.body["param"] == param

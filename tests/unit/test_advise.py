@@ -124,6 +124,26 @@ def test_traffic_lines_are_read_as_the_server_reads_their_bodies(tmp_path):
     (r,) = read_traffic(p, default_max_tokens=9).requests
     assert r.chat_options["continue_final_message"] and not r.chat_options["add_generation_prompt"]
     assert r.chat_options["chat_template_kwargs"] == {"enable_thinking": False}
+    # an agent's traffic: its tools and earlier calls render as the server renders them; a
+    # "required" tool choice is constrained there, and so here
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    lines = [
+        {"messages": [{"role": "user", "content": "x"},
+                      {"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "c", "content": "2"}], "tools": [tool]},
+        {"messages": [{"role": "user", "content": "x"}], "tools": [tool],
+         "tool_choice": "required"},
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web"}]},
+    ]  # fmt: skip
+    p.write_text("\n".join(json.dumps(x) for x in lines))
+    t = read_traffic(p, default_max_tokens=9)
+    assert [r.line for r in t.requests] == [1, 2] and "only function tools" in t.bad_lines[0]
+    first, second = t.requests
+    assert first.chat_options["tools"] == [tool]
+    assert first.messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert first.messages[2]["tool_call_id"] == "c"
+    assert first.params.structured_output is None and second.params.structured_output is not None
 
 
 def test_traffic_in_batch_api_files_and_responses_bodies(tmp_path):
