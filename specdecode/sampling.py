@@ -29,6 +29,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # (vLLM's) special tokens' text is left out of the output
     # None: no log-probabilities; n >= 0: the sampled token's log-probability and the n most
     # likely tokens', from the model's raw distribution (before temperature, top-k, top-p)
     logprobs: int | None = None
@@ -86,7 +87,7 @@ class SamplingParams:
             raise bad(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}", "top_k")
         if not _integer(self.n) or self.n < 1:
             raise bad(f"n must be a positive integer, got {self.n!r}", "n")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be true or false, got {getattr(self, name)!r}", name)
         if self.max_tokens is not None and (not _integer(self.max_tokens) or self.max_tokens < 1):

@@ -78,9 +78,9 @@ class OutputProcessor:
             seq.detok_context = seq.prompt_token_ids[-DETOKENIZE_CONTEXT:]
             seq.prefix_offset = 0
             seq.read_offset = len(seq.detok_context)
-        decode = self.decode
-        prefix = decode(_window(seq, seq.prefix_offset, seq.read_offset), skip_special_tokens=True)
-        full = decode(_window(seq, seq.prefix_offset), skip_special_tokens=True)
+        decode, skip = self.decode, seq.params.skip_special_tokens
+        prefix = decode(_window(seq, seq.prefix_offset, seq.read_offset), skip_special_tokens=skip)
+        full = decode(_window(seq, seq.prefix_offset), skip_special_tokens=skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             seq.text += full[len(prefix) :]
             seq.prefix_offset = seq.read_offset

@@ -93,6 +93,7 @@ class _Request(_NullIsDefault):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: StrictBool = True
     return_token_ids: StrictBool = False  # vLLM's: the prompt's and the output's token ids
     # vLLM's: logprob tokens named "token_id:N" (None: the server's --return-tokens-as-token-ids)
     return_tokens_as_token_ids: StrictBool | None = None
@@ -189,9 +190,10 @@ class _Request(_NullIsDefault):
         tools = self.tool_calling()
         if tools is not None and tools.constrained:
             if given:
+                mode = "a named function" if tools.mode == "named" else '"required"'
                 raise InvalidRequestError(
-                    f"{self.structured_param()} and tool_choice {tools.mode!r} both constrain "
-                    "the output: give one", param="tool_choice",
+                    f"{self._structured_field()} and tool_choice {mode} both constrain the "
+                    "output: give one", param="tool_choice",
                 )  # fmt: skip
             return StructuredOutput(json=tools.constraint())
         if not given:
@@ -207,6 +209,9 @@ class _Request(_NullIsDefault):
         tools = self.tool_calling()
         if tools is not None and tools.constrained:
             return "tool_choice"
+        return self._structured_field()
+
+    def _structured_field(self) -> str:
         names = [
             f
             for f in (
@@ -234,6 +239,7 @@ class _Request(_NullIsDefault):
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=self.requested_prompt_logprobs(),
             structured_output=self.structured_output(),
@@ -421,7 +427,8 @@ class TokenizeRequest(_ChatRendering, _NullIsDefault):
     tools: list[Any] | None = None  # rendered with the messages, as chat completions do
 
     def tool_calling(self) -> ToolCalling | None:
-        return check_tools(self.tools, "none", True, None, None)
+        # (rendered as chat's default, "auto", renders them: the count a chat prompt costs)
+        return check_tools(self.tools, None, True, None, None)
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -477,11 +484,14 @@ class ResponsesRequest(_NullIsDefault):
             raise InvalidRequestError("input is empty", param="input")
         out: list[dict[str, Any]] = []
         for i, item in enumerate(self.input):
-            kind = item.get("type", "message")
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind in ("function_call", "function_call_output"):
+                out.append(_function_item(i, item, out))
+                continue
             if kind != "message":
                 raise InvalidRequestError(
-                    f"input[{i}]: items of type {kind!r} are not supported (messages only: "
-                    "there is no tool calling or reasoning here)",
+                    f"input[{i}]: items of type {kind!r} are not supported (messages, "
+                    "function_call and function_call_output only)",
                     param="input",
                 )
             content = item.get("content")
@@ -497,6 +507,31 @@ class ResponsesRequest(_NullIsDefault):
                 content = "".join(texts)
             out.append({"role": item.get("role"), "content": content})
         return out
+
+    def chat_tools(self) -> tuple[list[dict] | None, Any]:
+        """`tools` and `tool_choice` in chat completions' form (function tools are flat
+        here: {"type": "function", "name", "parameters", ...})."""
+        if not self.tools:
+            return self.tools, self.tool_choice
+        tools = []
+        for i, t in enumerate(self.tools):
+            if not isinstance(t, dict) or t.get("type") != "function":
+                kind = t.get("type") if isinstance(t, dict) else None
+                raise InvalidRequestError(
+                    f"tools[{i}]: only function tools are supported here, not {kind!r}",
+                    param="tools",
+                )
+            f = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+            tools.append({"type": "function", "function": f})
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise InvalidRequestError(
+                    'tool_choice names a function as {"type": "function", "name": ...}',
+                    param="tool_choice",
+                )
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        return tools, choice
 
     def response_format(self) -> dict[str, Any] | None:
         """`text.format` as chat's `response_format` (its json_schema flattened)."""
@@ -549,6 +584,7 @@ class ResponsesRequest(_NullIsDefault):
         ]  # fmt: skip
         messages = [*system, *history, *self.input_messages()]
         response_format = self.response_format()
+        tools, tool_choice = self.chat_tools()
         try:
             return ResponsesAsChat.model_validate(
                 {
@@ -561,8 +597,9 @@ class ResponsesRequest(_NullIsDefault):
                     "stream": self.stream,
                     "stream_options": {"include_usage": True} if self.stream else None,
                     "response_format": response_format,
-                    "tools": self.tools,
-                    "tool_choice": self.tool_choice,
+                    "tools": tools,
+                    "tool_choice": tool_choice,
+                    "parallel_tool_calls": self.parallel_tool_calls,
                     "seed": self.seed,
                     "logit_bias": self.logit_bias,
                     "top_k": self.top_k,
@@ -580,17 +617,34 @@ class ResponsesRequest(_NullIsDefault):
             raise InvalidRequestError(f"{where}: {err['msg']}", param="input") from e
 
 
+def _function_item(i: int, item: dict, before: list[dict]) -> dict:
+    """A Responses input item of a function call (the model's: it joins the assistant
+    message before it, or makes one) or of its output (a tool message)."""
+    where = f"input[{i}]"
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise InvalidRequestError(f"{where}: call_id is required", param="input")
+    if item["type"] == "function_call_output":
+        output = item.get("output")
+        if not isinstance(output, str):
+            raise InvalidRequestError(f"{where}: output must be a string", param="input")
+        return {"role": "tool", "tool_call_id": call_id, "content": output}
+    name, arguments = item.get("name"), item.get("arguments")
+    if not isinstance(name, str) or not isinstance(arguments, str):
+        raise InvalidRequestError(f"{where}: a function_call needs a name and arguments (JSON "
+                                  "text)", param="input")  # fmt: skip
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    if before and before[-1]["role"] == "assistant":  # (its message, or its earlier calls)
+        last = before.pop()
+        return {**last, "tool_calls": [*(last.get("tool_calls") or []), call]}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
 class ResponsesAsChat(ChatCompletionRequest):
     """A Responses request as chat completions', its errors naming the Responses fields."""
 
     def max_tokens_field(self) -> str:
         return "max_output_tokens"
-
-    def tool_calling(self) -> ToolCalling | None:
-        return _Request.tool_calling(self)
-
-    def tools_where(self) -> str:
-        return "on /v1/responses (/v1/chat/completions calls tools)"
 
     def structured_param(self) -> str:
         return "text"

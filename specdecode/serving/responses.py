@@ -109,15 +109,32 @@ class ResponseBuilder:
             "metadata": req.metadata or {},
         }
 
-    def done(self, text: str, logprobs: list | None, finish: str | None, usage: dict | None):
+    def done(
+        self, text: str, logprobs: list | None, finish: str | None, usage: dict | None,
+        calls: list[dict] = (), output: list[dict] | None = None,
+    ):  # fmt: skip
         """The reply's part, status and whole response, stored where it is to be kept
-        (`keep(response, reply text)`)."""
+        (`keep(response, reply message)`). `calls`: its tool calls (chat's form), output
+        after its message (none where it has no text); `output`: the items as streamed."""
         part = self.part(text, logprobs)
         status = "incomplete" if finish == "length" else "completed"
-        response = self.response(status, [self.message(part, status)], usage, finish)
+        if output is None:
+            output = [self.message(part, status)] if text or logprobs or not calls else []
+            output += [self.function_call(c, status) for c in calls]
+        response = self.response(status, output, usage, finish)
         if self.keep is not None:
-            self.keep(response, text)
+            reply: dict = {"role": "assistant", "content": text or (None if calls else "")}
+            if calls:
+                reply["tool_calls"] = [dict(c) for c in calls]
+            self.keep(response, reply)
         return part, status, response
+
+    def function_call(self, call: dict, status: str, item_id: str | None = None) -> dict:
+        """A chat tool call as a `function_call` output item."""
+        f = call["function"]
+        return {"type": "function_call", "id": item_id or "fc_" + uuid.uuid4().hex,
+                "call_id": call["id"], "name": f["name"], "arguments": f["arguments"],
+                "status": status}  # fmt: skip
 
 
 def response_object(
@@ -129,16 +146,23 @@ def response_object(
     b.created_at = chat["created"]  # (when the request came, not when it ended)
     choice = chat["choices"][0]
     lp = choice.get("logprobs")
-    text, usage = choice["message"]["content"], _usage(chat.get("usage"))
-    return b.done(text, lp["content"] if lp else None, choice["finish_reason"], usage)[2]
+    text, usage = choice["message"]["content"] or "", _usage(chat.get("usage"))
+    calls = choice["message"].get("tool_calls") or []
+    return b.done(text, lp["content"] if lp else None, choice["finish_reason"], usage, calls)[2]
 
 
 async def response_events(
-    req: ResponsesRequest, model: str, chunks: AsyncIterator[str], keep: Callable | None = None
-) -> AsyncIterator[str]:
+    req: ResponsesRequest, model: str, chunks: AsyncIterator[str], keep: Callable | None = None,
+    tools: bool = False,
+) -> AsyncIterator[str]:  # fmt: skip
     """A chat completion's server-sent chunks (one choice, usage at the end) as the Responses
-    stream's events, each numbered (`sequence_number`); `keep(response, reply text)` stores
-    the response once it is whole (a failed one is not kept)."""
+    stream's events, each numbered (`sequence_number`); `keep(response, reply message)`
+    stores the response once it is whole (a failed one is not kept). `tools`: the reply may
+    call tools (its items then open as they come: see `_tool_events`)."""
+    if tools:
+        async for e in _tool_events(req, model, chunks, keep):
+            yield e
+        return
     b = ResponseBuilder(req, model, keep)
     seq = 0
 
@@ -186,4 +210,126 @@ async def response_events(
     yield event("response.output_item.done", output_index=0, item=b.message(part, status))
     # (`response.completed` whatever the status, as vLLM and SGLang end: the openai SDK's
     # stream helper and usage readers wait for it; an incomplete reply says so in its status)
+    yield event("response.completed", response=final)
+
+
+async def _tool_events(
+    req: ResponsesRequest, model: str, chunks: AsyncIterator[str], keep: Callable | None
+) -> AsyncIterator[str]:
+    """The stream of a reply that may call tools: a message item opens with its first text,
+    a `function_call` item with each call (its arguments as `function_call_arguments`
+    deltas); an item closes when the next one opens or the reply ends. A reply with neither
+    is one empty message, as without tools."""
+    b = ResponseBuilder(req, model, keep)
+    seq = 0
+
+    def event(kind: str, **fields) -> str:
+        nonlocal seq
+        body = {"type": kind, "sequence_number": seq, **fields}
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+
+    items: list[dict] = []  # the output so far (each closed but the last, maybe)
+    state: dict = {"open": None, "text": "", "logprobs": []}  # the open item's
+    calls: list[dict] = []  # chat's form, for the store
+
+    def close() -> list[str]:
+        item = state["open"]
+        if item is None:
+            return []
+        state["open"] = None
+        where = {"item_id": item["id"], "output_index": items.index(item)}
+        if item["type"] == "message":
+            part = b.part(state["text"], state["logprobs"])
+            item.update(b.message(part, "completed"), id=item["id"])
+            return [
+                event("response.output_text.done", **where, content_index=0, text=state["text"],
+                      logprobs=state["logprobs"]),
+                event("response.content_part.done", **where, content_index=0, part=part),
+                event("response.output_item.done", output_index=where["output_index"], item=item),
+            ]  # fmt: skip
+        item["status"] = "completed"
+        return [
+            event("response.function_call_arguments.done", **where, arguments=item["arguments"]),
+            event("response.output_item.done", output_index=where["output_index"], item=item),
+        ]  # fmt: skip
+
+    def open_message() -> list[str]:
+        out = close()
+        item = b.message(None, "in_progress")
+        item["id"] = "msg_" + uuid.uuid4().hex if items else b.message_id
+        items.append(item)
+        state.update(open=item, text="", logprobs=[])
+        where = {"item_id": item["id"], "output_index": len(items) - 1}
+        out.append(event("response.output_item.added", output_index=len(items) - 1, item=item))
+        out.append(event("response.content_part.added", **where, content_index=0,
+                         part=b.part("", None)))  # fmt: skip
+        return out
+
+    yield event("response.created", response=b.response("in_progress", []))
+    yield event("response.in_progress", response=b.response("in_progress", []))
+    text, logprobs, finish, usage = "", [], None, None
+    async for chunk in chunks:
+        data = chunk.removeprefix("data: ").strip()
+        if data == "[DONE]":
+            break
+        body = json.loads(data)
+        if "error" in body:  # as without tools
+            e = body["error"]
+            yield event("error", code=str(e.get("code")), message=e.get("message"),
+                        param=e.get("param"))  # fmt: skip
+            failed = b.response("failed", [])
+            failed["store"] = False
+            failed["error"] = {"code": str(e.get("code")), "message": e.get("message")}
+            yield event("response.failed", response=failed)
+            return
+        if body.get("usage"):
+            usage = _usage(body["usage"])
+        for c in body.get("choices", []):
+            delta = c.get("delta", {})
+            piece = delta.get("content") or ""
+            lp = (c.get("logprobs") or {}).get("content") or []
+            if piece or lp:
+                if state["open"] is None or state["open"]["type"] != "message":
+                    for e in open_message():
+                        yield e
+                item = state["open"]
+                state["text"] += piece
+                state["logprobs"] += lp
+                text += piece
+                logprobs += lp
+                yield event("response.output_text.delta", item_id=item["id"],
+                            output_index=len(items) - 1, content_index=0, delta=piece,
+                            logprobs=lp)  # fmt: skip
+            for d in delta.get("tool_calls") or []:
+                f = d.get("function") or {}
+                if d.get("id"):
+                    for e in close():
+                        yield e
+                    call = {"id": d["id"], "type": "function",
+                            "function": {"name": f.get("name"), "arguments": ""}}  # fmt: skip
+                    calls.append(call)
+                    item = b.function_call(call, "in_progress")
+                    items.append(item)
+                    state["open"] = item
+                    yield event("response.output_item.added", output_index=len(items) - 1,
+                                item=dict(item))  # fmt: skip
+                args = f.get("arguments") or ""
+                if args:  # (a call's arguments: its first delta's, and any that follow)
+                    call = calls[d.get("index", len(calls) - 1)]
+                    item = next(i for i in items if i.get("call_id") == call["id"])
+                    item["arguments"] += args
+                    call["function"]["arguments"] += args
+                    yield event("response.function_call_arguments.delta", item_id=item["id"],
+                                output_index=items.index(item), delta=args)  # fmt: skip
+            finish = c.get("finish_reason") or finish
+    if not items:
+        for e in open_message():
+            yield e
+    for e in close():
+        yield e
+    status = "incomplete" if finish == "length" else "completed"
+    for item in items:
+        item["status"] = status
+    _, _, final = b.done(text, logprobs, finish, usage, calls, output=items)
     yield event("response.completed", response=final)

@@ -309,19 +309,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def chat(request: Request):
         req = await read_json(request, ChatCompletionRequest)
         messages, text = render(req, "/v1/completions")
-        tools = req.tool_calling()  # (checked by render)
-        if tools is not None and tools.mode == "auto" and config.tool_parser is None:
-            raise bad_request(
-                'tool_choice "auto" (the default with tools) needs a server started with '
-                '--enable-auto-tool-choice --tool-call-parser hermes; "required" or a named '
-                'function works without them, "none" calls no tool',
-                "tool_choice",
-            )
-        if tools is not None and tools.mode == "none":
-            tools = None  # (text, as without tools)
+        tools = calling(req)
         ids = encode(text, "messages", add_special_tokens=req.add_special_tokens)
         max_tokens = check_length(len(ids), req, "messages")
         params = req.sampling_params(max_tokens, req.requested_logprobs())
+        if tools is not None and tools.mode == "auto":  # (as vLLM's parsers: a model may mark
+            params.skip_special_tokens = False  # its call tags special; the parser reads them)
         jobs = [(ids, params.for_choice(j)) for j in range(req.n)]
         # the reply's role (vLLM's): the server's response role after a generation prompt;
         # without one the model goes on with the last message, and the reply is in its role
@@ -333,6 +326,18 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         return await respond(
             request, req, jobs, len(ids), chat=True, echoes=echoes, role=role, tools=tools
         )
+
+    def calling(req) -> ToolCalling | None:
+        """A chat request's tool calling, where its reply is to be read for calls."""
+        tools = req.tool_calling()  # (checked by render)
+        if tools is not None and tools.mode == "auto" and config.tool_parser is None:
+            raise bad_request(
+                'tool_choice "auto" (the default with tools) needs a server started with '
+                '--enable-auto-tool-choice --tool-call-parser hermes; "required" or a named '
+                'function works without them, "none" calls no tool',
+                "tool_choice",
+            )
+        return None if tools is None or tools.mode == "none" else tools
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -372,17 +377,19 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         ids = encode(text, "input", add_special_tokens=chat_req.add_special_tokens)
         max_tokens = check_length(len(ids), chat_req, "input")
         params = chat_req.sampling_params(max_tokens, chat_req.requested_logprobs())
-        out = await respond(request, chat_req, [(ids, params)], len(ids), chat=True)
+        tools = calling(chat_req)
+        if tools is not None and tools.mode == "auto":
+            params.skip_special_tokens = False  # (as chat's)
+        out = await respond(request, chat_req, [(ids, params)], len(ids), chat=True, tools=tools)
         name = config.served_model_name
         keep = None
         if req.store and store.capacity:  # its conversation, without its instructions
 
-            def keep(response: dict, text: str) -> None:
-                reply = {"role": "assistant", "content": text}
+            def keep(response: dict, reply: dict) -> None:
                 store.put(response, [*history, *req.input_messages(), reply])
 
         if isinstance(out, StreamingResponse):
-            events = response_events(req, name, out.body_iterator, keep)
+            events = response_events(req, name, out.body_iterator, keep, tools is not None)
             return StreamingResponse(events, media_type="text/event-stream")
         if isinstance(out, Response):  # the client left
             return out

@@ -69,18 +69,20 @@ class ToolCalling:
         """The JSON schema the output follows (required / named modes)."""
         if self.mode == "named":
             return _parameters(self.function(self.name))
-        defs: dict = {}
+        defs: dict = {"$defs": {}, "definitions": {}}
         options = []
-        for t in self.tools:
-            params = dict(_parameters(t["function"]))
-            # (a tool's $defs move to the top: references resolve from the schema's root)
-            for k, v in params.pop("$defs", {}).items():
-                if k in defs and defs[k] != v:
-                    raise InvalidRequestError(
-                        f"tools define $defs.{k} twice, differently: tool_choice "
-                        '"required" needs them to agree', param="tools",
-                    )  # fmt: skip
-                defs[k] = v
+        for i, t in enumerate(self.tools):
+            # (each tool's schema sits at items.anyOf[i].properties.parameters: its $defs and
+            # definitions move to the root, its other references get that path)
+            params = _rebase(dict(_parameters(t["function"])), i)
+            for where in defs:
+                for k, v in params.pop(where, {}).items():
+                    if k in defs[where] and defs[where][k] != v:
+                        raise InvalidRequestError(
+                            f"tools define {where}.{k} twice, differently: tool_choice "
+                            '"required" needs them to agree', param="tools",
+                        )  # fmt: skip
+                    defs[where][k] = v
             options.append({
                 "type": "object",
                 "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
@@ -90,8 +92,7 @@ class ToolCalling:
         schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
         if not self.parallel:
             schema["maxItems"] = 1
-        if defs:
-            schema["$defs"] = defs
+        schema.update({k: v for k, v in defs.items() if v})
         return schema
 
     def stream(self, parser: str | None) -> ToolStream:
@@ -101,10 +102,24 @@ class ToolCalling:
         if self.mode == "required":
             return _ListStream()
         if self.mode == "auto" and parser == "json":
-            return _JsonReplyStream({t["function"]["name"] for t in self.tools})
+            return _JsonReplyStream({t["function"]["name"] for t in self.tools}, self.parallel)
         if self.mode == "auto":
-            return _HermesStream()
+            return _HermesStream(self.parallel)
         return ToolStream()
+
+
+def _rebase(schema, i: int):
+    """A tool's schema with its references as seen from the "required" list's root."""
+    if isinstance(schema, list):
+        return [_rebase(x, i) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebase(v, i) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        if not ref.startswith(("#/$defs/", "#/definitions/")):
+            out["$ref"] = f"#/items/anyOf/{i}/properties/parameters" + ref[1:]
+    return out
 
 
 def _parameters(function: dict) -> dict:
@@ -140,9 +155,11 @@ def check_tools(
         if f["name"] in names:
             raise InvalidRequestError(f"{where}: two tools named {f['name']!r}", param="tools")
         params = f.get("parameters")
-        if params is not None and not isinstance(params, dict):
+        if params is not None and (
+            not isinstance(params, dict) or params.get("type", "object") != "object"
+        ):  # (arguments are an object: OpenAI's rule)
             raise InvalidRequestError(
-                f"{where}: function.parameters must be a JSON schema object", param="tools"
+                f"{where}: function.parameters must be a JSON schema of an object", param="tools"
             )
         desc = f.get("description")
         if desc is not None and not isinstance(desc, str):
@@ -152,8 +169,8 @@ def check_tools(
         checked.append({"type": "function", "function": dict(f)})
     choice = "auto" if tool_choice is None else tool_choice  # (OpenAI's default with tools)
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" \
-            else None  # fmt: skip
+        f = choice.get("function") if choice.get("type") == "function" else None
+        name = f.get("name") if isinstance(f, dict) else None
         if not isinstance(name, str):
             raise InvalidRequestError(
                 'tool_choice names a function as {"type": "function", "function": {"name": '
@@ -176,6 +193,8 @@ def template_messages(messages: list[dict]) -> list[dict]:
     out = []
     for m in messages:
         calls = m.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise InvalidRequestError("a message's tool_calls must be a list", param="messages")
         if calls:
             m = dict(m)
             m["tool_calls"] = [_template_call(c) for c in calls]
@@ -183,9 +202,14 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _template_call(call: dict) -> dict:
+def _template_call(call) -> dict:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise InvalidRequestError(
+            'a message\'s tool_calls are {"id", "type": "function", "function": {"name", '
+            '"arguments"}}', param="messages",
+        )  # fmt: skip
     call = dict(call)
-    f = dict(call.get("function") or {})
+    f = dict(call["function"])
     args = f.get("arguments")
     if isinstance(args, str):
         try:
@@ -256,10 +280,17 @@ class _ListStream(ToolStream):
         self.depth = 0
         self.in_string = self.escaped = False
         self.item: list[str] = []
+        self.rest: list[str] = []  # the characters after the last whole call
+        self.closed = False
+
+    def finish(self) -> Parsed:
+        # cut off (max_tokens) before the list closed: what followed the last call, as text
+        return Parsed("" if self.closed else "".join(self.rest).strip().lstrip(",").strip())
 
     def feed(self, text: str) -> Parsed:
         out = Parsed()
         for ch in text:
+            self.rest.append(ch)
             if self.depth >= 2:
                 self.item.append(ch)
             if self.in_string:
@@ -280,6 +311,8 @@ class _ListStream(ToolStream):
                 self.depth -= 1
                 if self.depth == 1:
                     out.calls.append(self._call("".join(self.item)))
+                    self.rest = []
+                self.closed = self.depth == 0
         return out
 
     def _call(self, text: str) -> dict:
@@ -296,11 +329,13 @@ class _HermesStream(ToolStream):
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, parallel: bool = True) -> None:
         super().__init__()
+        self.parallel = parallel  # (false: calls after the first are dropped, as OpenAI's)
         self.buffer = ""
         self.inside = False
-        self.blank = ""  # whitespace after a call: dropped unless other text follows
+        self.blank = ""  # whitespace so far: content only where other text follows
+        self.said = False  # content went out
 
     def feed(self, text: str) -> Parsed:
         self.buffer += text
@@ -329,27 +364,28 @@ class _HermesStream(ToolStream):
             self._block(out, self.buffer, closed=False)
         else:
             self._text(out, self.buffer)
-        self.buffer, self.inside = "", False
+        if not self.num_calls:  # (a reply of whitespace alone is its content)
+            out.content += self.blank
+        self.buffer, self.inside, self.blank = "", False, ""
         return out
 
     def _text(self, out: Parsed, text: str) -> None:
-        if self.num_calls and not text.strip():
-            self.blank += text  # (between calls, or at the end: not content)
+        if not self.said and not text.strip() or self.num_calls and not text.strip():
+            self.blank += text  # (before a call, between calls, at the end: not content)
             return
         out.content += self.blank + text
-        self.blank = ""
+        self.blank, self.said = "", True
 
     def _block(self, out: Parsed, body: str, closed: bool) -> None:
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            obj = None
+        obj = _json(body)
         args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
         if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)
                 and isinstance(args, dict)):  # fmt: skip
             self._text(out, self.OPEN + body + (self.CLOSE if closed else ""))
             return
         self.blank = ""
+        if self.num_calls and not self.parallel:
+            return
         out.calls.append(self._new_call(obj["name"], json.dumps(args, ensure_ascii=False)))
 
 
@@ -360,8 +396,8 @@ class _JsonReplyStream(_HermesStream):
     so JSON inside prose or code is never taken for a call; a reply that opens as such JSON
     may be one, and is held back until it ends."""
 
-    def __init__(self, names: set[str]) -> None:
-        super().__init__()
+    def __init__(self, names: set[str], parallel: bool = True) -> None:
+        super().__init__(parallel)
         self.names = names
         self.head = ""  # the reply so far, while it may be a JSON call
         self.deciding = True
@@ -389,6 +425,7 @@ class _JsonReplyStream(_HermesStream):
             out = super().feed(self.head)
             end = super().finish()
             return Parsed(out.content + end.content, out.calls + end.calls)
+        calls = calls if self.parallel else calls[:1]
         return Parsed(calls=[self._new_call(n, a) for n, a in calls])
 
     def _calls(self, text: str) -> list[tuple[str, str]] | None:
@@ -398,19 +435,26 @@ class _JsonReplyStream(_HermesStream):
             if first.strip("`").strip() not in ("", "json") or not rest.rstrip().endswith("```"):
                 return None
             body = rest.rstrip()[:-3]
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            return None
+        obj = _json(body)
         out = []
         for c in obj if isinstance(obj, list) and obj else [obj]:
-            if not isinstance(c, dict) or c.get("name") not in self.names:
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str) \
+                    or c["name"] not in self.names:  # fmt: skip
                 return None
             args = c.get("arguments", c.get("parameters", {}))
             if not isinstance(args, dict):
                 return None
             out.append((c["name"], json.dumps(args, ensure_ascii=False)))
         return out
+
+
+def _json(text: str):
+    """`text` as JSON, None where it is not (or nests past the parser's depth: a model that
+    loops on "[" writes such replies)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _partial_suffix(text: str, tag: str) -> int:

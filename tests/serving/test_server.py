@@ -917,13 +917,16 @@ def test_responses_api(client, plain):
     assert any(len(t.top_logprobs) == 2 for t in lp)
     bad = [
         ({"previous_response_id": "resp_1"}, "keeps no responses", "previous_response_id"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
-         "function_call_output", "input"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "'reasoning' are not supported",
+         "input"),
         ({"input": [{"role": "wizard", "content": "x"}]}, r"input\[0\]\.role", "input"),
         ({"top_logprobs": 2}, "include", "top_logprobs"),
         ({"max_output_tokens": 10**6}, "maximum context length", "max_output_tokens"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "schema", "text"),
-        ({"tools": [{"type": "function", "name": "f"}]}, "tool calling", "tools"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "--enable-auto-tool-choice",
+         "tool_choice"),
+        ({"tools": [{"type": "web_search"}]}, "only function tools", "tools"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "call_id", "input"),
         ({"text": {"format": {"type": "foo"}}}, "text.format type 'foo'", "text"),
         ({"input": {"a": 1}}, "- input: ", "input"),  # (not "input.str": a union member)
         # (a format this vocabulary cannot write: found mid-generation, the field named)
@@ -1666,3 +1669,100 @@ def test_tools_reach_the_template_and_bad_tools_are_400(engine, client, plain):
                 extra_body=extra,
             )
         assert e.value.body["param"] == param
+
+
+def test_responses_api_calls_tools(engine, plain):
+    """/v1/responses: flat function tools; "required" / a named function give function_call
+    items (streamed: their events, the arguments as deltas), and a stored response continues
+    with the calls' outputs as function_call_output items."""
+    flat = {"type": "function", **WEATHER_TOOL["function"]}
+    s = Served(engine, api_key=None, max_stored_responses=4, tool_parser="json")
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none")
+        ask = functools.partial(c.responses.create, model=MODEL, input="weather?",
+                                max_output_tokens=120, temperature=0)  # fmt: skip
+        r = ask(tools=[flat], tool_choice="required", parallel_tool_calls=False)
+        assert r.status == "completed" and [o.type for o in r.output] == ["function_call"]
+        call = r.output[0]
+        assert call.name == "weather" and call.call_id.startswith("chatcmpl-tool-")
+        assert set(json.loads(call.arguments)) == {"city", "days"} and call.id.startswith("fc_")
+        events = list(ask(tools=[flat], tool_choice="required", parallel_tool_calls=False,
+                          stream=True))  # fmt: skip
+        kinds = [e.type for e in events]
+        assert kinds[:3] == ["response.created", "response.in_progress",
+                             "response.output_item.added"]  # fmt: skip
+        assert "response.output_text.delta" not in kinds and kinds[-1] == "response.completed"
+        deltas = "".join(
+            e.delta for e in events if e.type == "response.function_call_arguments.delta"
+        )
+        (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+        final = events[-1].response
+        assert deltas == done.arguments == final.output[0].arguments == call.arguments
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        r = ask(tools=[flat], tool_choice={"type": "function", "name": "weather"})
+        assert [o.type for o in r.output] == ["function_call"] and r.output[0].name == "weather"
+        # auto: a reply that is a whole JSON call (forced here by text.format) is a call
+        schema = {"type": "object", "properties": {"name": {"const": "weather"}, "arguments": {
+            "type": "object", "properties": {"city": {"const": "Oslo"}}, "required": ["city"],
+            "additionalProperties": False}}, "required": ["name", "arguments"],
+            "additionalProperties": False}  # fmt: skip
+        fmt = {"format": {"type": "json_schema", "name": "call", "schema": schema}}
+        r = ask(tools=[flat], text=fmt)
+        assert [(o.type, o.name, o.arguments) for o in r.output] == [
+            ("function_call", "weather", '{"city": "Oslo"}')
+        ]
+        events = list(ask(tools=[flat], text=fmt, stream=True))
+        assert events[-1].response.output[0].arguments == '{"city": "Oslo"}'
+        # the conversation goes on with the call's output, from the store or as input items
+        r2 = ask(previous_response_id=r.id, tools=[flat], tool_choice="none", max_output_tokens=3,
+                 input=[{"type": "function_call_output", "call_id": r.output[0].call_id,
+                         "output": "sunny"}])  # fmt: skip
+        assert r2.output[0].type == "message"
+        r3 = ask(tools=[flat], tool_choice="none", max_output_tokens=3, input=[
+            {"role": "user", "content": "weather?"},
+            {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])  # fmt: skip
+        assert r3.output[0].type == "message"
+    finally:
+        s.stop()
+
+
+def test_tool_rendering_with_exclude_and_special_tokens(engine, plain):
+    """--exclude-tools-when-tool-choice-none leaves them out of a "none" request's prompt
+    only: /tokenize counts what chat's default renders. `skip_special_tokens: false` (vLLM's)
+    keeps special tokens' text, as "auto" does for its parser."""
+    listing = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+    template = listing + "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    s = Served(engine, api_key=None, trust=True, exclude_tools_when_tool_choice_none=True)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none")
+        ask = functools.partial(c.chat.completions.create, model=MODEL, max_tokens=1,
+                                messages=chat_messages("x"), tools=[NOW_TOOL],
+                                extra_body={"chat_template": template})  # fmt: skip
+        assert ask(tool_choice="none").usage.prompt_tokens == len("<user>x")
+        assert ask(tool_choice="required").usage.prompt_tokens == len("[now]<user>x")
+        body = {"messages": chat_messages("x"), "tools": [NOW_TOOL], "chat_template": template}
+        status, data = raw(s.port, "POST", "/tokenize", json.dumps(body).encode())
+        assert status == 200 and json.loads(data)["count"] == len("[now]<user>x")
+    finally:
+        s.stop()
+    eos = plain.tokenizer.eos_token_id
+    params = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={eos: 100})
+    shown = plain.generate("abc", SamplingParams(**params, skip_special_tokens=False))
+    hidden = plain.generate("abc", SamplingParams(**params))
+    assert shown[0].outputs[0].token_ids == [eos] * 3 == hidden[0].outputs[0].token_ids
+    assert shown[0].outputs[0].text == plain.tokenizer.eos_token * 3
+    assert hidden[0].outputs[0].text == ""
+
+
+def test_required_tools_with_other_reference_styles(client):
+    params = {"type": "object", "properties": {"a": {"$ref": "#/definitions/A"}},
+              "required": ["a"], "definitions": {"A": {"type": "integer", "minimum": 3,
+                                                       "maximum": 5}}}  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL, messages=chat_messages("x"), max_tokens=60, temperature=0,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": params}}],
+        tool_choice="required",
+    )  # fmt: skip
+    (call,) = r.choices[0].message.tool_calls
+    assert 3 <= json.loads(call.function.arguments)["a"] <= 5

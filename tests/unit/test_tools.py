@@ -71,6 +71,12 @@ HERMES = [
     # cut off (max_tokens): a call if what came parses, else content
     ('<tool_call>{"name": "a", "parameters": {"k": 1}}', None, [("a", {"k": 1})]),
     ('<tool_call>{"name": "a", "argu', '<tool_call>{"name": "a", "argu', []),
+    # whitespace around calls is not content; a reply of whitespace alone is
+    ('\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n', None, [("a", {})]),
+    (" \n ", " \n ", []),
+    # JSON that is no call, or nests past the parser: text
+    ("<tool_call>" + "[" * 3000 + "</tool_call>", "<tool_call>" + "[" * 3000 + "</tool_call>",
+     []),
     # text after a call is content too; the whitespace between calls is not
     ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n\n Done.', "\n\n Done.",
      [("a", {})]),
@@ -157,7 +163,9 @@ def test_constraints():
         ([{"type": "retrieval"}], None, "only function tools"),
         ([{"type": "function", "function": {}}], None, "function.name is required"),
         ([WEATHER, WEATHER], None, "two tools named 'weather'"),
-        ([tool("f", [1])], None, "parameters must be a JSON schema object"),
+        ([tool("f", [1])], None, "parameters must be a JSON schema of an object"),
+        ([tool("f", {"type": "string"})], None, "schema of an object"),
+        ([WEATHER], {"type": "function", "function": "weather"}, "names a function as"),
         ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
         ([WEATHER], {"type": "function"}, "names a function as"),
         ([WEATHER], "sometimes", '"none", "auto", "required"'),
@@ -213,6 +221,8 @@ JSON_REPLIES = [
     ('```json\n{"name": "now", "arguments": {}}\n``` and more',
      '```json\n{"name": "now", "arguments": {}}\n``` and more', []),
     ("", "", []),
+    ('{"name": ["now"], "arguments": {}}', '{"name": ["now"], "arguments": {}}', []),
+    ("[" * 3000, "[" * 3000, []),
 ]  # fmt: skip
 
 
@@ -240,3 +250,49 @@ def test_json_reply_parser_streams_prose_and_other_code_at_once():
     assert s.feed("  He").content == "  He" and s.feed("llo").content == "llo"
     s = _JsonReplyStream({"now"})
     assert s.feed('{"name": "now", ').content == ""  # held: it may be a call
+
+
+def test_one_call_at_most_without_parallel_calls():
+    two = ('<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+           '<tool_call>{"name": "b", "arguments": {}}</tool_call>')  # fmt: skip
+    assert calls_of(whole(_HermesStream(parallel=False), two)[1]) == [("a", {})]
+    assert len(whole(_HermesStream(), two)[1]) == 2
+    reply = '[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]'
+    assert calls_of(whole(_JsonReplyStream({"a", "b"}, parallel=False), reply)[1]) == [("a", {})]
+
+
+def test_a_required_list_cut_off_keeps_its_rest_as_text():
+    content, calls = whole(
+        _ListStream(), '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "pa'
+    )
+    assert calls_of(calls) == [("a", {"x": 1})] and content == '{"name": "b", "pa'
+    assert whole(_ListStream(), '[{"name": "a", "par') == ('[{"name": "a", "par', [])
+    assert whole(_ListStream(), '[{"name": "a", "parameters": {}}]')[0] is None
+
+
+def test_required_references_resolve_from_the_lists_root():
+    params = {
+        "type": "object",
+        "properties": {
+            "a": {"$ref": "#/definitions/A"},
+            "b": {"$ref": "#/properties/a"},
+            "c": {"type": "array", "items": {"$ref": "#"}},
+        },
+        "definitions": {"A": {"type": "string"}},
+    }
+    schema = check_tools([tool("f", params)], "required", True, None, None).constraint()
+    got = schema["items"]["anyOf"][0]["properties"]["parameters"]
+    assert schema["definitions"] == {"A": {"type": "string"}} and "definitions" not in got
+    assert got["properties"]["a"] == {"$ref": "#/definitions/A"}
+    assert got["properties"]["b"] == {"$ref": "#/items/anyOf/0/properties/parameters/properties/a"}
+    assert got["properties"]["c"]["items"] == {"$ref": "#/items/anyOf/0/properties/parameters"}
+    # (the grammar compiles it)
+    from specdecode.structured import StructuredOutput
+
+    StructuredOutput(json=schema)
+
+
+def test_bad_earlier_calls_are_refused():
+    for calls in ([{"function": "x"}], "x", [3]):
+        with pytest.raises(InvalidRequestError, match="tool_calls"):
+            template_messages([{"role": "assistant", "content": "", "tool_calls": calls}])
