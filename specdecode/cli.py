@@ -51,6 +51,169 @@ def _device(text: str) -> str:
     return text
 
 
+def _only(*values: str, why: str):
+    """An argparse type taking only `values` (the settings that mean what this engine does),
+    refusing others with `why`."""
+
+    def parse(text: str) -> str:
+        if text.lower() not in values:
+            raise argparse.ArgumentTypeError(f"{text!r}: {why} (only {', '.join(values)})")
+        return text.lower()
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    v = number(above=0)(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
+    return v
+
+
+def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
+    """vLLM's and SGLang's server flags, so that their serve commands run here: those that mean
+    something here do it, those whose setting this engine always has are accepted, and the
+    others are refused with the reason (a copied command fails on what it would change)."""
+    g = srv.add_argument_group("vLLM / SGLang server flags")
+    g.add_argument(
+        "--seed",
+        "--random-seed",  # (SGLang's)
+        type=int,
+        default=None,
+        help="seed the random draws of requests without a seed of their own, so a run "
+        "replays (vLLM's --seed; a request's `seed` is exact whatever else runs)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        "--mem-fraction-static",  # (SGLang's)
+        type=_fraction,
+        default=None,
+        help="on CUDA, without --kv-cache-memory-gb: the KV cache takes what this fraction of "
+        "the GPU's memory leaves after the weights (vLLM's). No effect on a CPU, where "
+        "--kv-cache-memory-gb sizes it",
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        default=None,
+        help="the HTTP server's log level (default: warning, with no access log)",
+    )
+    g.add_argument(
+        "--log-level",  # (SGLang's)
+        choices=["critical", "error", "warning", "info", "debug"],
+        default=None,
+        help="SGLang's: the HTTP server's and specdecode's log level",
+    )
+    g.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no access log line per request (vLLM's), whatever the log level",
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request's id, prompt and sampling settings (vLLM's; off by default)",
+    )
+    g.add_argument(
+        "--max-log-len",
+        type=integer(0),
+        default=None,
+        help="with --enable-log-requests: log at most this many characters of a prompt",
+    )
+    g.add_argument("--root-path", default="", help="the path prefix behind a proxy (vLLM's)")
+    g.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=None,
+        help='CORS: origins a browser page may call from, a JSON list (["*"] for any); by '
+        "default none (vLLM allows any)",
+    )
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS (vLLM's)")
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS (vLLM's)")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS (vLLM's)")
+    # settings this engine always has: accepted (as in a copied command), nothing to change
+    for flag, what in (
+        ("--disable-log-requests", "requests are not logged unless --enable-log-requests"),
+        ("--disable-log-stats", "no periodic stats are logged (/metrics has them)"),
+        ("--trust-remote-code", "no model code is run from a checkpoint: the Llama-family "
+         "architecture is built in"),
+        ("--enforce-eager", "the model runs eagerly (no CUDA graphs)"),
+        ("--enable-chunked-prefill", "prefills are chunked by --max-num-batched-tokens"),
+    ):  # fmt: skip
+        g.add_argument(flag, action="store_true", help=f"accepted: {what}")
+    g.add_argument(
+        "--swap-space",
+        type=number(0),
+        default=None,
+        help="accepted: a preempted request is recomputed, not swapped out",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        type=_only("auto", why="the KV cache is kept in the model's dtype (no fp8 cache)"),
+        default="auto",
+    )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        type=_only(
+            "none",
+            why="weights load as stored (a GGUF is dequantized); drafters take "
+            '"draft_dtype": "int8" / "int4" in --speculative-config',
+        ),  # fmt: skip
+        default=None,
+    )
+    g.add_argument(
+        "--load-format",
+        type=_only(
+            "auto",
+            "safetensors",
+            "gguf",
+            why="checkpoints are safetensors or GGUF (pickle only with --allow-pickle)",
+        ),  # fmt: skip
+        default="auto",
+    )
+    for flag in ("--revision", "--tokenizer-revision", "--code-revision"):
+        g.add_argument(
+            flag,
+            type=_only(
+                "main",
+                why="models load from local files or `specdecode models pull`, "
+                "not from the Hugging Face Hub",
+            ),  # fmt: skip
+            default=None,
+        )
+    g.add_argument(
+        "--chat-template-content-format",
+        type=_only(
+            "auto",
+            "string",
+            why="message content reaches the template as text (OpenAI's text parts joined)",
+        ),  # fmt: skip
+        default="auto",
+    )
+    g.add_argument(
+        "--generation-config",
+        type=_only(
+            "vllm",
+            why="a request's defaults are the API's (temperature 1, ...); the "
+            "model's generation_config.json is not read",
+        ),  # fmt: skip
+        default="vllm",
+    )
+
+
+def _json_list(text: str) -> list[str]:
+    import json
+
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError:
+        v = None
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings (["*"]), got {text!r}')
+    return v
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -409,6 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
         "default: assistant). With add_generation_prompt false the reply continues the last "
         "message, in that message's role",
     )
+
+    add_vllm_server_args(srv)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_args(gen)

@@ -186,6 +186,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     # KV cache budget; on a CPU pages are committed only as tokens arrive, a GPU allocates it
     kv_cache_memory_gb: float = 2.0
+    # vLLM's: on CUDA, the KV cache takes what this fraction of the GPU's memory leaves after
+    # the weights (in place of kv_cache_memory_gb); no effect on a CPU
+    gpu_memory_utilization: float | None = None
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -216,6 +219,9 @@ class EngineConfig:
         gb = self.kv_cache_memory_gb
         if not number(gb) or gb <= 0:
             raise InvalidRequestError(f"kv_cache_memory_gb must be above 0, got {gb!r}")
+        frac = self.gpu_memory_utilization
+        if frac is not None and (not number(frac) or not 0 < frac <= 1):
+            raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {frac!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if not integer(getattr(self, name)) or getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be at least 1, got {getattr(self, name)!r}")
@@ -646,3 +652,19 @@ def vllm_compat(raw: dict[str, Any]) -> dict[str, Any]:
             if not fits(value):
                 raise InvalidRequestError(f"speculative config {key}={value!r}: {why}")
     return out
+
+
+def kv_budget_gb(total: int, weights: int, fraction: float, reserve: float = 0.1) -> float:
+    """The KV cache's share of a GPU (bytes in, GB out): `fraction` of its memory, less the
+    weights and a reserve for activations (`reserve` of what is left, at least 256 MiB)."""
+    from specdecode.errors import InvalidRequestError
+
+    left = fraction * total - weights
+    budget = left - max(reserve * left, 256 << 20)
+    if budget <= 0:
+        raise InvalidRequestError(
+            f"gpu_memory_utilization {fraction:g} allows {fraction * total / 2**30:.2f} GB of "
+            f"this GPU's {total / 2**30:.2f} GB; the weights take {weights / 2**30:.2f} GB, "
+            "leaving no room for the KV cache: raise it"
+        )
+    return budget / 2**30

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -99,6 +100,14 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         kv_dtype = self.model.activation_dtype
+        if config.gpu_memory_utilization is not None and torch.device(device).type == "cuda":
+            from specdecode.config import kv_budget_gb
+
+            total = torch.cuda.get_device_properties(device).total_memory
+            used = torch.cuda.memory_allocated(device)  # (the weights: nothing else yet)
+            gb = kv_budget_gb(total, used, config.gpu_memory_utilization)
+            # (what the drafters' caches take their shares of, too)
+            config = self.config = dataclasses.replace(config, kv_cache_memory_gb=gb)
         num_blocks = KVCache.num_blocks_for(
             mc, kv_dtype, config.kv_cache_memory_gb, config.block_size
         )

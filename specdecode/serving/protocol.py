@@ -626,8 +626,13 @@ def _function_item(i: int, item: dict, before: list[dict]) -> dict:
         raise InvalidRequestError(f"{where}: call_id is required", param="input")
     if item["type"] == "function_call_output":
         output = item.get("output")
+        if isinstance(output, list):  # (text parts)
+            texts = [p.get("text") for p in output if isinstance(p, dict)]
+            if len(texts) == len(output) and all(isinstance(t, str) for t in texts):
+                output = "".join(texts)
         if not isinstance(output, str):
-            raise InvalidRequestError(f"{where}: output must be a string", param="input")
+            raise InvalidRequestError(f"{where}: output must be text (a string, or text parts)",
+                                      param="input")  # fmt: skip
         return {"role": "tool", "tool_call_id": call_id, "content": output}
     name, arguments = item.get("name"), item.get("arguments")
     if not isinstance(name, str) or not isinstance(arguments, str):
@@ -647,4 +652,8 @@ class ResponsesAsChat(ChatCompletionRequest):
         return "max_output_tokens"
 
     def structured_param(self) -> str:
-        return "text"
+        tools = self.tool_calling()
+        return "tool_choice" if tools is not None and tools.constrained else "text"
+
+    def _structured_field(self) -> str:
+        return "text.format"

@@ -116,11 +116,14 @@ class ResponseBuilder:
         """The reply's part, status and whole response, stored where it is to be kept
         (`keep(response, reply message)`). `calls`: its tool calls (chat's form), output
         after its message (none where it has no text); `output`: the items as streamed."""
-        part = self.part(text, logprobs)
         status = "incomplete" if finish == "length" else "completed"
+        if calls and not text:
+            logprobs = None  # (a call's tokens: OpenAI gives no logprobs for calls)
+        part = self.part(text, logprobs)
         if output is None:
-            output = [self.message(part, status)] if text or logprobs or not calls else []
-            output += [self.function_call(c, status) for c in calls]
+            output = [self.message(part, "completed")] if text or not calls else []
+            output += [self.function_call(c, "completed") for c in calls]
+            output[-1]["status"] = status  # (a cut-off reply: its last item is incomplete)
         response = self.response(status, output, usage, finish)
         if self.keep is not None:
             reply: dict = {"role": "assistant", "content": text or (None if calls else "")}
@@ -233,7 +236,7 @@ async def _tool_events(
     state: dict = {"open": None, "text": "", "logprobs": []}  # the open item's
     calls: list[dict] = []  # chat's form, for the store
 
-    def close() -> list[str]:
+    def close(status: str = "completed") -> list[str]:
         item = state["open"]
         if item is None:
             return []
@@ -241,14 +244,14 @@ async def _tool_events(
         where = {"item_id": item["id"], "output_index": items.index(item)}
         if item["type"] == "message":
             part = b.part(state["text"], state["logprobs"])
-            item.update(b.message(part, "completed"), id=item["id"])
+            item.update(b.message(part, status), id=item["id"])
             return [
                 event("response.output_text.done", **where, content_index=0, text=state["text"],
                       logprobs=state["logprobs"]),
                 event("response.content_part.done", **where, content_index=0, part=part),
                 event("response.output_item.done", output_index=where["output_index"], item=item),
             ]  # fmt: skip
-        item["status"] = "completed"
+        item["status"] = status
         return [
             event("response.function_call_arguments.done", **where, arguments=item["arguments"]),
             event("response.output_item.done", output_index=where["output_index"], item=item),
@@ -289,10 +292,12 @@ async def _tool_events(
             delta = c.get("delta", {})
             piece = delta.get("content") or ""
             lp = (c.get("logprobs") or {}).get("content") or []
-            if piece or lp:
-                if state["open"] is None or state["open"]["type"] != "message":
-                    for e in open_message():
-                        yield e
+            opened = state["open"] is not None and state["open"]["type"] == "message"
+            if piece and not opened:  # (a message opens with text; a call's tokens' logprobs,
+                for e in open_message():  # which OpenAI does not give, open none)
+                    yield e
+                opened = True
+            if opened and (piece or lp):
                 item = state["open"]
                 state["text"] += piece
                 state["logprobs"] += lp
@@ -326,10 +331,8 @@ async def _tool_events(
     if not items:
         for e in open_message():
             yield e
-    for e in close():
-        yield e
     status = "incomplete" if finish == "length" else "completed"
-    for item in items:
-        item["status"] = status
+    for e in close(status):  # (a cut-off reply: its last item is incomplete)
+        yield e
     _, _, final = b.done(text, logprobs, finish, usage, calls, output=items)
     yield event("response.completed", response=final)

@@ -50,6 +50,7 @@ from specdecode.serving.responses import ResponseStore, response_events, respons
 from specdecode.serving.tools import ToolCalling, parser_format, template_messages, whole
 
 log = logging.getLogger(__name__)
+req_log = logging.getLogger("specdecode.requests")  # (--enable-log-requests)
 
 
 @dataclass
@@ -65,6 +66,13 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # a request's chat_template is used (vLLM's flag)
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM's flag)
     response_role: str = "assistant"  # a chat reply's role (vLLM's --response-role)
+    # CORS (vLLM's --allowed-origins ...): None answers no browser page of another origin
+    allowed_origins: tuple[str, ...] | None = None
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    log_requests: bool = False  # (vLLM's --enable-log-requests)
+    max_log_len: int | None = None  # characters of a prompt logged at most
     max_stored_responses: int = 0  # Responses API: the last N kept in memory (0: none)
     # tool_choice "auto": the format calls are parsed from (--tool-call-parser; None: refused)
     tool_parser: str | None = None
@@ -207,6 +215,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         # a plain ASGI middleware: Starlette's BaseHTTPMiddleware (@app.middleware) would hide
         # a client's disconnect from the route, and an abandoned request would run to its end
         app.add_middleware(_ApiKey, key=config.api_key)
+    if config.allowed_origins is not None:  # (outside the key: a browser's preflight has none)
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=list(config.allowed_methods),
+            allow_headers=list(config.allowed_headers),
+            allow_credentials=config.allow_credentials,
+        )
 
     async def read_json(request: Request, model_cls):
         declared = request.headers.get("content-length")
@@ -485,6 +503,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         request's tool calling (its replies parsed for calls)."""
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        if config.log_requests:
+            log_request(request_id, jobs)
         handles: list[RequestHandle] = []
         so = jobs[0][1].structured_output
         if so is not None:  # compile (or fetch) off the event loop; `add` then hits the cache
@@ -530,6 +550,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         finally:
             for h in handles:
                 h.abort()
+
+    def log_request(request_id: str, jobs) -> None:
+        """vLLM's --enable-log-requests: a request's prompt (its text, cut to --max-log-len)
+        and each choice's sampling settings, logged as it arrives."""
+        for i, (ids, params) in enumerate(jobs):
+            text = tokenizer.decode(ids)
+            if config.max_log_len is not None:
+                text, ids = text[: config.max_log_len], ids[: config.max_log_len]
+            req_log.info("received request %s-%d: prompt %r, prompt token ids %s, params %s",
+                         request_id, i, text, ids, params)  # fmt: skip
 
     def failure(u, param: str | None) -> APIError:
         """A choice's failure as the error it answers: a 400 (a grammar dead end) names the
@@ -958,7 +988,10 @@ def run_server(args) -> None:
 
     model = serve_model(args)
     parser = tool_parser(args)  # (flags checked before the model loads)
-    kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs}
+    kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs,
+              "gpu_memory_utilization": args.gpu_memory_utilization}  # fmt: skip
+    if args.seed is not None:
+        kwargs["seed"] = args.seed
     core = LLMEngine(EngineConfig(model=model, **kwargs))
     name, aliases = served_names(model, args.served_model_name)
     api_key = args.api_key or os.environ.get("SPECDECODE_API_KEY")
@@ -977,8 +1010,23 @@ def run_server(args) -> None:
             max_stored_responses=args.max_stored_responses,
             tool_parser=parser,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+            allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
+            allowed_methods=tuple(args.allowed_methods),
+            allowed_headers=tuple(args.allowed_headers),
+            allow_credentials=args.allow_credentials,
+            log_requests=args.enable_log_requests,
+            max_log_len=args.max_log_len,
         ),
     )
+    if args.enable_log_requests:
+        req_log.setLevel(logging.INFO)
+        if not logging.getLogger().handlers or logging.getLogger().level > logging.INFO:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            req_log.addHandler(handler)
+            req_log.propagate = False
+    if args.log_level is not None:  # (SGLang's: specdecode's loggers and the HTTP server's)
+        logging.getLogger("specdecode").setLevel(args.log_level.upper())
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning(
             "serving on %s without an API key: anyone who can reach it can use it", args.host
@@ -990,7 +1038,14 @@ def run_server(args) -> None:
         core.ensure_calibrated()
     # HTTP on a thread, the engine on the main thread (see AsyncLLMEngine.run)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            root_path=args.root_path,
+            log_level=args.uvicorn_log_level or args.log_level or "warning",
+            access_log=not args.disable_uvicorn_access_log,
+        )  # fmt: skip
     )
     http = threading.Thread(target=server.run, name="specdecode-http", daemon=True)
     http.start()

@@ -69,20 +69,11 @@ class ToolCalling:
         """The JSON schema the output follows (required / named modes)."""
         if self.mode == "named":
             return _parameters(self.function(self.name))
-        defs: dict = {"$defs": {}, "definitions": {}}
         options = []
         for i, t in enumerate(self.tools):
-            # (each tool's schema sits at items.anyOf[i].properties.parameters: its $defs and
-            # definitions move to the root, its other references get that path)
-            params = _rebase(dict(_parameters(t["function"])), i)
-            for where in defs:
-                for k, v in params.pop(where, {}).items():
-                    if k in defs[where] and defs[where][k] != v:
-                        raise InvalidRequestError(
-                            f"tools define {where}.{k} twice, differently: tool_choice "
-                            '"required" needs them to agree', param="tools",
-                        )  # fmt: skip
-                    defs[where][k] = v
+            # (each tool's schema sits at items.anyOf[i].properties.parameters, its $defs with
+            # it: its references get that path, so two tools' $defs never meet)
+            params = _rebase(_parameters(t["function"]), f"#/items/anyOf/{i}/properties/parameters")
             options.append({
                 "type": "object",
                 "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
@@ -92,7 +83,6 @@ class ToolCalling:
         schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
         if not self.parallel:
             schema["maxItems"] = 1
-        schema.update({k: v for k, v in defs.items() if v})
         return schema
 
     def stream(self, parser: str | None) -> ToolStream:
@@ -108,17 +98,19 @@ class ToolCalling:
         return ToolStream()
 
 
-def _rebase(schema, i: int):
-    """A tool's schema with its references as seen from the "required" list's root."""
+_DATA = {"const", "enum", "default", "examples"}  # keywords whose values are data, not schemas
+
+
+def _rebase(schema, root: str):
+    """A schema with its local references (`#...`) as seen from where it is put (`root`)."""
     if isinstance(schema, list):
-        return [_rebase(x, i) for x in schema]
+        return [_rebase(x, root) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _rebase(v, i) for k, v in schema.items()}
+    out = {k: v if k in _DATA else _rebase(v, root) for k, v in schema.items()}
     ref = schema.get("$ref")
     if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
-        if not ref.startswith(("#/$defs/", "#/definitions/")):
-            out["$ref"] = f"#/items/anyOf/{i}/properties/parameters" + ref[1:]
+        out["$ref"] = root + ref[1:]
     return out
 
 
@@ -284,8 +276,8 @@ class _ListStream(ToolStream):
         self.closed = False
 
     def finish(self) -> Parsed:
-        # cut off (max_tokens) before the list closed: what followed the last call, as text
-        return Parsed("" if self.closed else "".join(self.rest).strip().lstrip(",").strip())
+        # cut off (max_tokens) before the list closed, before any call: the text as content
+        return Parsed("" if self.closed or self.num_calls else "".join(self.rest).strip())
 
     def feed(self, text: str) -> Parsed:
         out = Parsed()
@@ -322,10 +314,11 @@ class _ListStream(ToolStream):
 
 
 class _HermesStream(ToolStream):
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; text before the
-    first block is content, and so is other text between or after blocks (whitespace there
-    is dropped); a block that is not such a call is content as written. Text that may be the
-    start of a tag is held back until it is known not to be one."""
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks. The text before the
+    first call is content (a block that is not such a call is content as written); after it,
+    only calls count (vLLM's hermes parser reads the reply so too), so a reply is always its
+    content, then its calls, streamed or whole. Text that may be the start of a tag is held
+    back until it is known not to be one, and leading whitespace until other text follows."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -370,8 +363,10 @@ class _HermesStream(ToolStream):
         return out
 
     def _text(self, out: Parsed, text: str) -> None:
-        if not self.said and not text.strip() or self.num_calls and not text.strip():
-            self.blank += text  # (before a call, between calls, at the end: not content)
+        if self.num_calls:
+            return  # (after a call: not content)
+        if not self.said and not text.strip():
+            self.blank += text  # (leading whitespace: content only where text follows)
             return
         out.content += self.blank + text
         self.blank, self.said = "", True

@@ -181,6 +181,55 @@ def test_sglang_and_vllm_server_flags_are_their_aliases():
         main(["generate", "--prompt", "x", "--speculative-accept-threshold-acc", "0.3"])
 
 
+def test_a_copied_vllm_or_sglang_serve_command_parses_or_says_why_not(capsys):
+    """The flags of a typical `vllm serve` / `sglang.launch_server` command: those with a
+    meaning here take it, settings this engine always has pass, and the others fail with the
+    reason, not "unrecognized arguments"."""
+    from specdecode.cli import build_parser, main
+
+    args = build_parser().parse_args(
+        ("serve m --gpu-memory-utilization 0.9 --seed 7 --trust-remote-code --enforce-eager "
+         "--disable-log-requests --disable-log-stats --enable-chunked-prefill --swap-space 4 "
+         "--kv-cache-dtype auto --load-format safetensors --revision main --generation-config "
+         "vllm --uvicorn-log-level info --disable-uvicorn-access-log --root-path /llm "
+         '--allowed-origins ["https://a.example"] --enable-log-requests --max-log-len 40 '
+         "--chat-template-content-format string --quantization None").split()
+    )  # fmt: skip
+    assert (args.gpu_memory_utilization, args.seed, args.root_path) == (0.9, 7, "/llm")
+    assert args.allowed_origins == ["https://a.example"] and args.max_log_len == 40
+    sglang = build_parser().parse_args(
+        "serve --model-path m --mem-fraction-static 0.8 --random-seed 3 --log-level info".split()
+    )
+    assert (sglang.gpu_memory_utilization, sglang.seed, sglang.log_level) == (0.8, 3, "info")
+    for flags, why in [
+        ("--kv-cache-dtype fp8", "no fp8 cache"),
+        ("--quantization awq", "weights load as stored"),
+        ("--revision v2", "not from the Hugging Face Hub"),
+        ("--load-format pt", "pickle only with --allow-pickle"),
+        ("--generation-config auto", "generation_config.json is not read"),
+        ("--chat-template-content-format openai", "as text"),
+        ("--gpu-memory-utilization 1.5", "fraction in (0, 1]"),
+        ("--allowed-origins *", "JSON list"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "m", *flags.split()])
+        assert e.value.code == 2 and why in capsys.readouterr().err, flags
+
+
+def test_kv_budget_from_a_gpu_memory_fraction():
+    from specdecode.config import EngineConfig, kv_budget_gb
+    from specdecode.errors import InvalidRequestError
+
+    gb = 2**30
+    # 0.9 of 80 GB = 72, less 16 GB of weights = 56, less a 10% reserve
+    assert kv_budget_gb(80 * gb, 16 * gb, 0.9) == pytest.approx(56 * 0.9)
+    assert kv_budget_gb(8 * gb, 7 * gb, 1.0) == pytest.approx(0.75)  # (a 256 MiB reserve)
+    with pytest.raises(InvalidRequestError, match="the weights take 16.00 GB"):
+        kv_budget_gb(16 * gb, 16 * gb, 0.9)
+    with pytest.raises(InvalidRequestError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=0)
+
+
 def test_vllm_flags_without_a_method_take_the_models(tmp_path):
     """vLLM's `--speculative-config '{"model": ...}'` and legacy `--speculative-model` infer the
     method from the model (here its checkpoint); SGLang's draft path alone names none."""
@@ -395,11 +444,14 @@ def _serve(*flags: str) -> tuple[subprocess.Popen, int]:
 
 @pytest.mark.slow
 def test_serve_the_default_model(tmp_path):
-    """`specdecode serve` in a subprocess with the real model, asked through the openai client."""
+    """`specdecode serve` in a subprocess with the real model, asked through the openai client
+    (with flags of a copied vLLM command, and a tool call)."""
     import openai
 
     proc, port = _serve(
-        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}',
+        "--seed", "1", "--gpu-memory-utilization", "0.9", "--trust-remote-code",
+        "--disable-log-requests", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     )  # fmt: skip
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
@@ -410,6 +462,18 @@ def test_serve_the_default_model(tmp_path):
         )  # fmt: skip
         assert r.choices[0].message.content.strip()
         assert r.usage.completion_tokens > 0
+        tool = {"type": "function", "function": {"name": "add", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"]}}}  # fmt: skip
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is 2 + 2?"}],
+            max_tokens=40, temperature=0, tools=[tool], tool_choice="required",
+        )  # fmt: skip
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {
+            "a",
+            "b",
+        }
     finally:
         proc.terminate()
         proc.wait(30)

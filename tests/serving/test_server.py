@@ -9,6 +9,7 @@ import asyncio
 import functools
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -1699,8 +1700,18 @@ def test_responses_api_calls_tools(engine, plain):
         final = events[-1].response
         assert deltas == done.arguments == final.output[0].arguments == call.arguments
         assert [e.sequence_number for e in events] == list(range(len(events)))
-        r = ask(tools=[flat], tool_choice={"type": "function", "name": "weather"})
+        named = {"type": "function", "name": "weather"}
+        r = ask(tools=[flat], tool_choice=named)
         assert [o.type for o in r.output] == ["function_call"] and r.output[0].name == "weather"
+        # with logprobs asked: a call's tokens open no message, and it closes whole
+        lp = {"include": ["message.output_text.logprobs"]}
+        events = list(ask(tools=[flat], tool_choice=named, stream=True, **lp))
+        (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+        assert [o.type for o in events[-1].response.output] == ["function_call"]
+        assert done.arguments == events[-1].response.output[0].arguments
+        assert [o.type for o in ask(tools=[flat], tool_choice=named, **lp).output] == [
+            "function_call"
+        ]
         # auto: a reply that is a whole JSON call (forced here by text.format) is a call
         schema = {"type": "object", "properties": {"name": {"const": "weather"}, "arguments": {
             "type": "object", "properties": {"city": {"const": "Oslo"}}, "required": ["city"],
@@ -1759,10 +1770,48 @@ def test_required_tools_with_other_reference_styles(client):
     params = {"type": "object", "properties": {"a": {"$ref": "#/definitions/A"}},
               "required": ["a"], "definitions": {"A": {"type": "integer", "minimum": 3,
                                                        "maximum": 5}}}  # fmt: skip
-    r = client.chat.completions.create(
-        model=MODEL, messages=chat_messages("x"), max_tokens=60, temperature=0,
-        tools=[{"type": "function", "function": {"name": "f", "parameters": params}}],
-        tool_choice="required",
-    )  # fmt: skip
-    (call,) = r.choices[0].message.tool_calls
-    assert 3 <= json.loads(call.function.arguments)["a"] <= 5
+    # another tool with the same $defs name, another schema (pydantic writes such pairs)
+    other = {"type": "object", "properties": {"b": {"$ref": "#/$defs/A"}}, "required": ["b"],
+             "$defs": {"A": {"type": "string", "maxLength": 2}}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}},
+             {"type": "function", "function": {"name": "g", "parameters": other}}]  # fmt: skip
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL, messages=chat_messages("x"), max_tokens=60, temperature=1.0, seed=seed,
+            tools=tools, tool_choice="required", parallel_tool_calls=False,
+        )  # fmt: skip
+        (call,) = r.choices[0].message.tool_calls
+        args = json.loads(call.function.arguments)
+        if call.function.name == "f":
+            assert 3 <= args["a"] <= 5
+        else:
+            assert isinstance(args["b"], str) and len(args["b"]) <= 2
+
+
+def test_cors_and_request_logs_when_asked(engine, served, caplog):
+    """vLLM's --allowed-origins (CORS, a preflight needs no API key) and
+    --enable-log-requests; by default neither: no CORS headers, nothing logged."""
+    pre = {"Origin": "https://a.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}  # fmt: skip
+    status, _ = raw(served.port, "OPTIONS", "/v1/chat/completions", headers=pre)
+    assert status in (404, 405)  # no CORS: no preflight answer
+    s = Served(engine, api_key=KEY, allowed_origins=("https://a.example",), log_requests=True,
+               max_log_len=4)  # fmt: skip
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        conn.request("OPTIONS", "/v1/chat/completions", headers=pre)
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 200
+        assert r.getheader("access-control-allow-origin") == "https://a.example"
+        conn.request("OPTIONS", "/v1/chat/completions", headers={**pre, "Origin": "https://b.x"})
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 400  # an origin not allowed
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key=KEY)
+        with caplog.at_level(logging.INFO, logger="specdecode.requests"):
+            c.completions.create(model=MODEL, prompt="abcdefgh", max_tokens=2)
+        (rec,) = [r for r in caplog.records if r.name == "specdecode.requests"]
+        assert "prompt 'abcd'" in rec.getMessage() and "max_tokens=2" in rec.getMessage()
+    finally:
+        s.stop()

@@ -77,9 +77,9 @@ HERMES = [
     # JSON that is no call, or nests past the parser: text
     ("<tool_call>" + "[" * 3000 + "</tool_call>", "<tool_call>" + "[" * 3000 + "</tool_call>",
      []),
-    # text after a call is content too; the whitespace between calls is not
-    ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n\n Done.', "\n\n Done.",
-     [("a", {})]),
+    # after a call only calls count (as vLLM's parser reads it): content, then calls
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n\n Done. <tool_call>x</tool_call>',
+     None, [("a", {})]),
 ]  # fmt: skip
 
 
@@ -147,14 +147,14 @@ def test_constraints():
     named = check_tools([WEATHER], {"type": "function", "function": {"name": "weather"}}, True,
                         None, None)  # fmt: skip
     assert named.mode == "named" and named.constraint() == WEATHER["function"]["parameters"]
-    # a tool's $defs go to the root, where its references resolve; two differing are refused
+    # a tool's $defs stay with it, its references pointing there (two tools' never clash)
     ref = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
            "$defs": {"P": {"type": "integer"}}}  # fmt: skip
-    schema = check_tools([tool("a", ref), tool("b", ref)], "required", True, None, None)
-    assert schema.constraint()["$defs"] == {"P": {"type": "integer"}}
     other = {**ref, "$defs": {"P": {"type": "string"}}}
-    with pytest.raises(InvalidRequestError, match=r"\$defs\.P"):
-        check_tools([tool("a", ref), tool("b", other)], "required", True, None, None).constraint()
+    schema = check_tools([tool("a", ref), tool("b", other)], "required", True, None, None)
+    a, b = (o["properties"]["parameters"] for o in schema.constraint()["items"]["anyOf"])
+    assert a["$defs"] == ref["$defs"] and b["$defs"] == other["$defs"]
+    assert b["properties"]["p"] == {"$ref": "#/items/anyOf/1/properties/parameters/$defs/P"}
 
 
 @pytest.mark.parametrize(
@@ -261,11 +261,11 @@ def test_one_call_at_most_without_parallel_calls():
     assert calls_of(whole(_JsonReplyStream({"a", "b"}, parallel=False), reply)[1]) == [("a", {})]
 
 
-def test_a_required_list_cut_off_keeps_its_rest_as_text():
+def test_a_required_list_cut_off_before_a_call_is_text():
     content, calls = whole(
         _ListStream(), '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "pa'
     )
-    assert calls_of(calls) == [("a", {"x": 1})] and content == '{"name": "b", "pa'
+    assert calls_of(calls) == [("a", {"x": 1})] and content is None  # (after a call: none)
     assert whole(_ListStream(), '[{"name": "a", "par') == ('[{"name": "a", "par', [])
     assert whole(_ListStream(), '[{"name": "a", "parameters": {}}]')[0] is None
 
@@ -280,12 +280,22 @@ def test_required_references_resolve_from_the_lists_root():
         },
         "definitions": {"A": {"type": "string"}},
     }
-    schema = check_tools([tool("f", params)], "required", True, None, None).constraint()
+    # two tools with one definitions name, differently: each keeps its own
+    other = {"type": "object", "properties": {"z": {"$ref": "#/definitions/A", "default":
+             {"$ref": "#"}}}, "definitions": {"A": {"type": "integer"}}}  # fmt: skip
+    schema = check_tools([tool("f", params), tool("g", other)], "required", True, None,
+                         None).constraint()  # fmt: skip
+    root = "#/items/anyOf/0/properties/parameters"
     got = schema["items"]["anyOf"][0]["properties"]["parameters"]
-    assert schema["definitions"] == {"A": {"type": "string"}} and "definitions" not in got
-    assert got["properties"]["a"] == {"$ref": "#/definitions/A"}
-    assert got["properties"]["b"] == {"$ref": "#/items/anyOf/0/properties/parameters/properties/a"}
-    assert got["properties"]["c"]["items"] == {"$ref": "#/items/anyOf/0/properties/parameters"}
+    assert got["definitions"] == {"A": {"type": "string"}}
+    assert got["properties"]["a"] == {"$ref": root + "/definitions/A"}
+    assert got["properties"]["b"] == {"$ref": root + "/properties/a"}
+    assert got["properties"]["c"]["items"] == {"$ref": root}
+    z = schema["items"]["anyOf"][1]["properties"]["parameters"]["properties"]["z"]
+    assert z == {
+        "$ref": "#/items/anyOf/1/properties/parameters/definitions/A",
+        "default": {"$ref": "#"},
+    }  # (data is not rewritten)
     # (the grammar compiles it)
     from specdecode.structured import StructuredOutput
 
