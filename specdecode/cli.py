@@ -78,7 +78,7 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--seed",
         "--random-seed",  # (SGLang's)
-        type=int,
+        type=integer(-(2**63), 2**64 - 1),
         default=None,
         help="seed the random draws of requests without a seed of their own, so a run "
         "replays (vLLM's --seed; a request's `seed` is exact whatever else runs)",
@@ -88,9 +88,9 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
         "--mem-fraction-static",  # (SGLang's)
         type=_fraction,
         default=None,
-        help="on CUDA, without --kv-cache-memory-gb: the KV cache takes what this fraction of "
-        "the GPU's memory leaves after the weights (vLLM's). No effect on a CPU, where "
-        "--kv-cache-memory-gb sizes it",
+        help="on CUDA, without --kv-cache-memory-gb: the KV caches (the target's and a "
+        "drafter's) take what this fraction of the GPU's memory leaves after the weights "
+        "(vLLM's). No effect on a CPU, where --kv-cache-memory-gb sizes it",
     )
     g.add_argument(
         "--uvicorn-log-level",
@@ -238,7 +238,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="vLLM's / SGLang's: 1 (one device here)",
     )
-    p.add_argument("--kv-cache-memory-gb", type=number(above=0), default=2.0)
+    p.add_argument(
+        "--kv-cache-memory-gb",
+        type=number(above=0),
+        default=None,
+        help="the KV cache's budget (default 2; on CUDA, serve's --gpu-memory-utilization "
+        "sizes it where this is not given)",
+    )
     p.add_argument(
         "--kernels",
         default="auto",
@@ -453,7 +459,7 @@ def engine_kwargs(args: argparse.Namespace, default_policy: str = "adaptive") ->
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        kv_cache_memory_gb=2.0 if args.kv_cache_memory_gb is None else args.kv_cache_memory_gb,
         allow_pickle=args.allow_pickle,
         kernels=args.kernels,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -1339,6 +1345,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if hasattr(args, "kv_cache_memory_gb"):  # (given, or the default: serve tells them apart)
+        args.kv_cache_given = args.kv_cache_memory_gb is not None
+        if args.kv_cache_memory_gb is None:
+            args.kv_cache_memory_gb = 2.0
     if getattr(args, "dtype", None) == "auto":  # (every command, and its reports, see the dtype)
         from specdecode.config import auto_dtype
 

@@ -664,7 +664,7 @@ def kv_budget_gb(total: int, weights: int, fraction: float, reserve: float = 0.1
     if budget <= 0:
         raise InvalidRequestError(
             f"gpu_memory_utilization {fraction:g} allows {fraction * total / 2**30:.2f} GB of "
-            f"this GPU's {total / 2**30:.2f} GB; the weights take {weights / 2**30:.2f} GB, "
-            "leaving no room for the KV cache: raise it"
+            f"this GPU's {total / 2**30:.2f} GB; the weights (and a drafter's cache) take "
+            f"{weights / 2**30:.2f} GB, leaving no room for the KV cache: raise it"
         )
     return budget / 2**30

@@ -100,13 +100,20 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         kv_dtype = self.model.activation_dtype
-        if config.gpu_memory_utilization is not None and torch.device(device).type == "cuda":
+        self.spec_config = _speculative_config(config.speculative_config)
+        self.drafter: Drafter | None = None
+        fraction = config.gpu_memory_utilization
+        if fraction is not None and torch.device(device).type == "cuda":
+            # vLLM's --gpu-memory-utilization: the fraction holds the weights and every cache.
+            # The drafter loads first (its weights, and its cache sized as a share of what the
+            # target's weights leave); the target's cache takes what remains.
             from specdecode.config import kv_budget_gb
 
             total = torch.cuda.get_device_properties(device).total_memory
-            used = torch.cuda.memory_allocated(device)  # (the weights: nothing else yet)
-            gb = kv_budget_gb(total, used, config.gpu_memory_utilization)
-            # (what the drafters' caches take their shares of, too)
+            gb = kv_budget_gb(total, torch.cuda.memory_allocated(device), fraction)
+            config = self.config = dataclasses.replace(config, kv_cache_memory_gb=gb)
+            self._build_drafter()
+            gb = kv_budget_gb(total, torch.cuda.memory_allocated(device), fraction)
             config = self.config = dataclasses.replace(config, kv_cache_memory_gb=gb)
         num_blocks = KVCache.num_blocks_for(
             mc, kv_dtype, config.kv_cache_memory_gb, config.block_size
@@ -117,15 +124,12 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.manager)
         self.output = OutputProcessor(self.tokenizer, self._eos_ids(), self.max_model_len)
         self.runner.eos_token_ids = self.output.eos_token_ids
-        self.spec_config = _speculative_config(config.speculative_config)
         # Called after every step with (sequences, their committed target features) when
         # `runner.feature_layers` is set: feature-reading drafters, data generation.
         self.feature_observers: list = []
-        self.drafter: Drafter | None = None
-        if self.spec_config is not None:
-            from specdecode.drafters.factory import build_drafter
-
-            self.drafter = build_drafter(self.spec_config, self)
+        if self.drafter is None:
+            self._build_drafter()
+        if self.drafter is not None:
             self.scheduler.on_preempt.append(self.drafter.preempt)
         self.spec_stats = SpecDecodeStats()
         # Prefix caching: a request computes only what no earlier one did (a cached prefix has
@@ -161,6 +165,7 @@ class LLMEngine:
         self.last_batch: list[Sequence] = []
         self._grammar = None
         self._grammar_lock = threading.Lock()
+        self._calibrated_to = 0  # tokens a step feeds that the step-cost curve was timed for
         self.runner.grammar = self.grammar_compiler
         self.num_forced_tokens = 0  # structured output: tokens appended by jump-ahead
         self.num_generated_tokens = 0
@@ -332,7 +337,9 @@ class LLMEngine:
         # (the bare-forward curve, even where steps run under another policy already measured
         # some points: plain steps alone measure one token, and the curve drawn through them
         # priced every draft as compute-bound, so an engine switched to adaptive never drafted)
-        self.ensure_calibrated()
+        # (as far as the requests here can reach: a larger batch later extends it)
+        waiting = len(self.scheduler.running) + len(self.scheduler.waiting)
+        self.ensure_calibrated(min(waiting, self.config.max_num_seqs) * self._tokens_per_decode())
         k = self.spec_config.num_speculative_tokens if ctrl.policy != "off" else 0
         lookahead = self.drafter.max_nodes(k) if k else 0
         t0 = time.perf_counter()
@@ -545,28 +552,46 @@ class LLMEngine:
         self._pruned[i] = (prop, keep)  # the drafter hears about its own node numbering
         return pruned
 
+    def _build_drafter(self) -> None:
+        if self.spec_config is not None:
+            from specdecode.drafters.factory import build_drafter
+
+            self.drafter = build_drafter(self.spec_config, self)
+
+    def _tokens_per_decode(self) -> int:
+        """Tokens a decoding request feeds at most in a step: its own and its draft tree."""
+        k = self.spec_config.num_speculative_tokens if self.spec_config else 0
+        return 1 + (self.drafter.max_nodes(k) if self.drafter else 0)
+
     @torch.inference_mode()
     def ensure_calibrated(self, upto: int | None = None) -> None:
-        """Time the step-cost curve where the adaptive policy needs it and it has none yet:
-        at the first step, or before it (`serve` while it loads; `generate` only as far as
-        `upto`, what its one request reaches)."""
-        ctrl = self.controller
-        if ctrl.policy == "adaptive" and not ctrl.step_cost.calibration:
-            self.calibrate(upto=upto)
+        """Time the step-cost curve where the adaptive policy needs it, as far as `upto` tokens
+        (None: as far as a step can reach), once per size: `serve` times the whole curve while
+        it loads; a step times what its requests can reach (one request's tree: ~0.3 s, where
+        the whole curve takes ~3 s), and a later, larger batch extends it."""
+        if self.controller.policy != "adaptive":
+            return
+        cfg = self.config
+        full = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self._tokens_per_decode())
+        want = full if upto is None else min(upto, full)
+        if want > self._calibrated_to:
+            self.calibrate(upto=want, after=self._calibrated_to)
+            self._calibrated_to = want
 
     def calibrate(
-        self, time_budget_s: float = 3.0, context: int = 32, upto: int | None = None
-    ) -> None:
+        self, time_budget_s: float = 3.0, context: int = 32, upto: int | None = None,
+        after: int = 0,
+    ) -> None:  # fmt: skip
         """Time bare forwards (and LM heads) of N tokens, N = 1, 2, 4, ... up to what a step can
-        feed (or `upto`), spread over up to `max_num_seqs` sequences of `context` cached tokens
-        each: the start of the controller's step-cost curve. Stops early when the budget is
-        spent."""
-        k = self.spec_config.num_speculative_tokens if self.spec_config else 0
-        nodes = self.drafter.max_nodes(k) if self.drafter else 0
+        feed (or `upto`; only the sizes past `after`, timed before), spread over up to
+        `max_num_seqs` sequences of `context` cached tokens each: the start of the
+        controller's step-cost curve. Stops early when the budget is spent."""
         cfg = self.config
-        top = min(cfg.max_num_batched_tokens, upto or cfg.max_num_seqs * (1 + nodes))
+        top = min(cfg.max_num_batched_tokens, upto or cfg.max_num_seqs * self._tokens_per_decode())
         start = time.perf_counter()
         n = 1
+        while n <= after:
+            n *= 2
         while n < 2 * top and time.perf_counter() - start < time_budget_s:
             n = min(n, top)
             b = min(n, cfg.max_num_seqs)

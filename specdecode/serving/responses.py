@@ -271,7 +271,7 @@ async def _tool_events(
 
     yield event("response.created", response=b.response("in_progress", []))
     yield event("response.in_progress", response=b.response("in_progress", []))
-    text, logprobs, finish, usage = "", [], None, None
+    text, logprobs, finish, usage, held = "", [], None, None, []
     async for chunk in chunks:
         data = chunk.removeprefix("data: ").strip()
         if data == "[DONE]":
@@ -297,6 +297,11 @@ async def _tool_events(
                 for e in open_message():  # which OpenAI does not give, open none)
                     yield e
                 opened = True
+            if not opened:  # (logprobs of text the parser holds back: the message's, if one
+                held += lp  # opens; dropped if a call comes first)
+                lp = []
+            elif held:
+                lp, held = held + lp, []
             if opened and (piece or lp):
                 item = state["open"]
                 state["text"] += piece
@@ -309,6 +314,7 @@ async def _tool_events(
             for d in delta.get("tool_calls") or []:
                 f = d.get("function") or {}
                 if d.get("id"):
+                    held = []
                     for e in close():
                         yield e
                     call = {"id": d["id"], "type": "function",

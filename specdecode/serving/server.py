@@ -99,6 +99,9 @@ class _ApiKey:
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
+        root = scope.get("root_path", "")  # (--root-path: the routes are matched without it)
+        if root and path.startswith(root):
+            path = path[len(root) :]
         if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(got, self.want):
@@ -503,8 +506,6 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         request's tool calling (its replies parsed for calls)."""
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        if config.log_requests:
-            log_request(request_id, jobs)
         handles: list[RequestHandle] = []
         so = jobs[0][1].structured_output
         if so is not None:  # compile (or fetch) off the event loop; `add` then hits the cache
@@ -526,6 +527,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             if isinstance(e, RecursionError):  # a schema nested past the event loop's stack
                 raise bad_request("the structured output schema is nested too deeply") from e
             raise
+        if config.log_requests:  # (once the engine has checked the prompts)
+            log_request(request_id, jobs, req.n)
         # usage: a prompt's tokens count once, however many choices it has, and so do its
         # tokens found in the prefix cache (read when the response ends: found on admission)
         n = req.n
@@ -551,15 +554,17 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             for h in handles:
                 h.abort()
 
-    def log_request(request_id: str, jobs) -> None:
-        """vLLM's --enable-log-requests: a request's prompt (its text, cut to --max-log-len)
-        and each choice's sampling settings, logged as it arrives."""
-        for i, (ids, params) in enumerate(jobs):
+    def log_request(request_id: str, jobs, n: int) -> None:
+        """vLLM's --enable-log-requests: each prompt of a request (its text and ids, cut to
+        --max-log-len) and its sampling settings, logged as it starts."""
+        cut = config.max_log_len
+        for i in range(0, len(jobs), n):
+            ids, params = jobs[i]
+            ids = ids if cut is None else ids[:cut]
             text = tokenizer.decode(ids)
-            if config.max_log_len is not None:
-                text, ids = text[: config.max_log_len], ids[: config.max_log_len]
-            req_log.info("received request %s-%d: prompt %r, prompt token ids %s, params %s",
-                         request_id, i, text, ids, params)  # fmt: skip
+            text = text if cut is None else text[:cut]
+            req_log.info("received request %s-%d: prompt %r, prompt token ids %s, n %d, params %s",
+                         request_id, i, text, ids, n, params)  # fmt: skip
 
     def failure(u, param: str | None) -> APIError:
         """A choice's failure as the error it answers: a 400 (a grammar dead end) names the
@@ -988,8 +993,13 @@ def run_server(args) -> None:
 
     model = serve_model(args)
     parser = tool_parser(args)  # (flags checked before the model loads)
+    if args.log_level is not None:  # (SGLang's: specdecode's loggers and the HTTP server's)
+        logging.getLogger("specdecode").setLevel(args.log_level.upper())
+    # (an explicit --kv-cache-memory-gb wins over the fraction, as vLLM's byte budget does)
+    given = getattr(args, "kv_cache_given", args.kv_cache_memory_gb is not None)
+    fraction = None if given else args.gpu_memory_utilization
     kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs,
-              "gpu_memory_utilization": args.gpu_memory_utilization}  # fmt: skip
+              "gpu_memory_utilization": fraction}  # fmt: skip
     if args.seed is not None:
         kwargs["seed"] = args.seed
     core = LLMEngine(EngineConfig(model=model, **kwargs))
@@ -1025,8 +1035,7 @@ def run_server(args) -> None:
             handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
             req_log.addHandler(handler)
             req_log.propagate = False
-    if args.log_level is not None:  # (SGLang's: specdecode's loggers and the HTTP server's)
-        logging.getLogger("specdecode").setLevel(args.log_level.upper())
+
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning(
             "serving on %s without an API key: anyone who can reach it can use it", args.host

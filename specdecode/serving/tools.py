@@ -99,6 +99,8 @@ class ToolCalling:
 
 
 _DATA = {"const", "enum", "default", "examples"}  # keywords whose values are data, not schemas
+# keywords whose values map names (a property's, a definition's) to schemas
+_NAMED = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
 
 
 def _rebase(schema, root: str):
@@ -107,7 +109,14 @@ def _rebase(schema, root: str):
         return [_rebase(x, root) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: v if k in _DATA else _rebase(v, root) for k, v in schema.items()}
+    out = {}
+    for k, v in schema.items():
+        if k in _DATA:
+            out[k] = v
+        elif k in _NAMED and isinstance(v, dict):  # (names here, not keywords: all schemas)
+            out[k] = {name: _rebase(x, root) for name, x in v.items()}
+        else:
+            out[k] = _rebase(v, root)
     ref = schema.get("$ref")
     if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
         out["$ref"] = root + ref[1:]

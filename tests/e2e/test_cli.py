@@ -224,7 +224,7 @@ def test_kv_budget_from_a_gpu_memory_fraction():
     # 0.9 of 80 GB = 72, less 16 GB of weights = 56, less a 10% reserve
     assert kv_budget_gb(80 * gb, 16 * gb, 0.9) == pytest.approx(56 * 0.9)
     assert kv_budget_gb(8 * gb, 7 * gb, 1.0) == pytest.approx(0.75)  # (a 256 MiB reserve)
-    with pytest.raises(InvalidRequestError, match="the weights take 16.00 GB"):
+    with pytest.raises(InvalidRequestError, match="take 16.00 GB, leaving no room"):
         kv_budget_gb(16 * gb, 16 * gb, 0.9)
     with pytest.raises(InvalidRequestError, match="gpu_memory_utilization"):
         EngineConfig(gpu_memory_utilization=0)

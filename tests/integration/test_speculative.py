@@ -587,6 +587,39 @@ def test_an_engine_switched_to_adaptive_calibrates_and_drafts(plain, tiny_llama_
     assert ctrl.num_drafting > 0 and spec.engine.spec_stats.num_accepted_tokens > 0
 
 
+def test_calibration_times_what_the_requests_reach(tiny_llama_dir):
+    """The Python API's first step times the step-cost curve only as far as its requests can
+    feed (one request: its own token and tree, not max_num_seqs' worth); a larger batch
+    later times the sizes past it, once."""
+    spec = LLM(
+        str(tiny_llama_dir),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        max_num_seqs=16,
+    )
+    engine, calls = spec.engine, []
+    calibrate = engine.calibrate
+
+    def recorded(*a, **kw):
+        calls.append((kw["upto"], kw["after"]))
+        calibrate(*a, **kw)
+
+    engine.calibrate = recorded
+    per = engine._tokens_per_decode()
+    assert per == 4  # (a chain of 3 drafts)
+    spec.generate(PROMPTS[:1], greedy(8))
+
+    def top():
+        return max(x for x, _ in engine.controller.step_cost.calibration.points())
+
+    assert calls == [(per, 0)] and top() == per
+    spec.generate(PROMPTS[:1], greedy(8))  # nothing new to time
+    spec.generate(PROMPTS[:4], greedy(8))
+    assert calls == [(per, 0), (4 * per, per)]
+    assert top() == 4 * per
+    engine.ensure_calibrated()  # (serve's: the whole curve)
+    assert calls[-1] == (16 * per, 4 * per)
+
+
 def test_abort_frees_memory(tiny_llama_dir):
     llm = spec_llm(tiny_llama_dir, num_speculative_tokens=3, prompt_lookup_min=1)
     engine = llm.engine

@@ -1813,5 +1813,30 @@ def test_cors_and_request_logs_when_asked(engine, served, caplog):
             c.completions.create(model=MODEL, prompt="abcdefgh", max_tokens=2)
         (rec,) = [r for r in caplog.records if r.name == "specdecode.requests"]
         assert "prompt 'abcd'" in rec.getMessage() and "max_tokens=2" in rec.getMessage()
+        with pytest.raises(openai.BadRequestError):  # (logged only once checked: a 400)
+            c.completions.create(model=MODEL, prompt=[10**12], max_tokens=2)
     finally:
         s.stop()
+
+
+def test_the_api_key_holds_behind_a_root_path():
+    """--root-path: uvicorn puts the prefix in front of the path the middleware sees; the key
+    is still required on /v1/ (a review found it was not)."""
+    from specdecode.serving.server import _ApiKey
+
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def send(message):
+        sent.append(message)
+
+    guard = _ApiKey(app, KEY)
+    for path, root in (("/llm/v1/models", "/llm"), ("/v1/models", "/llm"), ("/v1/models", "")):
+        scope = {"type": "http", "path": path, "root_path": root, "headers": []}
+        asyncio.run(guard(scope, None, send))
+    assert reached == [] and [m["status"] for m in sent if "status" in m] == [401] * 3
+    scope = {"type": "http", "path": "/llm/health", "root_path": "/llm", "headers": []}
+    asyncio.run(guard(scope, None, send))
+    assert reached == ["/llm/health"]

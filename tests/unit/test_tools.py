@@ -291,6 +291,13 @@ def test_required_references_resolve_from_the_lists_root():
     assert got["properties"]["a"] == {"$ref": root + "/definitions/A"}
     assert got["properties"]["b"] == {"$ref": root + "/properties/a"}
     assert got["properties"]["c"]["items"] == {"$ref": root}
+    # (a property named as a keyword is a property: its reference is rebased too)
+    named = {"type": "object", "properties": {"default": {"$ref": "#/$defs/P"}},
+             "$defs": {"P": {"type": "integer"}}}  # fmt: skip
+    got = check_tools([tool("h", named)], "required", True, None, None).constraint()
+    assert got["items"]["anyOf"][0]["properties"]["parameters"]["properties"]["default"] == {
+        "$ref": "#/items/anyOf/0/properties/parameters/$defs/P"
+    }
     z = schema["items"]["anyOf"][1]["properties"]["parameters"]["properties"]["z"]
     assert z == {
         "$ref": "#/items/anyOf/1/properties/parameters/definitions/A",
