@@ -148,13 +148,9 @@ def _parse_line(n: int, line: str, default_max_tokens: int, default_temperature)
         max_tokens = body.requested_max_tokens() if given is not None else default_max_tokens
         params = body.sampling_params(max_tokens, None)
         if kind is ChatCompletionRequest:
-            from specdecode.serving.tools import template_messages
-
-            messages = template_messages([m.template_fields() for m in body.messages])
+            messages = body.chat_messages()  # (tools and earlier calls as the server's)
             # a template a line carries is the user's own traffic (the server took it)
             options = body.template_options(trusted=True)
-            tools = body.tool_calling()  # (rendered as the server renders them by default)
-            options["tools"] = [dict(t) for t in tools.tools] if tools else None
     except ValidationError as e:
         err = e.errors()[0]
         from specdecode.serving.protocol import field_path
@@ -451,7 +447,8 @@ def run_advise(args: argparse.Namespace) -> dict:
     if need > capacity:
         result["text"] += (
             f"\nNote: {args.concurrency} requests of this size hold about {need:.0f} tokens of "
-            f"KV cache; --kv-cache-memory-gb {args.kv_cache_memory_gb:g} holds {capacity}: "
+            f"KV cache; --kv-cache-memory-gb {base.engine.config.kv_cache_memory_gb:g} holds "
+            f"{capacity}: "
             "requests would queue or be preempted, and every prediction above is optimistic. "
             "Give the cache more memory or expect lower concurrency."
         )

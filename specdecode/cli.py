@@ -63,13 +63,6 @@ def _only(*values: str, why: str):
     return parse
 
 
-def _fraction(text: str) -> float:
-    v = number(above=0)(text)
-    if v > 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
-    return v
-
-
 def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
     """vLLM's and SGLang's server flags, so that their serve commands run here: those that mean
     something here do it, those whose setting this engine always has are accepted, and the
@@ -86,7 +79,7 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gpu-memory-utilization",
         "--mem-fraction-static",  # (SGLang's)
-        type=_fraction,
+        type=number(high=1, above=0),
         default=None,
         help="on CUDA, without --kv-cache-memory-gb: the KV caches (the target's and a "
         "drafter's) take what this fraction of the GPU's memory leaves after the weights "
@@ -454,12 +447,15 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
 
 
 def engine_kwargs(args: argparse.Namespace, default_policy: str = "adaptive") -> dict:
+    from specdecode.config import EngineConfig
+
     return dict(
         speculative_policy=getattr(args, "speculative_policy", None) or default_policy,
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
-        kv_cache_memory_gb=2.0 if args.kv_cache_memory_gb is None else args.kv_cache_memory_gb,
+        # (None: not given; serve's --gpu-memory-utilization may size it on CUDA)
+        kv_cache_memory_gb=args.kv_cache_memory_gb or EngineConfig.kv_cache_memory_gb,
         allow_pickle=args.allow_pickle,
         kernels=args.kernels,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -923,13 +919,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
         ignore_eos=args.ignore_eos,
     )
     llm = LLM(args.model, **engine_kwargs(args))
-    engine = llm.engine
-    if engine.drafter is not None:
-        # one request: its steps feed one token and its drafts, so the step-cost curve is
-        # timed that far (~0.3 s); the engine's first step would time every batch size the
-        # engine could reach (~3 s, paid by this one request)
-        k = engine.spec_config.num_speculative_tokens
-        engine.ensure_calibrated(upto=2 * (1 + engine.drafter.max_nodes(k)))
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     for piece in llm.stream(prompt, params, chat=args.chat):
         sys.stdout.write(piece)
@@ -1345,10 +1334,6 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    if hasattr(args, "kv_cache_memory_gb"):  # (given, or the default: serve tells them apart)
-        args.kv_cache_given = args.kv_cache_memory_gb is not None
-        if args.kv_cache_memory_gb is None:
-            args.kv_cache_memory_gb = 2.0
     if getattr(args, "dtype", None) == "auto":  # (every command, and its reports, see the dtype)
         from specdecode.config import auto_dtype
 

@@ -201,6 +201,7 @@ def _floats(text: str) -> list[float]:
 
 def run_target(target: Target, args: argparse.Namespace) -> dict:
     from specdecode import LLM
+    from specdecode.config import EngineConfig
 
     levels = [int(c) for c in args.concurrency.split(",") if c] if args.concurrency else []
     common = dict(
@@ -209,7 +210,7 @@ def run_target(target: Target, args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         allow_pickle=args.allow_pickle,
         kernels=args.kernels,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        kv_cache_memory_gb=args.kv_cache_memory_gb or EngineConfig.kv_cache_memory_gb,
         max_num_seqs=max([*levels, 1]),
         enable_prefix_caching=False,  # every configuration pays its own prefill
     )

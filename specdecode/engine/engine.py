@@ -165,6 +165,13 @@ class LLMEngine:
         self.last_batch: list[Sequence] = []
         self._grammar = None
         self._grammar_lock = threading.Lock()
+        # tokens a decoding request feeds at most in a step (its own and its draft tree), and
+        # the most a step's decodes feed: how far the step-cost curve is timed
+        k = self.spec_config.num_speculative_tokens if self.spec_config else 0
+        self.tokens_per_decode = 1 + (self.drafter.max_nodes(k) if self.drafter else 0)
+        self._calibration_top = min(
+            config.max_num_batched_tokens, config.max_num_seqs * self.tokens_per_decode
+        )
         self._calibrated_to = 0  # tokens a step feeds that the step-cost curve was timed for
         self.runner.grammar = self.grammar_compiler
         self.num_forced_tokens = 0  # structured output: tokens appended by jump-ahead
@@ -337,9 +344,10 @@ class LLMEngine:
         # (the bare-forward curve, even where steps run under another policy already measured
         # some points: plain steps alone measure one token, and the curve drawn through them
         # priced every draft as compute-bound, so an engine switched to adaptive never drafted)
-        # (as far as the requests here can reach: a larger batch later extends it)
-        waiting = len(self.scheduler.running) + len(self.scheduler.waiting)
-        self.ensure_calibrated(min(waiting, self.config.max_num_seqs) * self._tokens_per_decode())
+        if self._calibrated_to < self._calibration_top:
+            # as far as the requests here can reach (a larger batch later times more)
+            n = len(self.scheduler.running) + len(self.scheduler.waiting)
+            self.ensure_calibrated(min(n, self.config.max_num_seqs) * self.tokens_per_decode)
         k = self.spec_config.num_speculative_tokens if ctrl.policy != "off" else 0
         lookahead = self.drafter.max_nodes(k) if k else 0
         t0 = time.perf_counter()
@@ -558,11 +566,6 @@ class LLMEngine:
 
             self.drafter = build_drafter(self.spec_config, self)
 
-    def _tokens_per_decode(self) -> int:
-        """Tokens a decoding request feeds at most in a step: its own and its draft tree."""
-        k = self.spec_config.num_speculative_tokens if self.spec_config else 0
-        return 1 + (self.drafter.max_nodes(k) if self.drafter else 0)
-
     @torch.inference_mode()
     def ensure_calibrated(self, upto: int | None = None) -> None:
         """Time the step-cost curve where the adaptive policy needs it, as far as `upto` tokens
@@ -571,8 +574,7 @@ class LLMEngine:
         the whole curve takes ~3 s), and a later, larger batch extends it."""
         if self.controller.policy != "adaptive":
             return
-        cfg = self.config
-        full = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self._tokens_per_decode())
+        full = self._calibration_top
         want = full if upto is None else min(upto, full)
         if want > self._calibrated_to:
             self.calibrate(upto=want, after=self._calibrated_to)
@@ -587,7 +589,7 @@ class LLMEngine:
         `max_num_seqs` sequences of `context` cached tokens each: the start of the
         controller's step-cost curve. Stops early when the budget is spent."""
         cfg = self.config
-        top = min(cfg.max_num_batched_tokens, upto or cfg.max_num_seqs * self._tokens_per_decode())
+        top = min(cfg.max_num_batched_tokens, upto or cfg.max_num_seqs * self.tokens_per_decode)
         start = time.perf_counter()
         n = 1
         while n <= after:

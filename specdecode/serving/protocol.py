@@ -11,6 +11,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     ValidationError,
     field_validator,
@@ -20,7 +21,7 @@ from pydantic import (
 from specdecode.argtypes import MAX_TEMPERATURE
 from specdecode.errors import InvalidRequestError
 from specdecode.sampling import SamplingParams
-from specdecode.serving.tools import ToolCalling, check_tools
+from specdecode.serving.tools import ToolCalling, check_tools, template_messages
 from specdecode.structured import StructuredOutput
 
 _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -145,14 +146,11 @@ class _Request(_NullIsDefault):
         for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
             if getattr(self, tools) and getattr(self, choice) != "none":
                 raise InvalidRequestError(
-                    f"tool calling is not supported {self.tools_where()}: {tools} needs "
-                    f'{choice}: "none"',
+                    f"tool calling is not supported here (chat completions calls tools): "
+                    f'{tools} needs {choice}: "none"',
                     param=tools,
                 )
         return None
-
-    def tools_where(self) -> str:
-        return "here (chat completions calls tools)"
 
     # structured output: OpenAI's response_format, vLLM's guided_* fields and structured_outputs
     response_format: dict[str, Any] | None = None
@@ -315,7 +313,11 @@ class _ChatRendering(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
 
-    def template_options(self, trusted: bool) -> dict[str, Any]:
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates read them (an earlier call's arguments as objects)."""
+        return template_messages([m.template_fields() for m in self.messages])
+
+    def template_options(self, trusted: bool, exclude_unused_tools: bool = False) -> dict[str, Any]:
         """`render_chat`'s keyword options. vLLM's `chat_template_kwargs` may carry the
         template itself; a template sent with a request (code the server runs, however
         sandboxed) is taken only from a server started to trust it, as in vLLM."""
@@ -337,12 +339,18 @@ class _ChatRendering(BaseModel):
                 "this server does not take a chat template from a request: start it with "
                 "--trust-request-chat-template to allow one", param=field,
             )  # fmt: skip
+        # the tools, for templates that describe them (with tool_choice "none" too, unless
+        # `exclude_unused_tools`: vLLM's --exclude-tools-when-tool-choice-none)
+        tools = self.tool_calling()
+        if tools is not None and tools.mode == "none" and exclude_unused_tools:
+            tools = None
         return {
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
             "chat_template": template,
             "chat_template_kwargs": kwargs,
             "documents": self.documents,
+            "tools": None if tools is None else list(tools.tools),
         }
 
 
@@ -355,9 +363,20 @@ class ChatCompletionRequest(_ChatRendering, _Request):
     echo: StrictBool = False  # (vLLM's) the reply starts with the last message, if the reply's
     parallel_tool_calls: StrictBool = True
 
+    _tools: Any = PrivateAttr(default=False)  # (tool_calling, checked once)
+
     def tool_calling(self) -> ToolCalling | None:
-        return check_tools(self.tools, self.tool_choice, self.parallel_tool_calls,
-                           self.functions, self.function_call)  # fmt: skip
+        if self._tools is False:
+            self._tools = check_tools(self.tools, self.tool_choice, self.parallel_tool_calls,
+                                      self.functions, self.function_call)  # fmt: skip
+        return self._tools
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs)
+        tools = self.tool_calling()
+        if tools is not None and tools.mode == "auto":  # (as vLLM's parsers: a model may mark
+            params.skip_special_tokens = False  # its call tags special; the parser reads them)
+        return params
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -132,10 +132,10 @@ class ResponseBuilder:
             self.keep(response, reply)
         return part, status, response
 
-    def function_call(self, call: dict, status: str, item_id: str | None = None) -> dict:
+    def function_call(self, call: dict, status: str) -> dict:
         """A chat tool call as a `function_call` output item."""
         f = call["function"]
-        return {"type": "function_call", "id": item_id or "fc_" + uuid.uuid4().hex,
+        return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex,
                 "call_id": call["id"], "name": f["name"], "arguments": f["arguments"],
                 "status": status}  # fmt: skip
 
@@ -154,83 +154,52 @@ def response_object(
     return b.done(text, lp["content"] if lp else None, choice["finish_reason"], usage, calls)[2]
 
 
+def _numbered() -> Callable[..., str]:
+    """An event writer: each event numbered (`sequence_number`) in the order written."""
+    seq = 0
+
+    def event(kind: str, **fields) -> str:
+        nonlocal seq
+        body = {"type": kind, "sequence_number": seq, **fields}
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+
+    return event
+
+
+async def _bodies(chunks: AsyncIterator[str]) -> AsyncIterator[dict]:
+    """A chat completion's server-sent chunks, parsed, up to `[DONE]`."""
+    async for chunk in chunks:
+        data = chunk.removeprefix("data: ").strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def _failed(event: Callable[..., str], b: ResponseBuilder, e: dict) -> list[str]:
+    """The events that end a stream whose reply failed: the error, then the failed response
+    (not kept)."""
+    failed = b.response("failed", [])
+    failed["store"] = False
+    failed["error"] = {"code": str(e.get("code")), "message": e.get("message")}
+    return [event("error", code=str(e.get("code")), message=e.get("message"),
+                  param=e.get("param")),
+            event("response.failed", response=failed)]  # fmt: skip
+
+
 async def response_events(
     req: ResponsesRequest, model: str, chunks: AsyncIterator[str], keep: Callable | None = None,
     tools: bool = False,
 ) -> AsyncIterator[str]:  # fmt: skip
     """A chat completion's server-sent chunks (one choice, usage at the end) as the Responses
     stream's events, each numbered (`sequence_number`); `keep(response, reply message)`
-    stores the response once it is whole (a failed one is not kept). `tools`: the reply may
-    call tools (its items then open as they come: see `_tool_events`)."""
-    if tools:
-        async for e in _tool_events(req, model, chunks, keep):
-            yield e
-        return
+    stores the response once it is whole (a failed one is not kept). Without `tools` the
+    reply is one message, open from the start. With them, a message item opens with the
+    reply's first text, a `function_call` item with each call (its arguments as
+    `function_call_arguments` deltas); an item closes when the next one opens or the reply
+    ends, and a reply with neither is one empty message."""
     b = ResponseBuilder(req, model, keep)
-    seq = 0
-
-    def event(kind: str, **fields) -> str:
-        nonlocal seq
-        body = {"type": kind, "sequence_number": seq, **fields}
-        seq += 1
-        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
-
-    where = {"item_id": b.message_id, "output_index": 0}
-    yield event("response.created", response=b.response("in_progress", []))
-    yield event("response.in_progress", response=b.response("in_progress", []))
-    yield event("response.output_item.added", output_index=0, item=b.message(None, "in_progress"))
-    yield event("response.content_part.added", **where, content_index=0, part=b.part("", None))
-    text, logprobs, finish, usage = "", [], None, None
-    async for chunk in chunks:
-        data = chunk.removeprefix("data: ").strip()
-        if data == "[DONE]":
-            break
-        body = json.loads(data)
-        if "error" in body:  # the reply failed mid-way: the stream ends with it, as OpenAI's
-            e = body["error"]
-            yield event("error", code=str(e.get("code")), message=e.get("message"),
-                        param=e.get("param"))  # fmt: skip
-            failed = b.response("failed", [])
-            failed["store"] = False  # (a failed response is not kept)
-            failed["error"] = {"code": str(e.get("code")), "message": e.get("message")}
-            yield event("response.failed", response=failed)
-            return
-        if body.get("usage"):
-            usage = _usage(body["usage"])
-        for c in body.get("choices", []):
-            delta = c.get("delta", {}).get("content") or ""
-            lp = (c.get("logprobs") or {}).get("content") or []
-            if delta or lp:
-                text += delta
-                logprobs += lp
-                yield event("response.output_text.delta", **where, content_index=0,
-                            delta=delta, logprobs=lp)  # fmt: skip
-            finish = c.get("finish_reason") or finish
-    part, status, final = b.done(text, logprobs, finish, usage)
-    yield event("response.output_text.done", **where, content_index=0, text=text,
-                logprobs=logprobs)  # fmt: skip
-    yield event("response.content_part.done", **where, content_index=0, part=part)
-    yield event("response.output_item.done", output_index=0, item=b.message(part, status))
-    # (`response.completed` whatever the status, as vLLM and SGLang end: the openai SDK's
-    # stream helper and usage readers wait for it; an incomplete reply says so in its status)
-    yield event("response.completed", response=final)
-
-
-async def _tool_events(
-    req: ResponsesRequest, model: str, chunks: AsyncIterator[str], keep: Callable | None
-) -> AsyncIterator[str]:
-    """The stream of a reply that may call tools: a message item opens with its first text,
-    a `function_call` item with each call (its arguments as `function_call_arguments`
-    deltas); an item closes when the next one opens or the reply ends. A reply with neither
-    is one empty message, as without tools."""
-    b = ResponseBuilder(req, model, keep)
-    seq = 0
-
-    def event(kind: str, **fields) -> str:
-        nonlocal seq
-        body = {"type": kind, "sequence_number": seq, **fields}
-        seq += 1
-        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+    event = _numbered()
 
     items: list[dict] = []  # the output so far (each closed but the last, maybe)
     state: dict = {"open": None, "text": "", "logprobs": []}  # the open item's
@@ -259,8 +228,7 @@ async def _tool_events(
 
     def open_message() -> list[str]:
         out = close()
-        item = b.message(None, "in_progress")
-        item["id"] = "msg_" + uuid.uuid4().hex if items else b.message_id
+        item = b.message(None, "in_progress")  # (at most one: text comes before any call)
         items.append(item)
         state.update(open=item, text="", logprobs=[])
         where = {"item_id": item["id"], "output_index": len(items) - 1}
@@ -271,20 +239,14 @@ async def _tool_events(
 
     yield event("response.created", response=b.response("in_progress", []))
     yield event("response.in_progress", response=b.response("in_progress", []))
-    text, logprobs, finish, usage, held = "", [], None, None, []
-    async for chunk in chunks:
-        data = chunk.removeprefix("data: ").strip()
-        if data == "[DONE]":
-            break
-        body = json.loads(data)
-        if "error" in body:  # as without tools
-            e = body["error"]
-            yield event("error", code=str(e.get("code")), message=e.get("message"),
-                        param=e.get("param"))  # fmt: skip
-            failed = b.response("failed", [])
-            failed["store"] = False
-            failed["error"] = {"code": str(e.get("code")), "message": e.get("message")}
-            yield event("response.failed", response=failed)
+    if not tools:
+        for e in open_message():
+            yield e
+    finish, usage, held = None, None, []
+    async for body in _bodies(chunks):
+        if "error" in body:  # the reply failed mid-way: the stream ends with it, as OpenAI's
+            for e in _failed(event, b, body["error"]):
+                yield e
             return
         if body.get("usage"):
             usage = _usage(body["usage"])
@@ -306,8 +268,6 @@ async def _tool_events(
                 item = state["open"]
                 state["text"] += piece
                 state["logprobs"] += lp
-                text += piece
-                logprobs += lp
                 yield event("response.output_text.delta", item_id=item["id"],
                             output_index=len(items) - 1, content_index=0, delta=piece,
                             logprobs=lp)  # fmt: skip
@@ -340,5 +300,7 @@ async def _tool_events(
     status = "incomplete" if finish == "length" else "completed"
     for e in close(status):  # (a cut-off reply: its last item is incomplete)
         yield e
-    _, _, final = b.done(text, logprobs, finish, usage, calls, output=items)
+    _, _, final = b.done(state["text"], state["logprobs"], finish, usage, calls, output=items)
+    # (`response.completed` whatever the status, as vLLM and SGLang end: the openai SDK's
+    # stream helper and usage readers wait for it; an incomplete reply says so in its status)
     yield event("response.completed", response=final)

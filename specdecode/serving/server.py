@@ -47,7 +47,7 @@ from specdecode.serving.protocol import (
     field_path,
 )
 from specdecode.serving.responses import ResponseStore, response_events, response_object
-from specdecode.serving.tools import ToolCalling, parser_format, template_messages, whole
+from specdecode.serving.tools import ToolCalling, parser_format, whole
 
 log = logging.getLogger(__name__)
 req_log = logging.getLogger("specdecode.requests")  # (--enable-log-requests)
@@ -334,8 +334,6 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         ids = encode(text, "messages", add_special_tokens=req.add_special_tokens)
         max_tokens = check_length(len(ids), req, "messages")
         params = req.sampling_params(max_tokens, req.requested_logprobs())
-        if tools is not None and tools.mode == "auto":  # (as vLLM's parsers: a model may mark
-            params.skip_special_tokens = False  # its call tags special; the parser reads them)
         jobs = [(ids, params.for_choice(j)) for j in range(req.n)]
         # the reply's role (vLLM's): the server's response role after a generation prompt;
         # without one the model goes on with the last message, and the reply is in its role
@@ -350,7 +348,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     def calling(req) -> ToolCalling | None:
         """A chat request's tool calling, where its reply is to be read for calls."""
-        tools = req.tool_calling()  # (checked by render)
+        tools = req.tool_calling()
         if tools is not None and tools.mode == "auto" and config.tool_parser is None:
             raise bad_request(
                 'tool_choice "auto" (the default with tools) needs a server started with '
@@ -399,8 +397,6 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         max_tokens = check_length(len(ids), chat_req, "input")
         params = chat_req.sampling_params(max_tokens, chat_req.requested_logprobs())
         tools = calling(chat_req)
-        if tools is not None and tools.mode == "auto":
-            params.skip_special_tokens = False  # (as chat's)
         out = await respond(request, chat_req, [(ids, params)], len(ids), chat=True, tools=tools)
         name = config.served_model_name
         keep = None
@@ -475,16 +471,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         """A request's chat messages, and the prompt text they render to (its template
         options; `instead`: what to use where the model has no template)."""
         try:
-            messages = template_messages([m.template_fields() for m in req.messages])
-            tools = req.tool_calling()
-            if tools is not None and not (
-                tools.mode == "none" and config.exclude_tools_when_tool_choice_none
-            ):
-                tools = [dict(t) for t in tools.tools]
-            else:
-                tools = None
-            options = req.template_options(config.trust_request_chat_template)
-            return messages, core.render_chat(messages, instead, tools=tools, **options)
+            messages = req.chat_messages()
+            options = req.template_options(
+                config.trust_request_chat_template, config.exclude_tools_when_tool_choice_none
+            )
+            return messages, core.render_chat(messages, instead, **options)
         except InvalidRequestError as e:
             raise bad_request(str(e), e.param) from e
 
@@ -911,11 +902,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 c: dict = {"index": i}
                 finish = u.finish_reason
                 if chat and tools is not None:
-                    parsed = streams[i].feed(u.text)
+                    parsed = (streams[i].last if u.finished else streams[i].feed)(u.text)
                     if u.finished:
-                        end = streams[i].finish()
-                        parsed.content += end.content
-                        parsed.calls += end.calls
                         finish = tool_finish(tools, streams[i].num_calls > 0, finish)
                     c["delta"] = {}
                     if parsed.content:
@@ -996,8 +984,7 @@ def run_server(args) -> None:
     if args.log_level is not None:  # (SGLang's: specdecode's loggers and the HTTP server's)
         logging.getLogger("specdecode").setLevel(args.log_level.upper())
     # (an explicit --kv-cache-memory-gb wins over the fraction, as vLLM's byte budget does)
-    given = getattr(args, "kv_cache_given", args.kv_cache_memory_gb is not None)
-    fraction = None if given else args.gpu_memory_utilization
+    fraction = None if args.kv_cache_memory_gb is not None else args.gpu_memory_utilization
     kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs,
               "gpu_memory_utilization": fraction}  # fmt: skip
     if args.seed is not None:

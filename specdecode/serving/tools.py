@@ -236,6 +236,9 @@ class Parsed:
     content: str = ""
     calls: list[dict] = field(default_factory=list)
 
+    def __add__(self, other: Parsed) -> Parsed:
+        return Parsed(self.content + other.content, self.calls + other.calls)
+
 
 class ToolStream:
     """tool_choice "none": the output is content."""
@@ -248,6 +251,11 @@ class ToolStream:
 
     def finish(self) -> Parsed:
         return Parsed()
+
+    def last(self, text: str) -> Parsed:
+        """The reply's last piece, and what it leaves once it has ended."""
+        out = self.feed(text)
+        return out + self.finish()
 
     def _new_call(self, name: str, arguments: str) -> dict:
         delta = {"index": self.num_calls, "id": call_id(), "type": "function",
@@ -426,9 +434,7 @@ class _JsonReplyStream(_HermesStream):
         self.deciding = False
         calls = self._calls(self.head)
         if calls is None:
-            out = super().feed(self.head)
-            end = super().finish()
-            return Parsed(out.content + end.content, out.calls + end.calls)
+            return super().feed(self.head) + super().finish()
         calls = calls if self.parallel else calls[:1]
         return Parsed(calls=[self._new_call(n, a) for n, a in calls])
 
@@ -471,10 +477,10 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 def whole(stream: ToolStream, text: str) -> tuple[str | None, list[dict]]:
     """A whole reply: its content (None where it is all calls) and its calls."""
-    a, b = stream.feed(text), stream.finish()
-    content = a.content + b.content
+    out = stream.last(text)
+    content = out.content
     calls: list[dict] = []
-    for delta in a.calls + b.calls:  # (named: the arguments' pieces join)
+    for delta in out.calls:  # (named: the arguments' pieces join)
         if "id" in delta:
             calls.append({"id": delta["id"], "type": "function",
                           "function": dict(delta["function"])})  # fmt: skip

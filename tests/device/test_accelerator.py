@@ -273,3 +273,25 @@ def test_structured_output_on_the_device(plain):
     )
     text = plain.generate("say 3 1 9", params)[0].outputs[0].text
     assert re.fullmatch("[0-9]{3}-[a-c]+", text), text
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="a GPU memory fraction needs CUDA")
+def test_gpu_memory_utilization_holds_the_weights_and_every_cache(tiny_llama_dir, heads):
+    """vLLM's --gpu-memory-utilization: a drafter's weights and cache are inside the fraction,
+    and the target's cache takes the rest (greedy output still equals plain decoding's)."""
+    device = torch.device(DEVICE)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    fraction = min(0.9, (before + (1 << 30)) / total)  # (1 GB past what is in use already)
+    spec = LLM(
+        str(tiny_llama_dir),
+        device=DEVICE,
+        gpu_memory_utilization=fraction,
+        speculative_config={"method": "eagle3", "model": str(heads[0] / "eagle3")},
+    )
+    used = torch.cuda.memory_allocated(device)
+    assert used <= fraction * total
+    assert spec.engine.manager.capacity_tokens > 1000
+    plain = LLM(str(tiny_llama_dir), device=DEVICE)
+    assert tokens(spec.generate(PROMPTS, greedy(16))) == tokens(plain.generate(PROMPTS, greedy(16)))

@@ -604,7 +604,7 @@ def test_calibration_times_what_the_requests_reach(tiny_llama_dir):
         calibrate(*a, **kw)
 
     engine.calibrate = recorded
-    per = engine._tokens_per_decode()
+    per = engine.tokens_per_decode
     assert per == 4  # (a chain of 3 drafts)
     spec.generate(PROMPTS[:1], greedy(8))
 
