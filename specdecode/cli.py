@@ -63,6 +63,13 @@ def _only(*values: str, why: str):
     return parse
 
 
+def _fraction(text: str) -> float:
+    v = number(above=0)(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
+    return v
+
+
 def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
     """vLLM's and SGLang's server flags, so that their serve commands run here: those that mean
     something here do it, those whose setting this engine always has are accepted, and the
@@ -79,7 +86,7 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gpu-memory-utilization",
         "--mem-fraction-static",  # (SGLang's)
-        type=number(high=1, above=0),
+        type=_fraction,
         default=None,
         help="on CUDA, without --kv-cache-memory-gb: the KV caches (the target's and a "
         "drafter's) take what this fraction of the GPU's memory leaves after the weights "
@@ -919,6 +926,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
         ignore_eos=args.ignore_eos,
     )
     llm = LLM(args.model, **engine_kwargs(args))
+    # one request: the step-cost curve timed up to twice its reach (a token and its drafts),
+    # not every batch size the engine could (~3 s, paid by this one request)
+    llm.engine.ensure_calibrated(upto=2 * llm.engine.tokens_per_decode)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     for piece in llm.stream(prompt, params, chat=args.chat):
         sys.stdout.write(piece)
