@@ -564,7 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="how tool calls are written in a reply: hermes (vLLM's name; qwen25, SGLang's: "
         "<tool_call>JSON</tool_call>, as Qwen2.5's and Hermes' templates write them); json "
         "(those, or a reply that is nothing but a bare or fenced JSON call of a given tool, "
-        "as Qwen2.5-Coder answers). Given alone, as in SGLang, it turns on "
+        "as Qwen2.5-Coder and Llama 3 answer; llama3_json and llama3 name it too). Given "
+        "alone, as in SGLang, it turns on "
         "--enable-auto-tool-choice",
     )
     srv.add_argument(

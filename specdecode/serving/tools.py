@@ -30,8 +30,10 @@ from typing import Any
 
 from specdecode.errors import InvalidRequestError
 
-# name -> format: vLLM's and SGLang's names
-PARSERS = {"hermes": "hermes", "qwen25": "hermes", "qwen": "hermes", "json": "json"}
+# name -> format: vLLM's and SGLang's names (Llama 3's JSON calls are the json format's)
+PARSERS = {"hermes": "hermes", "qwen25": "hermes", "qwen": "hermes", "json": "json",
+           "llama3_json": "json", "llama3": "json"}  # fmt: skip
+PYTHON_TAG = "<|python_tag|>"  # (Llama 3.1 may open a JSON call with it)
 
 
 def parser_format(name: str | None) -> str | None:
@@ -404,7 +406,9 @@ class _HermesStream(ToolStream):
 class _JsonReplyStream(_HermesStream):
     """Hermes' tags, or a reply that is nothing but one call or a list of calls as JSON
     (`{"name": ..., "arguments": {...}}`, bare or in one ```json fence) naming given tools:
-    Qwen2.5-Coder answers so, not with tags (vLLM issue 32926). Only a whole reply counts,
+    Qwen2.5-Coder answers so, not with tags (vLLM issue 32926), and Llama 3.1 / 3.2 so too
+    (`"parameters"`, after an optional <|python_tag|>, several calls joined by ";", vLLM's
+    llama3_json format). Only a whole reply counts,
     so JSON inside prose or code is never taken for a call; a reply that opens as such JSON
     may be one, and is held back until it ends."""
 
@@ -419,6 +423,9 @@ class _JsonReplyStream(_HermesStream):
             return super().feed(text)
         self.head += text
         lead = self.head.lstrip()
+        lead = lead.removeprefix(PYTHON_TAG) if len(lead) > len(PYTHON_TAG) else lead
+        if PYTHON_TAG.startswith(lead):
+            return Parsed()
         fence = lead.startswith("```") and (
             "\n" not in lead or lead.partition("\n")[0].strip("`").strip() in ("", "json")
         )  # (a fence of other code is not a call: it streams)
@@ -439,13 +446,16 @@ class _JsonReplyStream(_HermesStream):
         return Parsed(calls=[self._new_call(n, a) for n, a in calls])
 
     def _calls(self, text: str) -> list[tuple[str, str]] | None:
-        body = text.strip()
+        body = text.strip().removeprefix(PYTHON_TAG).strip()
         if body.startswith("```"):
             first, _, rest = body.partition("\n")
             if first.strip("`").strip() not in ("", "json") or not rest.rstrip().endswith("```"):
                 return None
             body = rest.rstrip()[:-3]
         obj = _json(body)
+        if obj is None and ";" in body:  # (Llama 3's several calls: objects joined by ";")
+            parts = [_json(p) for p in body.split(";")]
+            obj = parts if all(isinstance(p, dict) for p in parts) else None
         out = []
         for c in obj if isinstance(obj, list) and obj else [obj]:
             if not isinstance(c, dict) or not isinstance(c.get("name"), str) \

@@ -189,6 +189,7 @@ def test_defaults_and_legacy_functions():
 
 def test_parsers_and_template_messages():
     assert parser_format("hermes") == parser_format("qwen25") == "hermes"
+    assert parser_format("llama3_json") == parser_format("llama3") == parser_format("json")
     assert parser_format(None) is None
     with pytest.raises(InvalidRequestError, match="'mistral' is not supported"):
         parser_format("mistral")
@@ -221,6 +222,11 @@ JSON_REPLIES = [
     ('```json\n{"name": "now", "arguments": {}}\n``` and more',
      '```json\n{"name": "now", "arguments": {}}\n``` and more', []),
     ("", "", []),
+    # Llama 3's: after <|python_tag|>, with "parameters", several joined by ";"
+    ('<|python_tag|>{"name": "now", "parameters": {"tz": "UTC"}}', None, [("now", {"tz": "UTC"})]),
+    ('{"name": "now", "parameters": {}}; {"name": "weather", "parameters": {"city": "Rome"}}',
+     None, [("now", {}), ("weather", {"city": "Rome"})]),
+    ("<|python_tag|>print(1)", "<|python_tag|>print(1)", []),
     ('{"name": ["now"], "arguments": {}}', '{"name": ["now"], "arguments": {}}', []),
     ("[" * 3000, "[" * 3000, []),
 ]  # fmt: skip
