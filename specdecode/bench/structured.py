@@ -1,7 +1,11 @@
 """`specdecode bench structured`: speculation under a JSON-schema constraint, batch 1.
 
-Workload: the `evals` JSON Patch task (`json_patch_object`), whose answers are JSON Patch arrays,
-constrained by the JSON Patch schema below. For each speculative configuration, on the same
+Workloads: `json-patch`, the `evals` JSON Patch task (`json_patch_object`), whose answers are
+JSON Patch arrays, constrained by the JSON Patch schema below; `tools`, tool calls as a server
+makes them with tool_choice "required" (the tools rendered by the chat template, the reply
+constrained to one call of them: see serving/tools.py), on three function tools and twelve
+requests written for this benchmark (no tool-calling data set ships offline). For each
+speculative configuration, on the same
 prompts in one run: constrained decoding without and with speculation, and unconstrained
 decoding without and with it. Reported per mode: decode tok/s (after the first token), tokens
 per target forward (jump-ahead included: forced tokens ride along in the next forward),
@@ -38,11 +42,65 @@ JSON_PATCH_SCHEMA = {
 }
 
 
-def _prompts(tokenizer, n: int, max_prompt_tokens: int) -> list[list[int]]:
+def _tool(name: str, description: str, properties: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description,
+            "parameters": {"type": "object", "properties": properties,
+                           "required": list(properties)}}}  # fmt: skip
+
+
+TOOLS = [
+    _tool("get_weather", "Current weather in a city", {
+        "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}),
+    _tool("search_flights", "Search flights between two airports on a date", {
+        "origin": {"type": "string", "description": "IATA code"},
+        "destination": {"type": "string", "description": "IATA code"},
+        "date": {"type": "string", "description": "YYYY-MM-DD"},
+        "passengers": {"type": "integer"}}),
+    _tool("create_event", "Create a calendar event", {
+        "title": {"type": "string"}, "start": {"type": "string", "description": "ISO 8601"},
+        "duration_minutes": {"type": "integer"},
+        "attendees": {"type": "array", "items": {"type": "string"}}}),
+]  # fmt: skip
+TOOL_REQUESTS = [
+    "What's the weather in Oslo, in celsius?",
+    "Find flights from JFK to LHR on 2026-12-20 for 2 people.",
+    "Schedule a 30 minute sync called 'Design review' at 2026-12-08T10:00 with ana@example.com "
+    "and bo@example.com.",
+    "Is it warm in Lisbon right now? Use fahrenheit.",
+    "I need 3 seats from SFO to NRT on 2027-01-05.",
+    "Set up 'Quarterly planning', 90 minutes, 2026-12-15T14:00, attendees: cy@example.com.",
+    "How cold is it in Montreal? Celsius please.",
+    "Book a search: Berlin (BER) to Madrid (MAD), 2027-02-14, one traveller.",
+    "Put 'Dentist' in my calendar on 2026-12-22T08:30 for 45 minutes, just me (me@example.com).",
+    "Weather in Nairobi in fahrenheit?",
+    "Flights for a family of four from DEL to SIN on 2027-03-01.",
+    "Create a 60 minute 'Hiring sync' at 2026-12-09T16:00 with dee@example.com, eli@example.com.",
+]
+WORKLOADS = ("json-patch", "tools")
+
+
+def tool_schema() -> dict:
+    """The "required" constraint of the tools workload: one call of one of TOOLS."""
+    from specdecode.serving.tools import check_tools
+
+    return check_tools(TOOLS, "required", False, None, None).constraint()
+
+
+def _prompts(tokenizer, n: int, max_prompt_tokens: int, workload: str) -> list[list[int]]:
+    if workload == "tools":
+        rows = [[{"role": "user", "content": q}] for q in TOOL_REQUESTS]
+        tools = TOOLS
+    else:
+        rows = (
+            [{"role": "user", "content": "\n\n".join(m["content"] for m in row["input"])}]
+            for row in data.evals_samples("json_patch_object/samples.jsonl")
+        )
+        tools = None
     out = []
-    for row in data.evals_samples("json_patch_object/samples.jsonl"):
-        messages = [{"role": "user", "content": "\n\n".join(m["content"] for m in row["input"])}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    for messages in rows:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, tools=tools
+        )
         ids = list(tokenizer(text, add_special_tokens=False).input_ids)
         if len(ids) <= max_prompt_tokens:
             out.append(ids)
@@ -116,7 +174,8 @@ def run_structured_bench(args: argparse.Namespace) -> dict:
     configs = [kwargs["speculative_config"]]
     configs += json.loads(args.compare) if args.compare else []
     first = LLM(args.model, **kwargs)
-    prompts = _prompts(first.tokenizer, args.num_prompts, args.max_prompt_tokens)
+    prompts = _prompts(first.tokenizer, args.num_prompts, args.max_prompt_tokens, args.workload)
+    schema = tool_schema() if args.workload == "tools" else JSON_PATCH_SCHEMA
     if not prompts:
         raise InvalidRequestError(
             f"no prompt fits --max-prompt-tokens {args.max_prompt_tokens}; raise it"
@@ -131,7 +190,7 @@ def run_structured_bench(args: argparse.Namespace) -> dict:
         engine = llm.engine
         label = _label(engine.spec_config)
         for constrained in (True, False):
-            so = {"json": JSON_PATCH_SCHEMA} if constrained else None
+            so = {"json": schema} if constrained else None
             params = SamplingParams(
                 temperature=args.temperature, seed=0, max_tokens=args.max_tokens,
                 structured_output=so,
@@ -152,11 +211,13 @@ def run_structured_bench(args: argparse.Namespace) -> dict:
             rows.append(row)
             _print(row)
     result = {
-        "workload": "evals json_patch_object, JSON Patch schema",
+        "workload": "evals json_patch_object, JSON Patch schema"
+        if args.workload == "json-patch"
+        else 'tool calls, tool_choice "required": three tools, twelve requests',
         "temperature": args.temperature,
         "max_tokens": args.max_tokens,
         "dtype": args.dtype,
-        "schema": JSON_PATCH_SCHEMA,
+        "schema": schema,
         "rows": rows,
     }
     if args.json:
@@ -181,6 +242,13 @@ def _print(row: dict) -> None:
 def add_args(p: argparse.ArgumentParser) -> None:
     from specdecode.bench import at_least, config_list, output_file, temperature
 
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="json-patch",
+        help="json-patch: evals' JSON Patch task; tools: tool calls with tool_choice "
+        '"required" (three tools, twelve requests, rendered by the chat template)',
+    )
     p.add_argument("--num-prompts", type=at_least(1), default=5)
     # (the evals JSON Patch prompts are 1,929-2,215 SmolLM2 tokens: all of them fit)
     p.add_argument("--max-prompt-tokens", type=at_least(1), default=2304)

@@ -557,6 +557,19 @@ def test_bench_structured_reports_each_mode(tiny_llama_dir, tmp_path):
     assert [row["constrained"] for row in rows] == [True, False]
     assert all(row["plain"]["tokens"] > 0 and row["spec"]["tokens"] > 0 for row in rows)
     assert rows[0]["plain"]["forced_share"] > 0  # '[{"op":"' is forced
+    # tool calls (tool_choice "required"), constrained and not, with and without speculation
+    r = run(
+        "bench", "structured", "--model", str(model), "--workload", "tools",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--num-prompts", "2", "--max-tokens", "200", "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    assert "tool calls" in got["workload"] and got["schema"]["maxItems"] == 1
+    constrained = got["rows"][0]
+    assert constrained["constrained"] and constrained["prompts"] == 2
+    assert constrained["plain"]["tokens"] == constrained["spec"]["tokens"] > 0  # (greedy)
+    assert constrained["plain"]["valid_json"] == constrained["spec"]["valid_json"]
 
 
 def test_bench_prefix_compares_caching_off_and_on(tiny_llama_dir, tmp_path):
