@@ -422,9 +422,8 @@ class _JsonReplyStream(_HermesStream):
         if not self.deciding:
             return super().feed(text)
         self.head += text
-        lead = self.head.lstrip()
-        lead = lead.removeprefix(PYTHON_TAG) if len(lead) > len(PYTHON_TAG) else lead
-        if PYTHON_TAG.startswith(lead):
+        lead = self.head.lstrip().removeprefix(PYTHON_TAG)
+        if PYTHON_TAG.startswith(lead):  # (nothing yet, or maybe the tag)
             return Parsed()
         fence = lead.startswith("```") and (
             "\n" not in lead or lead.partition("\n")[0].strip("`").strip() in ("", "json")
