@@ -202,6 +202,38 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
     )
 
 
+def _reasoning_parser(text: str) -> str:
+    from specdecode.serving.reasoning import check_parser
+
+    try:
+        return check_parser(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _structured_outputs_config(text: str) -> dict:
+    import json
+
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}") from e
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    unknown = set(v) - {"enable_in_reasoning", "backend"}
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(sorted(unknown))}: not settable here (enable_in_reasoning, backend)"
+        )
+    if not isinstance(v.get("enable_in_reasoning", False), bool):
+        raise argparse.ArgumentTypeError("enable_in_reasoning must be true or false")
+    if v.get("backend", "auto") not in ("auto", "xgrammar"):
+        raise argparse.ArgumentTypeError(
+            f"backend {v['backend']!r}: structured outputs run on xgrammar here (auto, xgrammar)"
+        )
+    return v
+
+
 def _json_list(text: str) -> list[str]:
     import json
 
@@ -573,6 +605,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help='leave the tools out of the prompt where tool_choice is "none" (vLLM\'s flag; '
         "by default the template renders them anyway)",
+    )
+    srv.add_argument(
+        "--reasoning-parser",
+        type=_reasoning_parser,
+        metavar="NAME",
+        help="split a reasoning model's replies into `reasoning` (also given as "
+        "`reasoning_content`, SGLang's name) and `content`: deepseek_r1 or qwen3 (vLLM's "
+        "names; deepseek-r1, qwen3-thinking: SGLang's), for replies that think in "
+        "<think> ... </think>. A structured output then constrains the content only",
+    )
+    srv.add_argument(
+        "--structured-outputs-config",
+        type=_structured_outputs_config,
+        default={},
+        metavar="JSON",
+        help="vLLM's: {\"enable_in_reasoning\": true} constrains a reasoning model's "
+        'reasoning too; "backend" may be auto or xgrammar (the one there is)',
     )
     srv.add_argument(
         "--response-role",

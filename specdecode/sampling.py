@@ -39,6 +39,9 @@ class SamplingParams:
     # a StructuredOutput (or its dict: {"json": schema} | {"json_object": True} | {"regex": r}
     # | {"grammar": ebnf}); see specdecode/structured.py
     structured_output: Any = None
+    # a reply that reasons first (vLLM's reasoning models: "</think>"): the structured output
+    # constrains only what comes after the reply has written this text; before, any token goes
+    reasoning_end: str | None = None
     # read what the request generated (see specdecode/processors.py), as in vLLM
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -87,6 +90,13 @@ class SamplingParams:
             raise bad(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}", "top_k")
         if not _integer(self.n) or self.n < 1:
             raise bad(f"n must be a positive integer, got {self.n!r}", "n")
+        if self.reasoning_end is not None and (
+            not isinstance(self.reasoning_end, str) or not self.reasoning_end
+        ):
+            raise bad(
+                f"reasoning_end must be a non-empty string, got {self.reasoning_end!r}",
+                "reasoning_end",
+            )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be true or false, got {getattr(self, name)!r}", name)

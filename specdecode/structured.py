@@ -115,6 +115,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._limit = cache
         self._lock = threading.Lock()
+        self._vocab: list[bytes] | None = None  # each token's bytes, read once when needed
 
     def compile(self, so: StructuredOutput):
         key = so.key
@@ -147,11 +148,87 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
-    def matcher(self, so: StructuredOutput):
-        return self.xgr.GrammarMatcher(self.compile(so))
+    def matcher(self, so: StructuredOutput, after: str | None = None):
+        """A matcher for `so`; with `after`, one that lets the reply write anything until it
+        has written that text (see ReasoningGate)."""
+        matcher = self.xgr.GrammarMatcher(self.compile(so))
+        if after is None:
+            return matcher
+        if self._vocab is None:
+            self._vocab = list(self.info.decoded_vocab)
+        return ReasoningGate(matcher, after.encode(), self._vocab)
 
     def new_bitmask(self, rows: int) -> torch.Tensor:
         return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+
+class ReasoningGate:
+    """A grammar matcher for a reply that reasons before it answers (vLLM's reasoning models:
+    "<think> ... </think>", then the answer): every token is allowed, and the grammar left
+    untouched, until the reply's bytes (each token's, as the vocabulary spells it, special
+    tokens' text included) have written `end`; from the token after the one that completes it,
+    the wrapped matcher constrains the reply. It answers the matcher calls the engine makes
+    (accept, roll back, fill the mask, terminated), so drafting, pruning, verification and
+    jump-ahead work on it unchanged; rolling back over the token that ended the reasoning
+    opens the reasoning again. Text that a token carries after `end` (a token spelling
+    "</think>\n") is the reply's, unconstrained: the grammar starts at a token boundary."""
+
+    def __init__(self, matcher, end: bytes, vocab: list[bytes]) -> None:
+        self.matcher, self.end, self.vocab = matcher, end, vocab
+        # the matcher for `end` (Knuth-Morris-Pratt): fail[i], the longest proper border of
+        # end[:i + 1]
+        fail = [0] * len(end)
+        k = 0
+        for i in range(1, len(end)):
+            while k and end[i] != end[k]:
+                k = fail[k - 1]
+            if end[i] == end[k]:
+                k += 1
+            fail[i] = k
+        self._fail = fail
+        self.matched = 0  # how much of `end` the reply's bytes end with
+        self.reasoning = True
+        # per accepted token: the bytes matched before it, while reasoning; None once the
+        # grammar took it
+        self._history: list[int | None] = []
+
+    def accept_token(self, token: int) -> bool:
+        if not self.reasoning:
+            if not self.matcher.accept_token(token):
+                return False
+            self._history.append(None)
+            return True
+        before = k = self.matched
+        end, fail = self.end, self._fail
+        spelled = self.vocab[token] if 0 <= token < len(self.vocab) else b""
+        for byte in spelled:
+            while k and byte != end[k]:
+                k = fail[k - 1]
+            if byte == end[k]:
+                k += 1
+            if k == len(end):
+                self.reasoning = False
+                break
+        self.matched = k
+        self._history.append(before)
+        return True
+
+    def rollback(self, n: int) -> None:
+        for _ in range(n):
+            before = self._history.pop()
+            if before is None:
+                self.matcher.rollback(1)
+            else:  # a token accepted while reasoning (perhaps the one that ended it)
+                self.reasoning, self.matched = True, before
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
+        if self.reasoning:
+            bitmask[row].fill_(-1)  # every bit: every token
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return not self.reasoning and self.matcher.is_terminated()
 
 
 # A request whose grammar allows no token of the model's vocabulary next ends with this error.

@@ -247,7 +247,9 @@ class LLMEngine:
             )
         seq = Sequence(list(prompt_token_ids), params, request_id=request_id)
         if params.structured_output is not None:
-            seq.matcher = self.grammar_compiler().matcher(params.structured_output)
+            seq.matcher = self.grammar_compiler().matcher(
+                params.structured_output, after=params.reasoning_end
+            )
         return seq
 
     def render_chat(

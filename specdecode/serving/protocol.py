@@ -280,6 +280,10 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # an assistant's earlier reasoning, as a reasoning parser gave it (vLLM's field, and
+    # SGLang's / DeepSeek's): templates that show it read `reasoning_content`
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def template_fields(self) -> dict[str, Any]:
         """The message as chat templates read it (see tools.template_messages)."""
@@ -287,6 +291,9 @@ class ChatMessage(BaseModel):
         for k in ("tool_calls", "tool_call_id", "name"):
             if getattr(self, k) is not None:
                 m[k] = getattr(self, k)
+        reasoning = self.reasoning_content if self.reasoning is None else self.reasoning
+        if reasoning is not None:
+            m["reasoning_content"] = reasoning
         return m
 
     @model_validator(mode="after")
@@ -362,6 +369,10 @@ class ChatCompletionRequest(_ChatRendering, _Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: StrictBool = False  # (vLLM's) the reply starts with the last message, if the reply's
     parallel_tool_calls: StrictBool = True
+    # with --reasoning-parser: vLLM's `include_reasoning` (false: the reasoning is left out),
+    # SGLang's `separate_reasoning` (false: the reply is not split, the reasoning stays in it)
+    include_reasoning: StrictBool = True
+    separate_reasoning: StrictBool = True
 
     _tools: Any = PrivateAttr(default=False)  # (tool_calling, checked once)
 
@@ -507,10 +518,14 @@ class ResponsesRequest(_NullIsDefault):
             if kind in ("function_call", "function_call_output"):
                 out.append(_function_item(i, item, out))
                 continue
+            if kind == "reasoning":  # an earlier reply's reasoning: its assistant turn begins
+                out.append({"role": "assistant", "content": None,
+                            "reasoning_content": _reasoning_text(i, item)})  # fmt: skip
+                continue
             if kind != "message":
                 raise InvalidRequestError(
                     f"input[{i}]: items of type {kind!r} are not supported (messages, "
-                    "function_call and function_call_output only)",
+                    "reasoning, function_call and function_call_output only)",
                     param="input",
                 )
             content = item.get("content")
@@ -524,6 +539,14 @@ class ResponsesRequest(_NullIsDefault):
                         )
                     texts.append(part["text"])
                 content = "".join(texts)
+            last = out[-1] if out else {}
+            if (
+                item.get("role") == "assistant"
+                and last.get("role") == "assistant"
+                and (last.get("content") is None and not last.get("tool_calls"))
+            ):  # (the reply whose reasoning came before it)
+                last["content"] = content
+                continue
             out.append({"role": item.get("role"), "content": content})
         return out
 
@@ -634,6 +657,20 @@ class ResponsesRequest(_NullIsDefault):
                 where += f"[{loc[1] - len(system) - len(history)}]"  # (the input's own)
                 where += "".join(f".{x}" for x in loc[2:])
             raise InvalidRequestError(f"{where}: {err['msg']}", param="input") from e
+
+
+def _reasoning_text(i: int, item: dict) -> str:
+    """A Responses input `reasoning` item's text: its reasoning_text parts, else its summary."""
+    for key in ("content", "summary"):
+        parts = item.get(key) or []
+        if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
+        ):
+            raise InvalidRequestError(f"input[{i}]: a reasoning item's {key} must be text parts",
+                                      param="input")  # fmt: skip
+        if parts:
+            return "".join(p["text"] for p in parts)
+    return ""
 
 
 def _function_item(i: int, item: dict, before: list[dict]) -> dict:

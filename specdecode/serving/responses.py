@@ -53,7 +53,11 @@ def _usage(chat_usage: dict | None) -> dict | None:
         "input_tokens": chat_usage["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": chat_usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": chat_usage.get("completion_tokens_details", {}).get(
+                "reasoning_tokens", 0
+            )
+        },
         "total_tokens": chat_usage["total_tokens"],
     }
 
@@ -66,11 +70,19 @@ class ResponseBuilder:
         self.stored = keep is not None
         self.id = "resp_" + uuid.uuid4().hex
         self.message_id = "msg_" + uuid.uuid4().hex
+        self.reasoning_id = "rs_" + uuid.uuid4().hex
         self.created_at = int(time.time())
 
     def part(self, text: str, logprobs: list | None) -> dict:
         return {"type": "output_text", "text": text, "annotations": [],
                 "logprobs": logprobs or []}  # fmt: skip
+
+    def reasoning(self, text: str | None, status: str) -> dict:
+        """A reasoning model's reasoning as a `reasoning` output item (its text as the one
+        `reasoning_text` part; no summary is written)."""
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [],
+                "content": content, "status": status}  # fmt: skip
 
     def message(self, part: dict | None, status: str) -> dict:
         return {"type": "message", "id": self.message_id, "status": status,
@@ -111,22 +123,28 @@ class ResponseBuilder:
 
     def done(
         self, text: str, logprobs: list | None, finish: str | None, usage: dict | None,
-        calls: list[dict] = (), output: list[dict] | None = None,
+        calls: list[dict] = (), output: list[dict] | None = None, reasoning: str | None = None,
     ):  # fmt: skip
         """The reply's part, status and whole response, stored where it is to be kept
         (`keep(response, reply message)`). `calls`: its tool calls (chat's form), output
-        after its message (none where it has no text); `output`: the items as streamed."""
+        after its message (none where it has no text); `output`: the items as streamed;
+        `reasoning`: a reasoning model's (an item before the others)."""
         status = "incomplete" if finish == "length" else "completed"
         if calls and not text:
             logprobs = None  # (a call's tokens: OpenAI gives no logprobs for calls)
         part = self.part(text, logprobs)
         if output is None:
-            output = [self.message(part, "completed")] if text or not calls else []
+            output = [self.reasoning(reasoning, "completed")] if reasoning else []
+            if text or not (calls or reasoning):
+                output.append(self.message(part, "completed"))
             output += [self.function_call(c, "completed") for c in calls]
             output[-1]["status"] = status  # (a cut-off reply: its last item is incomplete)
         response = self.response(status, output, usage, finish)
         if self.keep is not None:
-            reply: dict = {"role": "assistant", "content": text or (None if calls else "")}
+            empty = None if calls or reasoning else ""
+            reply: dict = {"role": "assistant", "content": text or empty}
+            if reasoning:
+                reply["reasoning_content"] = reasoning
             if calls:
                 reply["tool_calls"] = [dict(c) for c in calls]
             self.keep(response, reply)
@@ -151,7 +169,9 @@ def response_object(
     lp = choice.get("logprobs")
     text, usage = choice["message"]["content"] or "", _usage(chat.get("usage"))
     calls = choice["message"].get("tool_calls") or []
-    return b.done(text, lp["content"] if lp else None, choice["finish_reason"], usage, calls)[2]
+    reasoning = choice["message"].get("reasoning")
+    return b.done(text, lp["content"] if lp else None, choice["finish_reason"], usage, calls,
+                  reasoning=reasoning)[2]  # fmt: skip
 
 
 def _numbered() -> Callable[..., str]:
@@ -189,20 +209,21 @@ def _failed(event: Callable[..., str], b: ResponseBuilder, e: dict) -> list[str]
 
 async def response_events(
     req: ResponsesRequest, model: str, chunks: AsyncIterator[str], keep: Callable | None = None,
-    tools: bool = False,
+    items_as_they_come: bool = False,
 ) -> AsyncIterator[str]:  # fmt: skip
     """A chat completion's server-sent chunks (one choice, usage at the end) as the Responses
     stream's events, each numbered (`sequence_number`); `keep(response, reply message)`
-    stores the response once it is whole (a failed one is not kept). Without `tools` the
-    reply is one message, open from the start. With them, a message item opens with the
-    reply's first text, a `function_call` item with each call (its arguments as
-    `function_call_arguments` deltas); an item closes when the next one opens or the reply
-    ends, and a reply with neither is one empty message."""
+    stores the response once it is whole (a failed one is not kept). Without
+    `items_as_they_come` (a reply that may call tools or reason) the reply is one message,
+    open from the start. With it, a `reasoning` item opens with the reply's first reasoning
+    (as `reasoning_text` deltas), a message item with its first text, a `function_call` item
+    with each call (its arguments as `function_call_arguments` deltas); an item closes when
+    the next one opens or the reply ends, and a reply with none is one empty message."""
     b = ResponseBuilder(req, model, keep)
     event = _numbered()
 
     items: list[dict] = []  # the output so far (each closed but the last, maybe)
-    state: dict = {"open": None, "text": "", "logprobs": []}  # the open item's
+    state: dict = {"open": None, "text": "", "logprobs": [], "reasoning": None}
     calls: list[dict] = []  # chat's form, for the store
 
     def close(status: str = "completed") -> list[str]:
@@ -211,6 +232,15 @@ async def response_events(
             return []
         state["open"] = None
         where = {"item_id": item["id"], "output_index": items.index(item)}
+        if item["type"] == "reasoning":
+            text = state["reasoning"]
+            item.update(b.reasoning(text, status))
+            part = item["content"][0]
+            return [
+                event("response.reasoning_text.done", **where, content_index=0, text=text),
+                event("response.content_part.done", **where, content_index=0, part=part),
+                event("response.output_item.done", output_index=where["output_index"], item=item),
+            ]  # fmt: skip
         if item["type"] == "message":
             part = b.part(state["text"], state["logprobs"])
             item.update(b.message(part, status), id=item["id"])
@@ -237,9 +267,20 @@ async def response_events(
                          part=b.part("", None)))  # fmt: skip
         return out
 
+    def open_reasoning() -> list[str]:
+        out = close()
+        item = b.reasoning(None, "in_progress")  # (one: the reasoning comes first)
+        items.append(item)
+        state.update(open=item, reasoning="")
+        where = {"item_id": item["id"], "output_index": len(items) - 1}
+        part = {"type": "reasoning_text", "text": ""}
+        out.append(event("response.output_item.added", output_index=len(items) - 1, item=item))
+        out.append(event("response.content_part.added", **where, content_index=0, part=part))
+        return out
+
     yield event("response.created", response=b.response("in_progress", []))
     yield event("response.in_progress", response=b.response("in_progress", []))
-    if not tools:
+    if not items_as_they_come:
         for e in open_message():
             yield e
     finish, usage, held = None, None, []
@@ -252,6 +293,14 @@ async def response_events(
             usage = _usage(body["usage"])
         for c in body.get("choices", []):
             delta = c.get("delta", {})
+            thought = delta.get("reasoning") or ""
+            if thought:
+                if state["reasoning"] is None:
+                    for e in open_reasoning():
+                        yield e
+                state["reasoning"] += thought
+                yield event("response.reasoning_text.delta", item_id=b.reasoning_id,
+                            output_index=0, content_index=0, delta=thought)  # fmt: skip
             piece = delta.get("content") or ""
             lp = (c.get("logprobs") or {}).get("content") or []
             opened = state["open"] is not None and state["open"]["type"] == "message"
@@ -300,7 +349,8 @@ async def response_events(
     status = "incomplete" if finish == "length" else "completed"
     for e in close(status):  # (a cut-off reply: its last item is incomplete)
         yield e
-    _, _, final = b.done(state["text"], state["logprobs"], finish, usage, calls, output=items)
+    _, _, final = b.done(state["text"], state["logprobs"], finish, usage, calls, output=items,
+                         reasoning=state["reasoning"])  # fmt: skip
     # (`response.completed` whatever the status, as vLLM and SGLang end: the openai SDK's
     # stream helper and usage readers wait for it; an incomplete reply says so in its status)
     yield event("response.completed", response=final)

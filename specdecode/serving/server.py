@@ -12,6 +12,7 @@ server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -46,6 +47,8 @@ from specdecode.serving.protocol import (
     TokenizeRequest,
     field_path,
 )
+from specdecode.serving.reasoning import END as REASONING_END
+from specdecode.serving.reasoning import ReasoningStream, split, thinks
 from specdecode.serving.responses import ResponseStore, response_events, response_object
 from specdecode.serving.tools import ToolCalling, parser_format, whole
 
@@ -77,6 +80,11 @@ class ServerConfig:
     # tool_choice "auto": the format calls are parsed from (--tool-call-parser; None: refused)
     tool_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False  # (vLLM's flag)
+    # a reasoning model's replies split into reasoning and content (--reasoning-parser; see
+    # reasoning.py); `reasoning_in_grammar`: structured outputs constrain the reasoning too
+    # (vLLM's --structured-outputs-config enable_in_reasoning), else only what follows it
+    reasoning_parser: str | None = None
+    reasoning_in_grammar: bool = False
 
 
 class APIError(Exception):
@@ -334,6 +342,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         ids = encode(text, "messages", add_special_tokens=req.add_special_tokens)
         max_tokens = check_length(len(ids), req, "messages")
         params = req.sampling_params(max_tokens, req.requested_logprobs())
+        thinking, params = reasoning_of(req, text, params)
         jobs = [(ids, params.for_choice(j)) for j in range(req.n)]
         # the reply's role (vLLM's): the server's response role after a generation prompt;
         # without one the model goes on with the last message, and the reply is in its role
@@ -342,9 +351,20 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         # echo (vLLM's): the reply starts with the last message where that is the reply's own
         echo = last["content"] if req.echo and last["role"] == role else ""
         echoes = [echo] * req.n if echo else []
-        return await respond(
-            request, req, jobs, len(ids), chat=True, echoes=echoes, role=role, tools=tools
-        )
+        return await respond(request, req, jobs, len(ids), chat=True, echoes=echoes, role=role,
+                             tools=tools, thinking=thinking)  # fmt: skip
+
+    def reasoning_of(req, prompt: str, params):
+        """A chat request's reply under the reasoning parser: whether it starts by reasoning
+        (None: the reply is not split), and its sampling settings (a structured output then
+        constrains what follows the reasoning)."""
+        parser = config.reasoning_parser
+        if parser is None or not req.separate_reasoning:
+            return None, params
+        thinking = thinks(parser, prompt, req.chat_template_kwargs)
+        if thinking and params.structured_output is not None and not config.reasoning_in_grammar:
+            params = dataclasses.replace(params, reasoning_end=REASONING_END)
+        return thinking, params
 
     def calling(req) -> ToolCalling | None:
         """A chat request's tool calling, where its reply is to be read for calls."""
@@ -397,7 +417,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         max_tokens = check_length(len(ids), chat_req, "input")
         params = chat_req.sampling_params(max_tokens, chat_req.requested_logprobs())
         tools = calling(chat_req)
-        out = await respond(request, chat_req, [(ids, params)], len(ids), chat=True, tools=tools)
+        thinking, params = reasoning_of(chat_req, text, params)
+        out = await respond(request, chat_req, [(ids, params)], len(ids), chat=True, tools=tools,
+                            thinking=thinking)  # fmt: skip
         name = config.served_model_name
         keep = None
         if req.store and store.capacity:  # its conversation, without its instructions
@@ -406,7 +428,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 store.put(response, [*history, *req.input_messages(), reply])
 
         if isinstance(out, StreamingResponse):
-            events = response_events(req, name, out.body_iterator, keep, tools is not None)
+            lazy = tools is not None or thinking is not None
+            events = response_events(req, name, out.body_iterator, keep, lazy)
             return StreamingResponse(events, media_type="text/event-stream")
         if isinstance(out, Response):  # the client left
             return out
@@ -489,12 +512,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     async def respond(
         request: Request, req, jobs, prompt_tokens: int, chat: bool, echoes=(), role="assistant",
-        tools: ToolCalling | None = None,
+        tools: ToolCalling | None = None, thinking: bool | None = None,
     ):  # fmt: skip
         """Run the jobs (one per choice) and answer, streamed or whole. `echoes`: per choice,
         the prompt (text, or token ids: decoded once the engine has checked them) its text
         starts with (`echo`); empty for none. `role`: a chat reply's. `tools`: a chat
-        request's tool calling (its replies parsed for calls)."""
+        request's tool calling (its replies parsed for calls). `thinking`: a chat reply is
+        split into reasoning and content (None: not), starting in its reasoning (True) or not."""
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         handles: list[RequestHandle] = []
@@ -526,7 +550,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         prompt_tokens = (prompt_tokens, handles[::n])
         # a choice that fails mid-generation with a 400 is a grammar dead end: its field
         param = req.structured_param() if so is not None else None
-        meta = (request_id, created, chat, prompt_tokens, param, role, tools)
+        # the reasoning parser's split: whether replies start reasoning, and whether the
+        # reasoning goes out (vLLM's include_reasoning)
+        split_as = None if thinking is None else (thinking, req.include_reasoning)
+        meta = (request_id, created, chat, prompt_tokens, param, role, tools, split_as)
         echoes = [e if isinstance(e, str) else tokenizer.decode(e) for e in echoes]
         # vLLM's return_tokens_as_token_ids: the request's, else the server's flag
         labels = req.return_tokens_as_token_ids
@@ -576,7 +603,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         """The whole response; `prompt_logprobs`: the request asked for them (vLLM's field),
         where echo with logprobs computes them for its own use; `token_ids`: vLLM's
         `return_token_ids` (the prompt's and each choice's token ids)."""
-        request_id, created, chat, prompt_tokens, param, role, tools = meta
+        request_id, created, chat, prompt_tokens, param, role, tools, split_as = meta
         firsts = prompt_tokens[1]  # each prompt's first choice
         decoded: dict = {}  # each prompt's vLLM prompt_logprobs, built once
 
@@ -610,16 +637,23 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             finish = r["finish"]
             if chat:
                 echo = echoes[i] if echoes else ""
+                text, reasoning = r["text"], None
+                if split_as is not None:
+                    reasoning, text = split(ReasoningStream(split_as[0]), text)
                 if tools is None:
-                    choice["message"] = {"role": role, "content": echo + r["text"]}
+                    content = echo + text if text is not None else (echo or None)
+                    choice["message"] = {"role": role, "content": content}
                 else:
-                    content, calls = whole(tools.stream(config.tool_parser), r["text"])
+                    content, calls = whole(tools.stream(config.tool_parser), text or "")
                     if echo:
                         content = echo + (content or "")
                     choice["message"] = {"role": role, "content": content}
                     if calls:
                         choice["message"]["tool_calls"] = calls
                     finish = tool_finish(tools, bool(calls), finish)
+                if split_as is not None:  # (vLLM's field, and SGLang's / DeepSeek's)
+                    reasoning = reasoning if split_as[1] else None
+                    choice["message"].update(reasoning=reasoning, reasoning_content=reasoning)
             else:
                 choice["text"] = (echoes[i] if echoes else "") + r["text"]
             wants = h.seq.params.logprobs is not None
@@ -653,7 +687,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             "created": created,
             "model": config.served_model_name,
             "choices": choices,
-            "usage": usage(*prompt_tokens, completion),
+            "usage": usage(*prompt_tokens, completion, split_as, handles),
         }
         if prompt_logprobs and chat:  # vLLM's field, for the one prompt
             body["prompt_logprobs"] = vllm_prompt_logprobs(firsts[0].seq, decoded)
@@ -707,8 +741,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             "text_offset": [0, *prompt["text_offset"]],
         }
 
-    def usage(prompt_tokens: int, firsts: list[RequestHandle], completion: int) -> dict:
-        return {
+    def usage(
+        prompt_tokens: int, firsts: list[RequestHandle], completion: int, split_as=None,
+        handles: list[RequestHandle] = (),
+    ) -> dict:  # fmt: skip
+        """A response's usage; with the reasoning parser's split (`split_as`), the reasoning
+        tokens of its replies (`handles`) too, as OpenAI counts them."""
+        out = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
@@ -716,6 +755,25 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                 "cached_tokens": sum(h.seq.num_cached_tokens for h in firsts)
             },
         }
+        if split_as is not None:
+            thinking = split_as[0]
+            n = sum(reasoning_tokens(h.seq.output_token_ids) for h in handles) if thinking else 0
+            out["completion_tokens_details"] = {"reasoning_tokens": n}
+        return out
+
+    def reasoning_tokens(ids: list[int]) -> int:
+        """How many of a reply's tokens are its reasoning: up to the one whose text completes
+        the reasoning's end tag (all of them where it never ends)."""
+        if REASONING_END not in tokenizer.decode(ids, skip_special_tokens=False):
+            return len(ids)
+        lo, hi = 1, len(ids)  # the fewest tokens whose text holds the tag
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if REASONING_END in tokenizer.decode(ids[:mid], skip_special_tokens=False):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def token_text(context: list[int], tok: int) -> str:
         """`tok`'s text where it follows `context` (a SentencePiece token's leading space
@@ -809,7 +867,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         chunk's new token ids; the prompt's in the first chunk, of each choice for
         completions); `continuous`: vLLM's `continuous_usage_stats` (each update's chunk
         carries its choice's usage so far: its prompt's tokens and its own)."""
-        request_id, created, chat, prompt_tokens, param, role, tools = meta
+        request_id, created, chat, prompt_tokens, param, role, tools, split_as = meta
         obj = "chat.completion.chunk" if chat else "text_completion"
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -901,8 +959,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     )
                 c: dict = {"index": i}
                 finish = u.finish_reason
+                text, reasoning = u.text, ""
+                if chat and split_as is not None:
+                    split_i = thoughts[i].last if u.finished else thoughts[i].feed
+                    reasoning, text = split_i(text)
                 if chat and tools is not None:
-                    parsed = (streams[i].last if u.finished else streams[i].feed)(u.text)
+                    parsed = (streams[i].last if u.finished else streams[i].feed)(text)
                     if u.finished:
                         finish = tool_finish(tools, streams[i].num_calls > 0, finish)
                     c["delta"] = {}
@@ -911,9 +973,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     if parsed.calls:
                         c["delta"]["tool_calls"] = parsed.calls
                 elif chat:
-                    c["delta"] = {"content": u.text} if u.text else {}
+                    c["delta"] = {"content": text} if text else {}
                 else:
-                    c["text"] = u.text
+                    c["text"] = text
+                if reasoning and split_as[1]:  # (vLLM's field, and SGLang's / DeepSeek's)
+                    c["delta"] = {"reasoning": reasoning, "reasoning_content": reasoning,
+                                  **c["delta"]}  # fmt: skip
                 c["logprobs"] = lp
                 c["finish_reason"] = finish
                 if u.finished:
@@ -927,6 +992,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
             remaining, completion = len(handles), {}
             streams = [tools.stream(config.tool_parser) for _ in handles] if tools else []
+            thoughts = [ReasoningStream(split_as[0]) for _ in handles] if split_as else []
             # text offsets count from the end of the echoed text
             offsets = [len(e) for e in echoes] if scored else [0] * len(handles)
             contexts = [h.seq.prompt_token_ids[-DETOKENIZE_CONTEXT:] for h in handles]
@@ -949,7 +1015,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     if u.finished or u.error:
                         remaining -= 1
             if include_usage:
-                yield chunk([], usage(*prompt_tokens, sum(completion.values())))
+                total = sum(completion.values())
+                yield chunk([], usage(*prompt_tokens, total, split_as, handles))
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:
@@ -1007,6 +1074,8 @@ def run_server(args) -> None:
             max_stored_responses=args.max_stored_responses,
             tool_parser=parser,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+            reasoning_parser=args.reasoning_parser,
+            reasoning_in_grammar=args.structured_outputs_config.get("enable_in_reasoning", False),
             allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
             allowed_methods=tuple(args.allowed_methods),
             allowed_headers=tuple(args.allowed_headers),

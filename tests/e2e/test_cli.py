@@ -193,14 +193,19 @@ def test_a_copied_vllm_or_sglang_serve_command_parses_or_says_why_not(capsys):
          "--kv-cache-dtype auto --load-format safetensors --revision main --generation-config "
          "vllm --uvicorn-log-level info --disable-uvicorn-access-log --root-path /llm "
          '--allowed-origins ["https://a.example"] --enable-log-requests --max-log-len 40 '
-         "--chat-template-content-format string --quantization None").split()
+         "--chat-template-content-format string --quantization None --reasoning-parser "
+         'deepseek_r1 --structured-outputs-config {"enable_in_reasoning":true}').split()
     )  # fmt: skip
     assert (args.gpu_memory_utilization, args.seed, args.root_path) == (0.9, 7, "/llm")
+    assert args.reasoning_parser == "deepseek_r1"
+    assert args.structured_outputs_config == {"enable_in_reasoning": True}
     assert args.allowed_origins == ["https://a.example"] and args.max_log_len == 40
     sglang = build_parser().parse_args(
-        "serve --model-path m --mem-fraction-static 0.8 --random-seed 3 --log-level info".split()
-    )
+        ("serve --model-path m --mem-fraction-static 0.8 --random-seed 3 --log-level info "
+         "--reasoning-parser deepseek-r1").split()
+    )  # fmt: skip
     assert (sglang.gpu_memory_utilization, sglang.seed, sglang.log_level) == (0.8, 3, "info")
+    assert sglang.reasoning_parser == "deepseek_r1"
     for flags, why in [
         ("--kv-cache-dtype fp8", "no fp8 cache"),
         ("--quantization awq", "weights load as stored"),
@@ -210,6 +215,9 @@ def test_a_copied_vllm_or_sglang_serve_command_parses_or_says_why_not(capsys):
         ("--chat-template-content-format openai", "as text"),
         ("--gpu-memory-utilization 1.5", "fraction in (0, 1]"),
         ("--allowed-origins *", "JSON list"),
+        ("--reasoning-parser granite", "deepseek_r1, deepseek-r1, qwen3"),
+        ('--structured-outputs-config {"backend":"outlines"}', "run on xgrammar"),
+        ('--structured-outputs-config {"disable_any_whitespace":true}', "not settable here"),
     ]:
         with pytest.raises(SystemExit) as e:
             main(["serve", "m", *flags.split()])

@@ -274,3 +274,46 @@ def _top(entry: dict, n: int) -> list:
 def _placeholder(tok: int, entry: dict) -> bool:
     """The entry of a token the grammar forced: logprob 0, itself its only candidate."""
     return list(entry) == [tok] and entry[tok].logprob == 0.0 and entry[tok].rank == 1
+
+
+def _first_new(text: str, at: int, width: int = 3) -> int:
+    """The first position from `at` whose `width` characters first occur there (and are not
+    part of a byte token's "<17>" text: its bytes are not its text)."""
+    for i in range(at, len(text) - width):
+        marker = text[i : i + width]
+        if text.find(marker) == i and "<" not in marker and ">" not in marker:
+            return i
+    raise AssertionError(f"no fresh marker in {text!r}")
+
+
+@pytest.mark.parametrize("cfg", [None, SPEC[0], SPEC[2]], ids=["plain", "ngram", "tree"])
+def test_a_reply_reasons_freely_before_its_constraint(plain, tiny_llama_dir, cfg):
+    """`reasoning_end`: the reply is the model's own until it has written the marker, then the
+    constraint holds (with speculation too, token-identical to decoding without it)."""
+    if cfg is not None and cfg["method"] == "draft_model":
+        cfg = {**cfg, "model": str(tiny_llama_dir)}
+    llm = (
+        plain
+        if cfg is None
+        else LLM(str(tiny_llama_dir), speculative_config=cfg, speculative_policy="static")
+    )
+    free = [o.outputs[0].text for o in plain.generate(PROMPTS, params(None, n=40))]
+    cuts = [_first_new(t, 5) + 3 for t in free]
+    asked = [
+        SamplingParams(temperature=0.0, max_tokens=60, top_k=5, structured_output=so,
+                       reasoning_end=t[c - 3 : c])
+        for t, c, so in zip(free, cuts, [{"regex": REGEX}, {"json": SCHEMA}] * 2, strict=True)
+    ]  # fmt: skip
+    got = llm.generate(PROMPTS, asked)
+    for t, c, o, p in zip(free, cuts, got, asked, strict=True):
+        text = o.outputs[0].text
+        assert text[:c] == t[:c], (text, p.reasoning_end)
+        answer = text[c:]
+        if p.structured_output.regex:
+            assert re.fullmatch(REGEX, answer), answer
+        else:
+            json.loads(answer)
+    if cfg is not None:
+        want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, asked)]
+        assert [o.outputs[0].token_ids for o in got] == want
+        assert llm.engine.spec_stats.num_accepted_tokens > 0

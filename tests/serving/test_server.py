@@ -918,8 +918,8 @@ def test_responses_api(client, plain):
     assert any(len(t.top_logprobs) == 2 for t in lp)
     bad = [
         ({"previous_response_id": "resp_1"}, "keeps no responses", "previous_response_id"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "'reasoning' are not supported",
-         "input"),
+        ({"input": [{"type": "computer_call"}]}, "'computer_call' are not supported", "input"),
+        ({"input": [{"type": "reasoning", "content": "x"}]}, "must be text parts", "input"),
         ({"input": [{"role": "wizard", "content": "x"}]}, r"input\[0\]\.role", "input"),
         ({"top_logprobs": 2}, "include", "top_logprobs"),
         ({"max_output_tokens": 10**6}, "maximum context length", "max_output_tokens"),
@@ -1840,3 +1840,161 @@ def test_the_api_key_holds_behind_a_root_path():
     scope = {"type": "http", "path": "/llm/health", "root_path": "/llm", "headers": []}
     asyncio.run(guard(scope, None, send))
     assert reached == ["/llm/health"]
+
+
+def test_reasoning_parser_splits_replies(engine, plain):
+    """--reasoning-parser: a reply's reasoning and content, whole and streamed, as vLLM's
+    `reasoning` and SGLang's `reasoning_content`; vLLM's include_reasoning and SGLang's
+    separate_reasoning; tool calls read from the content. The replies are forced with
+    guided_regex over the whole reply (vLLM's enable_in_reasoning: the tiny model thinks in
+    no tags)."""
+    s = Served(engine, api_key=None, reasoning_parser="deepseek_r1", reasoning_in_grammar=True,
+               tool_parser="hermes")  # fmt: skip
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none")
+        reply = "<think>2 and 2 make 4</think>  Four."
+        ask = functools.partial(c.chat.completions.create, model=MODEL, max_tokens=80,
+                                temperature=0, messages=chat_messages("2+2?"))  # fmt: skip
+        force = {"guided_regex": __import__("re").escape(reply)}
+        r = ask(extra_body=force)
+        msg = r.choices[0].message
+        assert msg.content == "Four." and msg.model_extra["reasoning"] == "2 and 2 make 4"
+        # (a token a character here: the reasoning's, its tags' included)
+        assert r.usage.completion_tokens_details.reasoning_tokens == reply.index("  ")
+        assert msg.model_extra["reasoning_content"] == "2 and 2 make 4"
+        thought, content = "", ""
+        for ch in ask(extra_body=force, stream=True):
+            d = ch.choices[0].delta if ch.choices else None
+            if d is not None:
+                thought += (d.model_extra or {}).get("reasoning") or ""
+                content += d.content or ""
+        assert (thought, content) == ("2 and 2 make 4", "Four.")
+        streamed = list(ask(extra_body=force, stream=True, stream_options={"include_usage": True}))
+        assert streamed[-1].usage.completion_tokens_details.reasoning_tokens == reply.index("  ")
+        msg = ask(extra_body={**force, "include_reasoning": False}).choices[0].message
+        assert msg.content == "Four." and msg.model_extra["reasoning"] is None
+        msg = ask(extra_body={**force, "separate_reasoning": False}).choices[0].message
+        assert msg.content == reply and "reasoning" not in msg.model_extra
+        # cut off while thinking: all reasoning, no content (vLLM's)
+        r = ask(extra_body=force, max_tokens=13)
+        assert r.choices[0].message.content is None and r.choices[0].finish_reason == "length"
+        assert r.choices[0].message.model_extra["reasoning"] == reply[7:13]
+        # tool calls are read from the content only
+        call = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+        tooled = {"guided_regex": __import__("re").escape("<think>a <tool_call></think>" + call)}
+        r = ask(extra_body=tooled, tools=[NOW_TOOL], max_tokens=120)
+        msg = r.choices[0].message
+        assert msg.model_extra["reasoning"] == "a <tool_call>" and msg.content is None
+        assert [t.function.name for t in msg.tool_calls] == ["now"]
+        assert r.choices[0].finish_reason == "tool_calls"
+        _, calls, _ = joined_calls(ask(extra_body=tooled, tools=[NOW_TOOL], stream=True,
+                                       max_tokens=120))  # fmt: skip
+        assert [x["name"] for x in calls] == ["now"]
+        # an earlier reasoning reaches the template as reasoning_content
+        history = [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": "yo", "reasoning": "greet"},
+                   {"role": "user", "content": "2+2?"}]  # fmt: skip
+        assert ask(messages=history, max_tokens=2).choices[0].finish_reason == "length"
+    finally:
+        s.stop()
+
+
+def test_structured_output_constrains_what_follows_the_reasoning(engine, plain):
+    """With a reasoning parser a structured output constrains the content: the reply may
+    think first (the tiny model never closes its thinking: it is the model's own greedy
+    text, all reasoning); a prompt whose template closed the thinking, or qwen3's
+    enable_thinking false, is constrained from its first token."""
+    s = Served(engine, api_key=None, reasoning_parser="qwen3")
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none")
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                  "required": ["ok"], "additionalProperties": False}  # fmt: skip
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        ask = functools.partial(c.chat.completions.create, model=MODEL, max_tokens=12,
+                                temperature=0, response_format=fmt)  # fmt: skip
+        msg = ask(messages=chat_messages("ok?")).choices[0].message
+        assert msg.content is None
+        assert msg.model_extra["reasoning"] == expected(plain, "ok?", 12).lstrip()
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        for extra in (off, {"messages": [*chat_messages("ok?"), {"role": "assistant",
+                      "content": "<think>\n\n</think>\n\n"}], "add_generation_prompt": False,
+                      "continue_final_message": True}):  # fmt: skip
+            body = {"messages": chat_messages("ok?"), **extra}
+            msg = ask(messages=body.pop("messages"), extra_body=body, max_tokens=30)
+            msg = msg.choices[0].message
+            assert json.loads(msg.content) in ({"ok": True}, {"ok": False})
+            assert msg.model_extra["reasoning"] is None
+    finally:
+        s.stop()
+
+
+def test_responses_api_gives_reasoning_items(engine, plain):
+    """/v1/responses with a reasoning parser: a `reasoning` item (its reasoning_text) before
+    the message, streamed as reasoning_text deltas; reasoning input items go back to the
+    template with their reply. (The tiny model never closes its thinking: its reply is all
+    reasoning; a reply with both is read from chat chunks written for the test.)"""
+    s = Served(engine, api_key=None, reasoning_parser="deepseek_r1", max_stored_responses=2)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none")
+        ask = functools.partial(c.responses.create, model=MODEL, input="2+2?", temperature=0,
+                                max_output_tokens=8)  # fmt: skip
+        r = ask()
+        want = expected(plain, "2+2?", 8).lstrip()
+        assert [o.type for o in r.output] == ["reasoning"] and r.status == "incomplete"
+        assert r.output[0].content[0].text == want and r.output_text == ""
+        assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 8
+        events = list(ask(stream=True))
+        kinds = [e.type for e in events]
+        assert kinds[2:5] == ["response.output_item.added", "response.content_part.added",
+                              "response.reasoning_text.delta"]  # fmt: skip
+        thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        (done,) = [e for e in events if e.type == "response.reasoning_text.done"]
+        final = events[-1].response
+        assert thought == done.text == final.output[0].content[0].text == want
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        # the conversation goes on: from the store, or with the items as input
+        r2 = c.responses.create(model=MODEL, previous_response_id=r.id, input="and 3+3?",
+                                max_output_tokens=2)  # fmt: skip
+        assert r2.status == "incomplete"
+        items = [{"role": "user", "content": "2+2?"},
+                 *[o.model_dump(exclude_none=True) for o in r.output],
+                 {"role": "assistant", "content": "Four."},
+                 {"role": "user", "content": "and 3+3?"}]  # fmt: skip
+        r3 = c.responses.create(model=MODEL, input=items, max_output_tokens=2)
+        assert r3.status == "incomplete"
+    finally:
+        s.stop()
+    # a reply that reasons, then answers, from its chat chunks
+    from specdecode.serving.protocol import ResponsesRequest
+    from specdecode.serving.responses import response_events, response_object
+
+    def chunk(delta, finish=None):
+        return "data: " + json.dumps({"choices": [{"index": 0, "delta": delta,
+                                       "finish_reason": finish}]}) + "\n\n"  # fmt: skip
+
+    async def chunks():
+        for piece in (chunk({"reasoning": "su"}), chunk({"reasoning": "m"}),
+                      chunk({"reasoning": "!", "content": "Fo"}), chunk({"content": "ur."}, "stop"),
+                      "data: [DONE]\n\n"):  # fmt: skip
+            yield piece
+
+    async def run():
+        req = ResponsesRequest(input="2+2?")
+        return [json.loads(e.split("data: ", 1)[1]) async for e in
+                response_events(req, MODEL, chunks(), None, True)]  # fmt: skip
+
+    events = __import__("asyncio").run(run())
+    final = events[-1]["response"]
+    assert [(o["type"], o["status"]) for o in final["output"]] == [
+        ("reasoning", "completed"),
+        ("message", "completed"),
+    ]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "sum!"}]
+    assert final["output"][1]["content"][0]["text"] == "Four."
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    whole = {"created": 0, "choices": [{"message": {"content": "Four.", "reasoning": "sum!"},
+             "finish_reason": "stop"}]}  # fmt: skip
+    out = response_object(ResponsesRequest(input="2+2?"), MODEL, whole)["output"]
+    assert [o["type"] for o in out] == ["reasoning", "message"]
+    assert out[0]["content"] == final["output"][0]["content"]

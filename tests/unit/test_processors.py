@@ -146,3 +146,54 @@ def test_min_p_drops_tokens_below_its_share_of_the_top_one():
 def test_bad_values_are_refused(kw):
     with pytest.raises(InvalidRequestError, match="invalid sampling parameter"):
         SamplingParams(**kw)
+
+
+def test_reasoning_gate_opens_the_grammar_after_its_marker_and_rolls_back():
+    """ReasoningGate: tokens pass unconstrained (all bits set) until their bytes complete the
+    marker, even across tokens and after a false start; rolling back over the token that
+    completed it reopens the reasoning, and the grammar sees only the tokens after it."""
+    from specdecode.structured import ReasoningGate
+
+    class Inner:
+        def __init__(self):
+            self.taken = []
+
+        def accept_token(self, t):
+            if t == 9:
+                return False
+            self.taken.append(t)
+            return True
+
+        def rollback(self, n):
+            del self.taken[len(self.taken) - n :]
+
+        def fill_next_token_bitmask(self, bitmask, row=0):
+            bitmask[row].zero_()
+
+        def is_terminated(self):
+            return len(self.taken) >= 2
+
+    vocab = [b"<", b"/", b"th", b"ink>", b"</think>\n", b"x", b"<</", b"", b"", b"y"]
+    inner = Inner()
+    g = ReasoningGate(inner, b"</think>", vocab)
+    mask = torch.zeros(1, 2, dtype=torch.int32)
+    for t in (5, 6, 2, 9):  # "x<</th" then a token the grammar would refuse: no grammar yet
+        assert g.accept_token(t)
+        g.fill_next_token_bitmask(mask, 0)
+        assert (mask == -1).all() and not g.is_terminated()
+    assert inner.taken == []
+    for t in (0, 1, 2, 3):  # "</think>" over four tokens
+        assert g.accept_token(t)
+    assert not g.reasoning and inner.taken == []
+    g.fill_next_token_bitmask(mask, 0)
+    assert (mask == 0).all()  # the grammar's mask now
+    assert g.accept_token(5) and not g.accept_token(9) and inner.taken == [5]
+    g.rollback(2)  # the grammar's token, then the one that ended the reasoning
+    assert inner.taken == [] and g.reasoning
+    assert g.accept_token(3) and not g.reasoning  # "ink>" again ends it
+    g.rollback(3)
+    assert g.reasoning and g.matched == 1  # back to "x<</thy<": "<" matched
+    g.rollback(4)
+    assert g.reasoning and g.matched == 0  # back to "x": nothing matched
+    assert g.accept_token(4) and not g.reasoning  # one token spelling it and more
+    assert g.accept_token(5) and g.accept_token(5) and g.is_terminated()
