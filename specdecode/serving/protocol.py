@@ -498,7 +498,9 @@ class ResponsesRequest(_NullIsDefault):
     truncation: Literal["disabled", "auto"] = "disabled"
     metadata: dict[str, str] | None = None
     user: str | None = None
-    reasoning: dict[str, Any] | None = None  # (no reasoning model here: nothing to act on)
+    # (its effort is not acted on: a reasoning model's reasoning is split, with
+    # --reasoning-parser, as it comes)
+    reasoning: dict[str, Any] | None = None
     # vLLM's extra sampling fields
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
