@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from specdecode.serving.tools import partial_suffix
+
 START, END = "<think>", "</think>"
 # vLLM's names and SGLang's; the formats are one here
 PARSERS = {
@@ -42,21 +44,14 @@ def check_parser(name: str | None) -> str | None:
 
 
 def thinks(parser: str, prompt: str, template_kwargs: dict[str, Any] | None) -> bool:
-    """Whether a reply to `prompt` starts by reasoning: not where the prompt already closed its
-    reasoning (its last END after its last START), nor for `qwen3` where the request turned
-    thinking off (`enable_thinking` false, as vLLM's parser reads it)."""
+    """Whether a reply to `prompt` starts by reasoning: not where the prompt ends by closing
+    it (a template asked not to think writes an empty "<think>\n\n</think>\n\n" last;
+    earlier turns' reasoning, shown again in a tool-call loop, does not count), nor for `qwen3`
+    where the request turned thinking off (`enable_thinking` false, as vLLM's parser reads
+    it)."""
     if parser == "qwen3" and (template_kwargs or {}).get("enable_thinking", True) is False:
         return False
-    end = prompt.rfind(END)
-    return end < 0 or prompt.rfind(START) > end
-
-
-def _held(text: str, tag: str) -> int:
-    """How many of text's last characters may start `tag` (held back until they can tell)."""
-    for k in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
+    return not prompt.rstrip().endswith(END)
 
 
 class ReasoningStream:
@@ -74,14 +69,14 @@ class ReasoningStream:
         reasoning = content = ""
         if self.phase == "lead":  # a leading START is dropped; wait until that can tell
             lead = self._buffer.lstrip()
-            if START.startswith(lead):
-                return "", ""  # (all held: whitespace or a prefix of START)
+            if START.startswith(lead) and lead != START:
+                return "", ""  # (all held: whitespace or a proper prefix of START)
             self._buffer = lead[len(START) :] if lead.startswith(START) else self._buffer
             self.phase = "reasoning"
         if self.phase == "reasoning":
             at = self._buffer.find(END)
             if at < 0:
-                keep = _held(self._buffer, END)
+                keep = partial_suffix(self._buffer, END)
                 cut = len(self._buffer) - keep
                 reasoning, self._buffer = self._buffer[:cut], self._buffer[cut:]
                 return reasoning, ""

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from specdecode.serving.protocol import ResponsesRequest
+from specdecode.serving.reasoning import ReasoningStream
 
 
 @dataclass
@@ -158,11 +159,31 @@ class ResponseBuilder:
                 "status": status}  # fmt: skip
 
 
+class _AnswerLogprobs:
+    """The message's logprobs of a reply that reasons first (`thinking`): its tokens' entries
+    from the one where its answer's text begins, read token by token as the reasoning parser
+    reads the reply (so a whole reply and a streamed one keep the same entries); the
+    reasoning's own have no place in the response."""
+
+    def __init__(self, thinking: bool) -> None:
+        self.stream = ReasoningStream() if thinking else None
+
+    def __call__(self, entries: list) -> list:
+        if self.stream is None:
+            return entries
+        for k, e in enumerate(entries):
+            if self.stream.feed(e.get("token") or "")[1]:  # (the answer's first text)
+                self.stream = None
+                return entries[k:]
+        return []
+
+
 def response_object(
-    req: ResponsesRequest, model: str, chat: dict, keep: Callable | None = None
-) -> dict:
+    req: ResponsesRequest, model: str, chat: dict, keep: Callable | None = None,
+    thinking: bool = False,
+) -> dict:  # fmt: skip
     """A whole chat completion (one choice) as the Responses API's `response` object;
-    `keep(response, reply text)` stores it."""
+    `keep(response, reply text)` stores it; `thinking`: its reply reasons first."""
     b = ResponseBuilder(req, model, keep)
     b.created_at = chat["created"]  # (when the request came, not when it ended)
     choice = chat["choices"][0]
@@ -170,8 +191,8 @@ def response_object(
     text, usage = choice["message"]["content"] or "", _usage(chat.get("usage"))
     calls = choice["message"].get("tool_calls") or []
     reasoning = choice["message"].get("reasoning")
-    return b.done(text, lp["content"] if lp else None, choice["finish_reason"], usage, calls,
-                  reasoning=reasoning)[2]  # fmt: skip
+    lp = _AnswerLogprobs(thinking)(lp["content"]) if lp else None
+    return b.done(text, lp, choice["finish_reason"], usage, calls, reasoning=reasoning)[2]
 
 
 def _numbered() -> Callable[..., str]:
@@ -209,7 +230,7 @@ def _failed(event: Callable[..., str], b: ResponseBuilder, e: dict) -> list[str]
 
 async def response_events(
     req: ResponsesRequest, model: str, chunks: AsyncIterator[str], keep: Callable | None = None,
-    items_as_they_come: bool = False,
+    items_as_they_come: bool = False, thinking: bool = False,
 ) -> AsyncIterator[str]:  # fmt: skip
     """A chat completion's server-sent chunks (one choice, usage at the end) as the Responses
     stream's events, each numbered (`sequence_number`); `keep(response, reply message)`
@@ -218,12 +239,14 @@ async def response_events(
     open from the start. With it, a `reasoning` item opens with the reply's first reasoning
     (as `reasoning_text` deltas), a message item with its first text, a `function_call` item
     with each call (its arguments as `function_call_arguments` deltas); an item closes when
-    the next one opens or the reply ends, and a reply with none is one empty message."""
+    the next one opens or the reply ends, and a reply with none is one empty message.
+    `thinking`: the reply reasons first (the message's logprobs start with its answer)."""
     b = ResponseBuilder(req, model, keep)
     event = _numbered()
 
     items: list[dict] = []  # the output so far (each closed but the last, maybe)
     state: dict = {"open": None, "text": "", "logprobs": [], "reasoning": None}
+    answer = _AnswerLogprobs(thinking)
     calls: list[dict] = []  # chat's form, for the store
 
     def close(status: str = "completed") -> list[str]:
@@ -299,10 +322,11 @@ async def response_events(
                     for e in open_reasoning():
                         yield e
                 state["reasoning"] += thought
+                at = next(k for k, i in enumerate(items) if i["type"] == "reasoning")
                 yield event("response.reasoning_text.delta", item_id=b.reasoning_id,
-                            output_index=0, content_index=0, delta=thought)  # fmt: skip
+                            output_index=at, content_index=0, delta=thought)  # fmt: skip
             piece = delta.get("content") or ""
-            lp = (c.get("logprobs") or {}).get("content") or []
+            lp = answer((c.get("logprobs") or {}).get("content") or [])
             opened = state["open"] is not None and state["open"]["type"] == "message"
             if piece and not opened:  # (a message opens with text; a call's tokens' logprobs,
                 for e in open_message():  # which OpenAI does not give, open none)

@@ -359,12 +359,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         (None: the reply is not split), and its sampling settings (a structured output then
         constrains what follows the reasoning)."""
         parser = config.reasoning_parser
-        if parser is None or not req.separate_reasoning:
+        if parser is None:
             return None, params
         thinking = thinks(parser, prompt, req.chat_template_kwargs)
         if thinking and params.structured_output is not None and not config.reasoning_in_grammar:
             params = dataclasses.replace(params, reasoning_end=REASONING_END)
-        return thinking, params
+        # (SGLang's separate_reasoning false: the reply as written, its grammar gated still)
+        return (thinking if req.separate_reasoning else None), params
 
     def calling(req) -> ToolCalling | None:
         """A chat request's tool calling, where its reply is to be read for calls."""
@@ -429,11 +430,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
         if isinstance(out, StreamingResponse):
             lazy = tools is not None or thinking is not None
-            events = response_events(req, name, out.body_iterator, keep, lazy)
+            events = response_events(req, name, out.body_iterator, keep, lazy, bool(thinking))
             return StreamingResponse(events, media_type="text/event-stream")
         if isinstance(out, Response):  # the client left
             return out
-        return response_object(req, name, out, keep)
+        return response_object(req, name, out, keep, bool(thinking))
 
     store = ResponseStore(config.max_stored_responses)
 
@@ -637,10 +638,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             finish = r["finish"]
             if chat:
                 echo = echoes[i] if echoes else ""
-                text, reasoning = r["text"], None
+                text, reasoning, answered = r["text"], None, True
                 if split_as is not None:
-                    reasoning, text = split(ReasoningStream(split_as[0]), text)
-                if tools is None:
+                    thought = ReasoningStream(split_as[0])
+                    reasoning, text = split(thought, text)
+                    answered = thought.ended  # (a reply cut off in its reasoning calls nothing)
+                if tools is None or not answered:
                     content = echo + text if text is not None else (echo or None)
                     choice["message"] = {"role": role, "content": content}
                 else:
@@ -652,8 +655,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                         choice["message"]["tool_calls"] = calls
                     finish = tool_finish(tools, bool(calls), finish)
                 if split_as is not None:  # (vLLM's field, and SGLang's / DeepSeek's)
-                    reasoning = reasoning if split_as[1] else None
-                    choice["message"].update(reasoning=reasoning, reasoning_content=reasoning)
+                    choice["message"].update(reasoning_fields(reasoning if split_as[1] else None))
             else:
                 choice["text"] = (echoes[i] if echoes else "") + r["text"]
             wants = h.seq.params.logprobs is not None
@@ -761,9 +763,18 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             out["completion_tokens_details"] = {"reasoning_tokens": n}
         return out
 
+    # the reasoning's end tag as one token of the vocabulary (as reasoning models have it)
+    end_ids = tokenizer.encode(REASONING_END, add_special_tokens=False)
+    end_token = end_ids[0] if len(end_ids) == 1 else None
+
     def reasoning_tokens(ids: list[int]) -> int:
         """How many of a reply's tokens are its reasoning: up to the one whose text completes
         the reasoning's end tag (all of them where it never ends)."""
+        if end_token is not None:  # (a reply may write the tag's text in pieces too)
+            try:
+                return ids.index(end_token) + 1
+            except ValueError:
+                pass
         if REASONING_END not in tokenizer.decode(ids, skip_special_tokens=False):
             return len(ids)
         lo, hi = 1, len(ids)  # the fewest tokens whose text holds the tag
@@ -959,12 +970,17 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     )
                 c: dict = {"index": i}
                 finish = u.finish_reason
+
+                def fed(stream, text: str):  # (a reply's stream fed its new text, or its last)
+                    return (stream.last if u.finished else stream.feed)(text)
+
                 text, reasoning = u.text, ""
                 if chat and split_as is not None:
-                    split_i = thoughts[i].last if u.finished else thoughts[i].feed
-                    reasoning, text = split_i(text)
-                if chat and tools is not None:
-                    parsed = (streams[i].last if u.finished else streams[i].feed)(text)
+                    reasoning, text = fed(thoughts[i], text)
+                # (the calls are read from the content: a named function's call opens with it,
+                # and a reply cut off in its reasoning calls nothing)
+                if chat and tools is not None and (not split_as or thoughts[i].ended):
+                    parsed = fed(streams[i], text)
                     if u.finished:
                         finish = tool_finish(tools, streams[i].num_calls > 0, finish)
                     c["delta"] = {}
@@ -976,9 +992,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     c["delta"] = {"content": text} if text else {}
                 else:
                     c["text"] = text
-                if reasoning and split_as[1]:  # (vLLM's field, and SGLang's / DeepSeek's)
-                    c["delta"] = {"reasoning": reasoning, "reasoning_content": reasoning,
-                                  **c["delta"]}  # fmt: skip
+                if reasoning and split_as[1]:
+                    c["delta"] = {**reasoning_fields(reasoning), **c["delta"]}
+                if split_as and not (c["delta"] or lp or u.finished or (token_ids and u.token_ids)):
+                    return None  # (reasoning left out, or text held back: nothing to send)
                 c["logprobs"] = lp
                 c["finish_reason"] = finish
                 if u.finished:
@@ -1026,6 +1043,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     app.state.metrics = metrics
     return app
+
+
+def reasoning_fields(reasoning: str | None) -> dict:
+    """A reply's reasoning as vLLM names it, and as SGLang and DeepSeek do."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def tool_finish(tools: ToolCalling, called: bool, finish: str | None) -> str | None:

@@ -356,7 +356,7 @@ class _HermesStream(ToolStream):
             if not self.inside:
                 at = self.buffer.find(self.OPEN)
                 if at < 0:
-                    keep = _partial_suffix(self.buffer, self.OPEN)
+                    keep = partial_suffix(self.buffer, self.OPEN)
                     self._text(out, self.buffer[: len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep :]
                     return out
@@ -476,7 +476,7 @@ def _json(text: str):
         return None
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a proper start of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

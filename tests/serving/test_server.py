@@ -1849,7 +1849,7 @@ def test_reasoning_parser_splits_replies(engine, plain):
     guided_regex over the whole reply (vLLM's enable_in_reasoning: the tiny model thinks in
     no tags)."""
     s = Served(engine, api_key=None, reasoning_parser="deepseek_r1", reasoning_in_grammar=True,
-               tool_parser="hermes")  # fmt: skip
+               tool_parser="hermes", trust=True)  # fmt: skip
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none")
         reply = "<think>2 and 2 make 4</think>  Four."
@@ -1890,11 +1890,24 @@ def test_reasoning_parser_splits_replies(engine, plain):
         _, calls, _ = joined_calls(ask(extra_body=tooled, tools=[NOW_TOOL], stream=True,
                                        max_tokens=120))  # fmt: skip
         assert [x["name"] for x in calls] == ["now"]
-        # an earlier reasoning reaches the template as reasoning_content
-        history = [{"role": "user", "content": "hi"},
-                   {"role": "assistant", "content": "yo", "reasoning": "greet"},
-                   {"role": "user", "content": "2+2?"}]  # fmt: skip
-        assert ask(messages=history, max_tokens=2).choices[0].finish_reason == "length"
+        # an earlier reasoning reaches the template as reasoning_content (vLLM's field or
+        # SGLang's); include_reasoning false sends no empty chunk for the reasoning's tokens
+        shown = "{% for m in messages %}[{{ m.reasoning_content }}|{{ m.content }}]{% endfor %}"
+        for field in ("reasoning", "reasoning_content"):
+            history = [{"role": "assistant", "content": "yo", field: "greet"}]
+            status, data = raw(
+                s.port,
+                "POST",
+                "/tokenize",
+                json.dumps(
+                    {"messages": history, "chat_template_kwargs": {"chat_template": shown}}
+                ).encode(),
+            )
+            assert status == 200, data
+            assert engine.engine.tokenizer.decode(json.loads(data)["tokens"]) == "[greet|yo]"
+        chunks = list(ask(extra_body={**force, "include_reasoning": False}, stream=True))
+        assert all(ch.choices[0].delta.content or ch.choices[0].finish_reason
+                   for ch in chunks[1:])  # fmt: skip
     finally:
         s.stop()
 
@@ -1924,6 +1937,21 @@ def test_structured_output_constrains_what_follows_the_reasoning(engine, plain):
             msg = msg.choices[0].message
             assert json.loads(msg.content) in ({"ok": True}, {"ok": False})
             assert msg.model_extra["reasoning"] is None
+        # a named function: its call comes after the reasoning (here cut off: no call)
+        named = {"type": "function", "function": {"name": "now"}}
+        call = functools.partial(c.chat.completions.create, model=MODEL, max_tokens=12,
+                                 temperature=0, tools=[NOW_TOOL], tool_choice=named,
+                                 messages=chat_messages("ok?"))  # fmt: skip
+        msg = call().choices[0].message
+        assert msg.tool_calls is None and msg.content is None
+        assert msg.model_extra["reasoning"] == expected(plain, "ok?", 12).lstrip()
+        thought = ""
+        for ch in call(stream=True):
+            assert not ch.choices[0].delta.tool_calls and not ch.choices[0].delta.content
+            thought += (ch.choices[0].delta.model_extra or {}).get("reasoning") or ""
+        assert thought == msg.model_extra["reasoning"]
+        msg = call(extra_body=off).choices[0].message  # (not thinking: the call at once)
+        assert [t.function.name for t in msg.tool_calls] == ["now"]
     finally:
         s.stop()
 
@@ -1968,20 +1996,30 @@ def test_responses_api_gives_reasoning_items(engine, plain):
     from specdecode.serving.protocol import ResponsesRequest
     from specdecode.serving.responses import response_events, response_object
 
-    def chunk(delta, finish=None):
-        return "data: " + json.dumps({"choices": [{"index": 0, "delta": delta,
+    def chunk(delta, tokens, finish=None):
+        lp = {"content": [{"token": t, "logprob": -1.0, "bytes": None, "top_logprobs": []}
+                          for t in tokens]}  # fmt: skip
+        return "data: " + json.dumps({"choices": [{"index": 0, "delta": delta, "logprobs": lp,
                                        "finish_reason": finish}]}) + "\n\n"  # fmt: skip
 
+    # (a speculative step's chunk may end the reasoning and begin the answer)
+    pieces = [({"reasoning": "su"}, ["<think>", "su"]), ({"reasoning": "m"}, ["m"]),
+              ({"reasoning": "!"}, ["!", "</th"]), ({"content": "Fo"}, ["ink>", " ", "Fo"]),
+              ({"content": "ur."}, ["ur."])]  # fmt: skip
+    whole = {"created": 0, "choices": [{"message": {"content": "Four.", "reasoning": "sum!"},
+             "finish_reason": "stop", "logprobs": {"content": [
+                 e for d, t in pieces for e in json.loads(chunk(d, t)[6:])["choices"][0][
+                     "logprobs"]["content"]]}}]}  # fmt: skip
+
     async def chunks():
-        for piece in (chunk({"reasoning": "su"}), chunk({"reasoning": "m"}),
-                      chunk({"reasoning": "!", "content": "Fo"}), chunk({"content": "ur."}, "stop"),
-                      "data: [DONE]\n\n"):  # fmt: skip
-            yield piece
+        for k, (d, t) in enumerate(pieces):
+            yield chunk(d, t, "stop" if k == len(pieces) - 1 else None)
+        yield "data: [DONE]\n\n"
 
     async def run():
-        req = ResponsesRequest(input="2+2?")
+        req = ResponsesRequest(input="2+2?", include=["message.output_text.logprobs"])
         return [json.loads(e.split("data: ", 1)[1]) async for e in
-                response_events(req, MODEL, chunks(), None, True)]  # fmt: skip
+                response_events(req, MODEL, chunks(), None, True, True)]  # fmt: skip
 
     events = __import__("asyncio").run(run())
     final = events[-1]["response"]
@@ -1991,10 +2029,20 @@ def test_responses_api_gives_reasoning_items(engine, plain):
     ]
     assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "sum!"}]
     assert final["output"][1]["content"][0]["text"] == "Four."
+    # the message's logprobs are its answer's tokens', from the one its text begins in
+    assert [e["token"] for e in final["output"][1]["content"][0]["logprobs"]] == ["Fo", "ur."]
     kinds = [e["type"] for e in events]
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
-    whole = {"created": 0, "choices": [{"message": {"content": "Four.", "reasoning": "sum!"},
-             "finish_reason": "stop"}]}  # fmt: skip
-    out = response_object(ResponsesRequest(input="2+2?"), MODEL, whole)["output"]
+    out = response_object(ResponsesRequest(input="2+2?"), MODEL, whole, thinking=True)["output"]
     assert [o["type"] for o in out] == ["reasoning", "message"]
     assert out[0]["content"] == final["output"][0]["content"]
+    assert out[1]["content"][0]["logprobs"] == final["output"][1]["content"][0]["logprobs"]
+    # reasoning input items rejoin their reply
+    req = ResponsesRequest(input=[
+        {"role": "user", "content": "2+2?"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text",
+                                                          "text": "sum"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Four."}]},
+        {"role": "user", "content": "and 3+3?"}])  # fmt: skip
+    assert req.input_messages()[1] == {"role": "assistant", "content": "Four.",
+                                       "reasoning_content": "sum"}  # fmt: skip

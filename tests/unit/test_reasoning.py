@@ -17,6 +17,7 @@ CASES = [
     ("all thought, cut off", "all thought, cut off", None),  # (vLLM's: no end, no content)
     ("<think>a < b and </thin", "a < b and </thin", None),  # a tag cut off is reasoning
     ("<thi", "<thi", None),
+    ("<think>", None, None),  # cut off right after the tag
     ("", None, None),
     ("x<think>y</think>z", "x<think>y", "z"),  # only a leading <think> is dropped
     ("</think></think>two", None, "</think>two"),  # the first end ends it
@@ -63,6 +64,13 @@ def test_whether_a_reply_thinks():
     assert not thinks("qwen3", "hi<|im_start|>assistant\n<think>\n\n</think>\n\n", None)
     # an earlier turn's closed reasoning, then a new one opened
     assert thinks("qwen3", "<think>a</think>b ... assistant\n<think>\n", None)
+    # a tool-call loop: the template shows the last turn's reasoning again; the reply thinks
+    loop = (
+        "<|im_start|>assistant\n<think>\nr\n</think>\n\n<tool_call>{}</tool_call><|im_end|>"
+        "\n<|im_start|>user\n<tool_response>\n9\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert thinks("qwen3", loop, None) and thinks("deepseek_r1", "say </think> x", None)
     assert not thinks("qwen3", "hi", {"enable_thinking": False})
     assert thinks("deepseek_r1", "hi", {"enable_thinking": False})  # (qwen3's switch only)
 
