@@ -6,9 +6,11 @@ streamed, by one state machine (so both agree):
   write it, newer templates put it in the prompt and the reply starts thinking at once;
 - the reasoning runs to "</think>"; the content is what follows (its leading whitespace
   dropped). A reply cut off before "</think>" is all reasoning, and has no content (vLLM's);
-- a prompt that has already closed the reasoning (a template that was asked not to think:
-  Qwen3's `enable_thinking: false` writes "<think>\\n\\n</think>" into it), or, for `qwen3`, a
-  request with `chat_template_kwargs.enable_thinking` false, gets a reply that is all content.
+- a prompt that ends by closing the reasoning (a template that was asked not to think:
+  Qwen3's `enable_thinking: false` ends it with "<think>\\n\\n</think>\\n\\n"), or, for `qwen3`,
+  a request with `chat_template_kwargs.enable_thinking` false, gets a reply that is all
+  content. Earlier turns' reasoning in the prompt (shown again in a tool-call loop) does not
+  count. The tool-call parser reads the content only, once the reasoning has ended.
 
 A structured output (or a "required" / named tool call) constrains the content only: the
 grammar starts after "</think>" (`SamplingParams.reasoning_end`), unless the server is started
