@@ -546,6 +546,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests in one batch",
     )
     srv.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="fcfs (default): requests run in arrival order; priority (vLLM's): by each "
+        "request's `priority` field, lower first, then arrival: the order waiting requests "
+        "are admitted in, and the running request preempted first when the KV cache is full "
+        "(a running request is not preempted only to admit another). Without it a request "
+        "giving a priority other than 0 is refused",
+    )
+    srv.add_argument(
+        "--enable-priority-scheduling",
+        action="store_true",
+        help="SGLang's: the priority policy with SGLang's order, higher `priority` values "
+        "first (unless --schedule-low-priority-values-first)",
+    )
+    srv.add_argument(
+        "--schedule-low-priority-values-first",
+        action="store_true",
+        help="SGLang's: with --enable-priority-scheduling, lower values first (vLLM's order)",
+    )
+    srv.add_argument(
         "--max-n", type=_at_least_one, default=16, help="largest n a request may ask for"
     )
     srv.add_argument(

@@ -205,6 +205,9 @@ class EngineConfig:
     # reuse the keys and values of earlier requests' identical first tokens (vLLM's automatic
     # prefix caching)
     enable_prefix_caching: bool = True
+    # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (each request's
+    # priority, lower first, then arrival: the waiting order, and who is preempted first)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         """Values the engine would misread or run crippled with, refused at once (the flags'
@@ -230,6 +233,10 @@ class EngineConfig:
         ):
             raise InvalidRequestError(
                 f"max_model_len must be at least 1, got {self.max_model_len!r}"
+            )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise InvalidRequestError(
+                f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
             )
         if not integer(self.seed):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")

@@ -61,6 +61,8 @@ class Sequence:
     error: str | None = None  # set with finish_reason "error" when the request cannot go on
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when admitted
     admitted: bool = False  # admitted once (a preempted request coming back is not counted)
+    # under the priority scheduling policy: lower runs first (vLLM's), then the earlier
+    priority: int = 0
     penalty_history: Any = None  # what penalties read, kept incrementally (processors.py)
     # prompt + output as one array, grown as the output is (drafters/ngram.py; a copy of a
     # request would have to drop it)

@@ -85,8 +85,10 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
-        """`use_tqdm`: a progress bar over the prompts' requests (vLLM's flag; off here)."""
+        """`use_tqdm`: a progress bar over the prompts' requests (vLLM's flag; off here);
+        `priority`: one per prompt, lower first (vLLM's; needs `scheduling_policy="priority"`)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and _is_id(prompts[0])
         ):
@@ -97,7 +99,9 @@ class LLM:
             raise InvalidRequestError(
                 f"prompts must be a string, token ids, a dict or a list of them: {prompts!r:.80}"
             )
-        return self._run([self.encode(p) for p in prompts], sampling_params, prompts, use_tqdm)
+        return self._run(
+            [self.encode(p) for p in prompts], sampling_params, prompts, use_tqdm, priority
+        )
 
     def chat(
         self,
@@ -150,8 +154,9 @@ class LLM:
             self.engine.abort(seq)
 
     def _run(
-        self, ids: list[list[int]], params, prompts: list, use_tqdm: bool = False
-    ) -> list[RequestOutput]:
+        self, ids: list[list[int]], params, prompts: list, use_tqdm: bool = False,
+        priority: Seq[int] | None = None,
+    ) -> list[RequestOutput]:  # fmt: skip
         if params is None:
             params = SamplingParams()
         plist = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
@@ -161,10 +166,14 @@ class LLM:
             raise InvalidRequestError("sampling_params must be SamplingParams (or a list of them)")
         # every request checked before any is queued: a bad one leaves nothing behind; n
         # choices are n sequences, choice j seeded with seed + j (as the server does)
+        if priority is None:
+            priority = [0] * len(ids)
+        elif not isinstance(priority, (list, tuple)) or len(priority) != len(ids):
+            raise InvalidRequestError("need one priority per prompt", "priority")
         numbers = [str(next(self._request_ids)) for _ in ids]  # (rising across calls, as vLLM's)
         seqs = [
-            [self.engine.make_sequence(p, sp.for_choice(j), request_id=rid) for j in range(sp.n)]
-            for rid, p, sp in zip(numbers, ids, plist, strict=True)
+            [self.engine.make_sequence(p, sp.for_choice(j), rid, pr) for j in range(sp.n)]
+            for rid, p, sp, pr in zip(numbers, ids, plist, priority, strict=True)
         ]
         flat = [s for choices in seqs for s in choices]
         for seq in flat:

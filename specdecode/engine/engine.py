@@ -120,7 +120,10 @@ class LLMEngine:
         )
         self.manager = BlockManager(num_blocks, config.block_size)
         self.cache = KVCache(mc, num_blocks, config.block_size, kv_dtype, device)
-        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.manager, config.max_num_seqs, config.max_num_batched_tokens,
+            config.scheduling_policy,
+        )  # fmt: skip
         self.runner = ModelRunner(self.model, self.cache, self.manager)
         self.output = OutputProcessor(self.tokenizer, self._eos_ids(), self.max_model_len)
         self.runner.eos_token_ids = self.output.eos_token_ids
@@ -219,11 +222,21 @@ class LLMEngine:
         return ids
 
     def make_sequence(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = ""
-    ) -> Sequence:
-        """Check a request and wrap it; touches no engine state (any thread may call it)."""
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = "",
+        priority: int = 0,
+    ) -> Sequence:  # fmt: skip
+        """Check a request and wrap it; touches no engine state (any thread may call it).
+        `priority`: under the priority scheduling policy, lower runs first (vLLM's)."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
+        if type(priority) is not int:
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
+        if priority and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                "a request priority needs the priority scheduling policy (serve "
+                "--scheduling-policy priority); this engine runs requests in arrival order",
+                "priority",
+            )
         if params.n != 1:  # (LLM and the server expand n into n requests)
             raise InvalidRequestError("an engine request is one choice: n must be 1 here")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -245,7 +258,7 @@ class LLMEngine:
                 f"a prompt of {len(prompt_token_ids)} tokens does not fit the KV cache "
                 f"({self.manager.capacity_tokens} tokens)"
             )
-        seq = Sequence(list(prompt_token_ids), params, request_id=request_id)
+        seq = Sequence(list(prompt_token_ids), params, request_id=request_id, priority=priority)
         if params.structured_output is not None:
             seq.matcher = self.grammar_compiler().matcher(
                 params.structured_output, after=params.reasoning_end
@@ -317,9 +330,10 @@ class LLMEngine:
         return seq
 
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = ""
-    ) -> Sequence:
-        return self.add_sequence(self.make_sequence(prompt_token_ids, params, request_id))
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = "",
+        priority: int = 0,
+    ) -> Sequence:  # fmt: skip
+        return self.add_sequence(self.make_sequence(prompt_token_ids, params, request_id, priority))
 
     def preempt(self, seq: Sequence) -> None:
         """Send a running request back to the queue; it is recomputed later (nothing is lost)."""

@@ -6,6 +6,11 @@ once the waiting sequences are admitted); if the cache cannot
 hold them, the most recently admitted one is preempted (its blocks freed, it goes back to the
 front of the queue and is recomputed later: no request is ever lost). Then waiting sequences
 are admitted, prefilled in chunks of at most `max_num_batched_tokens` tokens per step.
+
+Under the priority policy (vLLM's `--scheduling-policy priority`) the queue is kept in order of
+each request's priority (lower first), then arrival, and the request preempted is the running
+one that comes last in that order (its place in this step's batch given back). A running
+request is not preempted only to admit a waiting one, as in vLLM.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, manager: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048
-    ) -> None:
+        self, manager: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+        policy: str = "fcfs",
+    ) -> None:  # fmt: skip
         self.manager = manager
+        self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -50,7 +57,26 @@ class Scheduler:
                 f"a sequence of {seq.num_tokens} tokens does not fit the KV cache "
                 f"({self.manager.capacity_tokens} tokens); raise the KV cache memory"
             )
-        self.waiting.append(seq)
+        self._queue(seq)
+
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple[int, int]:
+        return seq.priority, seq.seq_id  # (seq ids rise with arrival)
+
+    def _queue(self, seq: Sequence, front: bool = False) -> None:
+        """Into the queue: by priority under that policy; else last, or first (`front`: a
+        preempted request, recomputed before those that came after it)."""
+        if self.policy == "priority":
+            rank = self._rank(seq)
+            at = next((k for k, s in enumerate(self.waiting) if self._rank(s) > rank), None)
+            if at is not None:
+                self.waiting.insert(at, seq)
+                return
+            self.waiting.append(seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -82,7 +108,17 @@ class Scheduler:
                     self.manager.truncate(other.blocks, other.blocks.length + 1)
                     short.append(other)
                     continue
-                victim = self.running[-1]
+                if self.policy == "priority":
+                    victim = max(self.running, key=self._rank)
+                    if victim in seqs:  # placed earlier this step: its place given back
+                        k = seqs.index(victim)
+                        budget += num_new.pop(k)
+                        seqs.pop(k)
+                        for placed in (with_tree, short):
+                            if victim in placed:
+                                placed.remove(victim)
+                else:
+                    victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -142,7 +178,7 @@ class Scheduler:
         for callback in self.on_preempt:
             callback(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._queue(seq, front=True)
 
     def finish(self, seq: Sequence) -> None:
         """Done or aborted: out of the queue or the batch, its blocks freed."""

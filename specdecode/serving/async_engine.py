@@ -137,13 +137,14 @@ class AsyncLLMEngine:
     # ---- requests ------------------------------------------------------------------------------
 
     def add(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = ""
-    ) -> RequestHandle:
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = "",
+        priority: int = 0,
+    ) -> RequestHandle:  # fmt: skip
         """Queue a request (raises `InvalidRequestError` at once if it is malformed); read its
         output with `handle.updates()` inside a running event loop."""
         if self._stop:
             raise EngineStoppedError("the engine is not running")
-        seq = self.engine.make_sequence(prompt_token_ids, params, request_id)
+        seq = self.engine.make_sequence(prompt_token_ids, params, request_id, priority)
         stream = _Stream(seq, asyncio.get_running_loop())
         self._post("add", seq, stream)
         return RequestHandle(self, seq, stream)

@@ -91,6 +91,8 @@ class _Request(_NullIsDefault):
     function_call: str | dict[str, Any] | None = None
     # vLLM's extra sampling fields
     top_k: int | None = Field(default=None, ge=-1)
+    # (vLLM's and SGLang's) the request's place in the queue under the priority policy
+    priority: int = Field(default=0, strict=True, ge=-(2**63), lt=2**63)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -504,6 +506,7 @@ class ResponsesRequest(_NullIsDefault):
     # vLLM's extra sampling fields
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    priority: int = Field(default=0, strict=True, ge=-(2**63), lt=2**63)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0, le=100)
@@ -649,6 +652,7 @@ class ResponsesRequest(_NullIsDefault):
                     "top_k": self.top_k,
                     "min_p": self.min_p,
                     "repetition_penalty": self.repetition_penalty,
+                    "priority": self.priority,
                 }
             )
         except ValidationError as e:  # a message it refuses (a role, a user without content)

@@ -85,6 +85,9 @@ class ServerConfig:
     # (vLLM's --structured-outputs-config enable_in_reasoning), else only what follows it
     reasoning_parser: str | None = None
     reasoning_in_grammar: bool = False
+    # a request's `priority` as the engine orders it (lower first): 1 for vLLM's order, -1
+    # for SGLang's (higher values first)
+    priority_sign: int = 1
 
 
 class APIError(Exception):
@@ -531,8 +534,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             except InvalidRequestError as e:
                 raise bad_request(str(e), req.structured_param()) from e
         try:
+            rank = config.priority_sign * req.priority  # (the engine's order: lower first)
             for i, (ids, params) in enumerate(jobs):
-                handles.append(engine.add(ids, params, f"{request_id}-{i}"))
+                handles.append(engine.add(ids, params, f"{request_id}-{i}", rank))
         except BaseException as e:
             for h in handles:  # the choices added so far do not run on for nobody
                 h.abort()
@@ -1070,12 +1074,13 @@ def run_server(args) -> None:
 
     model = serve_model(args)
     parser = tool_parser(args)  # (flags checked before the model loads)
+    policy, sign = scheduling(args)
     if args.log_level is not None:  # (SGLang's: specdecode's loggers and the HTTP server's)
         logging.getLogger("specdecode").setLevel(args.log_level.upper())
     # (an explicit --kv-cache-memory-gb wins over the fraction, as vLLM's byte budget does)
     fraction = None if args.kv_cache_memory_gb is not None else args.gpu_memory_utilization
     kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs,
-              "gpu_memory_utilization": fraction}  # fmt: skip
+              "gpu_memory_utilization": fraction, "scheduling_policy": policy}  # fmt: skip
     if args.seed is not None:
         kwargs["seed"] = args.seed
     core = LLMEngine(EngineConfig(model=model, **kwargs))
@@ -1097,6 +1102,7 @@ def run_server(args) -> None:
             tool_parser=parser,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
             reasoning_parser=args.reasoning_parser,
+            priority_sign=sign,
             reasoning_in_grammar=args.structured_outputs_config.get("enable_in_reasoning", False),
             allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
             allowed_methods=tuple(args.allowed_methods),
@@ -1152,6 +1158,24 @@ def run_server(args) -> None:
             restore()
     if not server.started:
         raise SpecDecodeError(f"the HTTP server could not start on {args.host}:{args.port}")
+
+
+def scheduling(args) -> tuple[str, int]:
+    """The scheduling policy, and the sign that turns a request's priority into the engine's
+    order (lower first): vLLM's --scheduling-policy priority (lower first), or SGLang's
+    --enable-priority-scheduling (higher first, unless --schedule-low-priority-values-first)."""
+    sglang = args.enable_priority_scheduling
+    if args.schedule_low_priority_values_first and not sglang:
+        raise SpecDecodeError("--schedule-low-priority-values-first needs "
+                              "--enable-priority-scheduling (SGLang's flags)")  # fmt: skip
+    if sglang and args.scheduling_policy == "priority":
+        raise SpecDecodeError(
+            "give one of --scheduling-policy priority (vLLM's: lower values first) and "
+            "--enable-priority-scheduling (SGLang's: higher values first by default)"
+        )
+    if sglang:
+        return "priority", 1 if args.schedule_low_priority_values_first else -1
+    return args.scheduling_policy, 1
 
 
 def tool_parser(args) -> str | None:

@@ -199,6 +199,21 @@ def test_a_copied_vllm_or_sglang_serve_command_parses_or_says_why_not(capsys):
     assert (args.gpu_memory_utilization, args.seed, args.root_path) == (0.9, 7, "/llm")
     assert args.reasoning_parser == "deepseek_r1"
     assert args.structured_outputs_config == {"enable_in_reasoning": True}
+    from specdecode.errors import SpecDecodeError
+    from specdecode.serving.server import scheduling
+
+    parse = build_parser().parse_args
+    assert scheduling(args) == ("fcfs", 1)
+    assert scheduling(parse("serve m --scheduling-policy priority".split())) == ("priority", 1)
+    # SGLang's: higher values first, unless asked for vLLM's order
+    assert scheduling(parse("serve m --enable-priority-scheduling".split())) == ("priority", -1)
+    assert scheduling(
+        parse("serve m --enable-priority-scheduling --schedule-low-priority-values-first".split())
+    ) == ("priority", 1)
+    for both in ("--scheduling-policy priority --enable-priority-scheduling",
+                 "--schedule-low-priority-values-first"):  # fmt: skip
+        with pytest.raises(SpecDecodeError):
+            scheduling(parse(["serve", "m", *both.split()]))
     assert args.allowed_origins == ["https://a.example"] and args.max_log_len == 40
     sglang = build_parser().parse_args(
         ("serve --model-path m --mem-fraction-static 0.8 --random-seed 3 --log-level info "

@@ -60,6 +60,34 @@ def test_preemption_loses_nothing(tiny_llama_dir, llm):
     assert small.engine.scheduler.num_preemptions > 0
 
 
+def test_priority_scheduling_runs_lower_priorities_first(tiny_llama_dir, llm):
+    """scheduling_policy "priority" (vLLM's): one request at a time, they run in order of
+    priority (lower first), not arrival, with the same tokens; and under a cache too small for
+    all, preemption loses nothing. Without the policy a priority is refused."""
+    one = LLM(str(tiny_llama_dir), scheduling_policy="priority", max_num_seqs=1)
+    engine = one.engine
+    seqs = [engine.add_request(one.encode(p), greedy(8), str(k), priority=pr)
+            for k, (p, pr) in enumerate(zip(PROMPTS[:3], (2, 0, 1), strict=True))]  # fmt: skip
+    finished = []
+    while engine.has_unfinished():
+        engine.step()
+        finished += [s.request_id for s in seqs if s.finished and s.request_id not in finished]
+    assert finished == ["1", "2", "0"]
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], greedy(8))]
+    assert [s.output_token_ids for s in seqs] == want
+    small = LLM(str(tiny_llama_dir), kv_cache_memory_gb=7 * 16 * 512 / 2**30,
+                scheduling_policy="priority")  # fmt: skip
+    got = small.generate(PROMPTS, greedy(30), priority=[3, 1, 2, 0])
+    want = llm.generate(PROMPTS, greedy(30))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert small.engine.scheduler.num_preemptions > 0
+    with pytest.raises(InvalidRequestError, match="--scheduling-policy priority") as e:
+        llm.generate(PROMPTS[:1], greedy(2), priority=[1])
+    assert e.value.param == "priority"
+    with pytest.raises(InvalidRequestError, match="one priority per prompt"):
+        small.generate(PROMPTS[:2], greedy(2), priority=[1])
+
+
 def test_prompt_logprobs_equal_a_full_forward(tiny_llama_dir, llm):
     """vLLM's prompt_logprobs: each prompt token's log-probability after the tokens before
     it equals transformers' over the whole prompt, with its rank and top-n, whether the
@@ -379,6 +407,7 @@ def test_sampling_values_of_the_wrong_type_are_refused(kwargs, message):
         ({"speculative_policy": "fast"}, "unknown speculative policy 'fast'"),
         ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be True or False"),
         ({"seed": "x"}, "seed must be an integer"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy must be fcfs or priority"),
     ],
 )
 def test_engine_settings_of_the_wrong_value_are_refused_before_loading(setting, message):

@@ -930,6 +930,7 @@ def test_responses_api(client, plain):
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "call_id", "input"),
         ({"text": {"format": {"type": "foo"}}}, "text.format type 'foo'", "text"),
         ({"input": {"a": 1}}, "- input: ", "input"),  # (not "input.str": a union member)
+        ({"extra_body": {"priority": 1}}, "--scheduling-policy priority", "priority"),
         # (a format this vocabulary cannot write: found mid-generation, the field named)
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"enum": ["é"]}}}},
          "cannot be continued", "text"),
@@ -1133,6 +1134,8 @@ def test_errors_name_the_field_at_fault(served):
         (body(logit_bias={"10000000": 1}), "logit_bias"),  # past the vocabulary
         (body(stop_token_ids=[10_000_000]), "stop_token_ids"),
         (body(stop_token_ids=[-1]), "stop_token_ids"),
+        (body(priority=2), "priority"),  # (the priority policy is off)
+        (body(priority="high"), "priority"),
         (body(stream_options={"include_usage": True}), "stream_options"),
         (body(stream=False, stream_options={"include_usage": True}), "stream_options"),
         (body(stream_options={"continuous_usage_stats": False, "x": 1}), "stream_options"),

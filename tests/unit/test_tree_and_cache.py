@@ -237,6 +237,44 @@ def test_a_waiting_request_is_admitted_before_a_tree_takes_the_rest():
     assert batch.draft_slots == {0: 6} and manager.num_free_blocks == 0
 
 
+def test_priority_policy_orders_the_queue_and_preempts_the_last_in_its_order():
+    """Priority scheduling (vLLM's): the queue in order of priority (lower first), then
+    arrival, for new and preempted requests alike; when the cache is short, the running request
+    last in that order is preempted, even one already placed this step (its place given back:
+    the budget and the batch no longer hold it). FCFS keeps arrival order, and preempts the
+    latest admitted."""
+    from specdecode.core import Sequence
+    from specdecode.engine.scheduler import Scheduler
+    from specdecode.sampling import SamplingParams
+
+    def seqs(*specs):
+        return [Sequence(seq_id=i, prompt_token_ids=list(range(n)), priority=p,
+                         params=SamplingParams(max_tokens=50)) for i, n, p in specs]  # fmt: skip
+
+    for policy, order in (("priority", [2, 0, 3, 1]), ("fcfs", [0, 1, 2, 3])):
+        scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=1, policy=policy)
+        for seq in seqs((0, 3, 0), (1, 3, 5), (2, 3, -1), (3, 3, 0)):
+            scheduler.add(seq)
+        assert [s.seq_id for s in scheduler.waiting] == order
+    # three blocks of 4 slots: A (priority 5, 3 tokens) and B (priority 0, 9 tokens) running,
+    # A first; A's next token fits its block, B's needs a third: A, placed first, gives way
+    manager = BlockManager(4, 4)
+    scheduler = Scheduler(manager, policy="priority")
+    a, b = seqs((0, 3, 5), (1, 8, 0))
+    b.output_token_ids.append(7)
+    for seq in (a, b):
+        manager.allocate(seq.blocks, seq.num_tokens - 1)
+        seq.blocks.length = seq.num_tokens - 1  # all but the last token cached
+        scheduler.running.append(seq)
+    assert manager.num_free_blocks == 0
+    batch = scheduler.schedule()
+    assert batch.seqs == [b] and batch.num_new == [1] and scheduler.num_preemptions == 1
+    assert list(scheduler.waiting) == [a] and a.blocks.block_table == []
+    c = seqs((2, 3, 1))[0]
+    scheduler.add(c)  # priority 1 goes before A's 5, though A came first
+    assert [s.seq_id for s in scheduler.waiting] == [2, 0]
+
+
 def _reference_metadata(manager, seqs, num_new, masks):
     """Batched metadata built per sequence and token, the plainest way."""
     from specdecode.models.attention import _one_mask
