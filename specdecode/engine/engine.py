@@ -234,7 +234,9 @@ class LLMEngine:
         if priority and self.config.scheduling_policy != "priority":
             raise InvalidRequestError(
                 "a request priority needs the priority scheduling policy (serve "
-                "--scheduling-policy priority); this engine runs requests in arrival order",
+                "--scheduling-policy priority or --enable-priority-scheduling; "
+                'LLM(..., scheduling_policy="priority")); this engine runs requests in '
+                "arrival order",
                 "priority",
             )
         if params.n != 1:  # (LLM and the server expand n into n requests)

@@ -66,13 +66,12 @@ class Scheduler:
     def _queue(self, seq: Sequence, front: bool = False) -> None:
         """Into the queue: by priority under that policy; else last, or first (`front`: a
         preempted request, recomputed before those that came after it)."""
-        if self.policy == "priority":
-            rank = self._rank(seq)
-            at = next((k for k, s in enumerate(self.waiting) if self._rank(s) > rank), None)
-            if at is not None:
-                self.waiting.insert(at, seq)
-                return
-            self.waiting.append(seq)
+        if self.policy == "priority":  # (after the last that goes before it: from the end,
+            rank = self._rank(seq)  # where a new request of the usual priority goes)
+            at = len(self.waiting)
+            while at and self._rank(self.waiting[at - 1]) > rank:
+                at -= 1
+            self.waiting.insert(at, seq)
         elif front:
             self.waiting.appendleft(seq)
         else:
@@ -170,6 +169,11 @@ class Scheduler:
             if n == s.num_uncommitted == 1
         }
         return ScheduledBatch(seqs, num_new, slots)
+
+    def reorder(self) -> None:
+        """The queue back in its policy's order, after it was refilled by hand."""
+        if self.policy == "priority":
+            self.waiting = deque(sorted(self.waiting, key=self._rank))
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

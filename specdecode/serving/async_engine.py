@@ -322,3 +322,4 @@ class AsyncLLMEngine:
             sched.running = parked_running
             sched.waiting.clear()
             sched.waiting.extend(parked_waiting)
+            sched.reorder()  # (suspects left waiting came last)

@@ -91,8 +91,9 @@ class _Request(_NullIsDefault):
     function_call: str | dict[str, Any] | None = None
     # vLLM's extra sampling fields
     top_k: int | None = Field(default=None, ge=-1)
-    # (vLLM's and SGLang's) the request's place in the queue under the priority policy
-    priority: int = Field(default=0, strict=True, ge=-(2**63), lt=2**63)
+    # (vLLM's and SGLang's) the request's place in the queue under the priority policy (None:
+    # not given, which SGLang's order ranks last and vLLM's as 0)
+    priority: int | None = Field(default=None, strict=True, ge=-(2**63), lt=2**63)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -506,7 +507,7 @@ class ResponsesRequest(_NullIsDefault):
     # vLLM's extra sampling fields
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
-    priority: int = Field(default=0, strict=True, ge=-(2**63), lt=2**63)
+    priority: int | None = Field(default=None, strict=True, ge=-(2**63), lt=2**63)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0, le=100)

@@ -45,14 +45,21 @@ def check_parser(name: str | None) -> str | None:
     return PARSERS[name]
 
 
-def thinks(parser: str, prompt: str, template_kwargs: dict[str, Any] | None) -> bool:
+def thinks(
+    parser: str, prompt: str, template_kwargs: dict[str, Any] | None,
+    continued: str | None = None,
+) -> bool:  # fmt: skip
     """Whether a reply to `prompt` starts by reasoning: not where the prompt ends by closing
     it (a template asked not to think writes an empty "<think>\n\n</think>\n\n" last;
     earlier turns' reasoning, shown again in a tool-call loop, does not count), nor for `qwen3`
     where the request turned thinking off (`enable_thinking` false, as vLLM's parser reads
-    it)."""
+    it). A reply that continues a message (`continued`: its text, as the request gave it)
+    thinks unless that message closed its reasoning (its last END after its last START)."""
     if parser == "qwen3" and (template_kwargs or {}).get("enable_thinking", True) is False:
         return False
+    if continued is not None:
+        end = continued.rfind(END)
+        return end < 0 or continued.rfind(START) > end
     return not prompt.rstrip().endswith(END)
 
 

@@ -172,7 +172,10 @@ class _AnswerLogprobs:
         if self.stream is None:
             return entries
         for k, e in enumerate(entries):
-            if self.stream.feed(e.get("token") or "")[1]:  # (the answer's first text)
+            # (its bytes where given: its text may be a "token_id:N" label)
+            raw = e.get("bytes")
+            text = bytes(raw).decode("utf-8", "replace") if raw else e.get("token") or ""
+            if self.stream.feed(text)[1]:  # (the answer's first text)
                 self.stream = None
                 return entries[k:]
         return []

@@ -86,8 +86,10 @@ class ServerConfig:
     reasoning_parser: str | None = None
     reasoning_in_grammar: bool = False
     # a request's `priority` as the engine orders it (lower first): 1 for vLLM's order, -1
-    # for SGLang's (higher values first)
+    # for SGLang's (higher values first); `priority_absent_last`: a request without one goes
+    # after all that give one (SGLang's), else it counts as 0 (vLLM's)
     priority_sign: int = 1
+    priority_absent_last: bool = False
 
 
 class APIError(Exception):
@@ -364,10 +366,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         parser = config.reasoning_parser
         if parser is None:
             return None, params
-        thinking = thinks(parser, prompt, req.chat_template_kwargs)
-        if thinking and params.structured_output is not None and not config.reasoning_in_grammar:
+        # (a reply that continues the last message: that message tells whether it thinks)
+        last = req.messages[-1].text() if req.continue_final_message else None
+        thinking = thinks(parser, prompt, req.chat_template_kwargs, last)
+        # SGLang's separate_reasoning false: the reply as written, its grammar gated still,
+        # but for a "required" / named call, whose arguments cannot hold the reasoning
+        tools = req.tool_calling()
+        whole_call = tools is not None and tools.constrained and not req.separate_reasoning
+        gated = thinking and not config.reasoning_in_grammar and not whole_call
+        if gated and params.structured_output is not None:
             params = dataclasses.replace(params, reasoning_end=REASONING_END)
-        # (SGLang's separate_reasoning false: the reply as written, its grammar gated still)
         return (thinking if req.separate_reasoning else None), params
 
     def calling(req) -> ToolCalling | None:
@@ -534,7 +542,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             except InvalidRequestError as e:
                 raise bad_request(str(e), req.structured_param()) from e
         try:
-            rank = config.priority_sign * req.priority  # (the engine's order: lower first)
+            rank = priority_rank(req.priority, config)
             for i, (ids, params) in enumerate(jobs):
                 handles.append(engine.add(ids, params, f"{request_id}-{i}", rank))
         except BaseException as e:
@@ -775,10 +783,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         """How many of a reply's tokens are its reasoning: up to the one whose text completes
         the reasoning's end tag (all of them where it never ends)."""
         if end_token is not None:  # (a reply may write the tag's text in pieces too)
-            try:
-                return ids.index(end_token) + 1
-            except ValueError:
-                pass
+            at = ids.index(end_token) if end_token in ids else -1
+            if at >= 0 and REASONING_END not in tokenizer.decode(
+                ids[:at], skip_special_tokens=False
+            ):
+                return at + 1
         if REASONING_END not in tokenizer.decode(ids, skip_special_tokens=False):
             return len(ids)
         lo, hi = 1, len(ids)  # the fewest tokens whose text holds the tag
@@ -1049,6 +1058,14 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
+def priority_rank(priority: int | None, config: ServerConfig) -> int:
+    """A request's priority as the engine orders it (lower first): vLLM's as given (none: 0),
+    SGLang's negated (higher first) unless low values go first, none after all given."""
+    if priority is None:
+        return 2**63 if config.priority_absent_last else 0
+    return config.priority_sign * priority
+
+
 def reasoning_fields(reasoning: str | None) -> dict:
     """A reply's reasoning as vLLM names it, and as SGLang and DeepSeek do."""
     return {"reasoning": reasoning, "reasoning_content": reasoning}
@@ -1103,6 +1120,7 @@ def run_server(args) -> None:
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
             reasoning_parser=args.reasoning_parser,
             priority_sign=sign,
+            priority_absent_last=args.enable_priority_scheduling,
             reasoning_in_grammar=args.structured_outputs_config.get("enable_in_reasoning", False),
             allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
             allowed_methods=tuple(args.allowed_methods),

@@ -210,6 +210,11 @@ def test_a_copied_vllm_or_sglang_serve_command_parses_or_says_why_not(capsys):
     assert scheduling(
         parse("serve m --enable-priority-scheduling --schedule-low-priority-values-first".split())
     ) == ("priority", 1)
+    from specdecode.serving.server import ServerConfig, priority_rank
+
+    sglang = ServerConfig("m", priority_sign=-1, priority_absent_last=True)
+    assert [priority_rank(p, sglang) for p in (5, -2, None)] == [-5, 2, 2**63]
+    assert [priority_rank(p, ServerConfig("m")) for p in (5, None)] == [5, 0]
     for both in ("--scheduling-policy priority --enable-priority-scheduling",
                  "--schedule-low-priority-values-first"):  # fmt: skip
         with pytest.raises(SpecDecodeError):

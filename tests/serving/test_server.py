@@ -1251,8 +1251,8 @@ def test_prompt_logprobs_and_echo_with_logprobs(client, plain, engine, monkeypat
     # a prompt's other choices whose updates come before its first choice's wait for its echo
     add = engine.add
 
-    def slow_first(ids, params, request_id=""):
-        handle = add(ids, params, request_id)
+    def slow_first(ids, params, request_id="", priority=0):
+        handle = add(ids, params, request_id, priority)
         if request_id.endswith("-0"):
             updates = handle.updates
 
@@ -1955,6 +1955,23 @@ def test_structured_output_constrains_what_follows_the_reasoning(engine, plain):
         assert thought == msg.model_extra["reasoning"]
         msg = call(extra_body=off).choices[0].message  # (not thinking: the call at once)
         assert [t.function.name for t in msg.tool_calls] == ["now"]
+        # separate_reasoning false: the reply as written, so a named or "required" call is
+        # constrained from its first token (its arguments could not hold the reasoning)
+        for choice in (named, "required"):
+            r = call(tool_choice=choice, extra_body={"separate_reasoning": False}, max_tokens=60)
+            assert [t.function.name for t in r.choices[0].message.tool_calls] == ["now"]
+        # a continued message that closed its reasoning: its continuation is the answer
+        closed = [*chat_messages("ok?"), {"role": "assistant", "content": "<think>x</think>"}]
+        msg = (
+            ask(
+                messages=closed,
+                max_tokens=30,
+                extra_body={"add_generation_prompt": False, "continue_final_message": True},
+            )
+            .choices[0]
+            .message
+        )
+        assert json.loads(msg.content) in ({"ok": True}, {"ok": False})
     finally:
         s.stop()
 
@@ -1999,8 +2016,9 @@ def test_responses_api_gives_reasoning_items(engine, plain):
     from specdecode.serving.protocol import ResponsesRequest
     from specdecode.serving.responses import response_events, response_object
 
-    def chunk(delta, tokens, finish=None):
-        lp = {"content": [{"token": t, "logprob": -1.0, "bytes": None, "top_logprobs": []}
+    def chunk(delta, tokens, finish=None):  # (tokens labelled by id: their bytes are read)
+        lp = {"content": [{"token": f"token_id:{len(t)}", "logprob": -1.0,
+                           "bytes": list(t.encode()), "top_logprobs": []}
                           for t in tokens]}  # fmt: skip
         return "data: " + json.dumps({"choices": [{"index": 0, "delta": delta, "logprobs": lp,
                                        "finish_reason": finish}]}) + "\n\n"  # fmt: skip
@@ -2033,7 +2051,8 @@ def test_responses_api_gives_reasoning_items(engine, plain):
     assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "sum!"}]
     assert final["output"][1]["content"][0]["text"] == "Four."
     # the message's logprobs are its answer's tokens', from the one its text begins in
-    assert [e["token"] for e in final["output"][1]["content"][0]["logprobs"]] == ["Fo", "ur."]
+    kept = final["output"][1]["content"][0]["logprobs"]
+    assert [bytes(e["bytes"]).decode() for e in kept] == ["Fo", "ur."]
     kinds = [e["type"] for e in events]
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     out = response_object(ResponsesRequest(input="2+2?"), MODEL, whole, thinking=True)["output"]

@@ -71,6 +71,10 @@ def test_whether_a_reply_thinks():
         "<|im_start|>assistant\n"
     )
     assert thinks("qwen3", loop, None) and thinks("deepseek_r1", "say </think> x", None)
+    # a reply continuing a message: that message tells
+    assert not thinks("deepseek_r1", "...</think>\n\nThe ans", None, "</think>\n\nThe ans")
+    assert thinks("deepseek_r1", "...<think>\nso", None, "<think>\nso")
+    assert thinks("deepseek_r1", "...<think>a</think>b<think>c", None, "<think>a</think>b<think>c")
     assert not thinks("qwen3", "hi", {"enable_thinking": False})
     assert thinks("deepseek_r1", "hi", {"enable_thinking": False})  # (qwen3's switch only)
 

@@ -256,6 +256,10 @@ def test_priority_policy_orders_the_queue_and_preempts_the_last_in_its_order():
         for seq in seqs((0, 3, 0), (1, 3, 5), (2, 3, -1), (3, 3, 0)):
             scheduler.add(seq)
         assert [s.seq_id for s in scheduler.waiting] == order
+        scheduler.waiting.rotate(1)  # (refilled by hand, as the culprit search does)
+        scheduler.reorder()
+        assert [s.seq_id for s in scheduler.waiting] == (order if policy == "priority"
+                                                         else [3, 0, 1, 2])  # fmt: skip
     # three blocks of 4 slots: A (priority 5, 3 tokens) and B (priority 0, 9 tokens) running,
     # A first; A's next token fits its block, B's needs a third: A, placed first, gives way
     manager = BlockManager(4, 4)
