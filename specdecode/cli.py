@@ -35,10 +35,11 @@ def _lossless_threshold(text: str) -> float:
 
 
 def _one_device(text: str) -> int:
-    """A tensor-parallel size: 1, the one device this engine runs on."""
+    """A tensor-, pipeline- or data-parallel size: 1, the one device this engine runs on."""
     if text.strip() != "1":
         raise argparse.ArgumentTypeError(
-            f"{text!r}: this engine runs on one device (tensor parallelism is not supported)"
+            f"{text!r}: this engine runs on one device, in one process (no tensor, pipeline "
+            "or data parallelism)"
         )
     return 1
 
@@ -61,6 +62,25 @@ def _only(*values: str, why: str):
         return text.lower()
 
     return parse
+
+
+def _refused(why: str):
+    """An argparse type refusing every value of a flag this engine cannot honour."""
+
+    def parse(text: str) -> str:
+        raise argparse.ArgumentTypeError(f"{text!r}: not supported here: {why}")
+
+    return parse
+
+
+class _Refused(argparse.Action):
+    """A switch this engine cannot honour: refused with the reason (its help)."""
+
+    def __init__(self, option_strings, dest, help=None, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=None, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: not supported here: {self.help}")
 
 
 def _fraction(text: str) -> float:
@@ -131,6 +151,67 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS (vLLM's)")
     g.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS (vLLM's)")
     g.add_argument("--allow-credentials", action="store_true", help="CORS (vLLM's)")
+    g.add_argument(
+        "--block-size",
+        "--page-size",  # (SGLang's)
+        type=_at_least_one,
+        default=16,
+        help="tokens a KV cache block holds (vLLM's; default 16)",
+    )
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the key file (vLLM's)")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate file")
+    g.add_argument("--ssl-ca-certs", default=None, help="HTTPS: the CA certificates file")
+    g.add_argument("--uds", default=None, help="listen on this Unix socket, not a port (vLLM's)")
+    g.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every stream ends with its usage, asked for or not (vLLM's)",
+    )
+    g.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer with an X-Request-Id header: the request's own, else a new id (vLLM's)",
+    )
+    g.add_argument(
+        "--max-logprobs",
+        type=integer(0, 20),
+        default=20,
+        help="the most `logprobs` / `top_logprobs` / `prompt_logprobs` a request may ask for "
+        "(vLLM's; default and most here: 20)",
+    )
+    g.add_argument(
+        "--logprobs-mode",
+        type=_only(
+            "raw_logprobs",
+            why="logprobs are the model's raw distribution's, before "
+            "temperature, penalties and top-k / top-p",
+        ),  # fmt: skip
+        default="raw_logprobs",
+    )
+    g.add_argument(
+        "--enable-reasoning",
+        action="store_true",
+        help="older vLLM's switch for --reasoning-parser (which alone turns it on here)",
+    )
+    for names in (("--pipeline-parallel-size", "-pp"), ("--data-parallel-size", "-dp"),
+                  ("--api-server-count",)):  # fmt: skip
+        g.add_argument(*names, type=_one_device, default=1, help="1: one device, one process")
+    g.add_argument(
+        "--structured-outputs-config.backend",
+        dest="structured_outputs_backend",
+        type=_only("auto", "xgrammar", why="structured outputs run on xgrammar"),
+        default=None,
+        metavar="VALUE",
+        help="vLLM's dotted form of --structured-outputs-config",
+    )
+    g.add_argument(
+        "--structured-outputs-config.enable_in_reasoning",
+        dest="structured_outputs_in_reasoning",
+        type=_only("true", "false", why="a boolean"),
+        default=None,
+        metavar="true|false",
+        help="vLLM's dotted form of --structured-outputs-config",
+    )
     # settings this engine always has: accepted (as in a copied command), nothing to change
     for flag, what in (
         ("--disable-log-requests", "requests are not logged unless --enable-log-requests"),
@@ -139,8 +220,46 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
          "architecture is built in"),
         ("--enforce-eager", "the model runs eagerly (no CUDA graphs)"),
         ("--enable-chunked-prefill", "prefills are chunked by --max-num-batched-tokens"),
+        ("--enable-prompt-tokens-details", "usage always gives the prompt's cached tokens"),
+        ("--disable-custom-all-reduce", "one device: no all-reduce"),
+        ("--disable-frontend-multiprocessing", "the server and the engine share a process"),
+        ("--disable-fastapi-docs", "no OpenAPI docs are ever served"),
+        ("--async-scheduling", "no effect: a step is scheduled after the last one ends"),
     ):  # fmt: skip
         g.add_argument(flag, action="store_true", help=f"accepted: {what}")
+    for flag, what in (
+        ("--max-seq-len-to-capture", "no CUDA graphs are captured"),
+        ("--cuda-graph-sizes", "no CUDA graphs are captured"),
+        ("--compilation-config", "nothing is compiled (the C++ layer loop is built ahead)"),
+        ("--max-parallel-loading-workers", "the weights load in one pass"),
+        ("--distributed-executor-backend", "one process runs the model"),
+    ):  # fmt: skip
+        g.add_argument(flag, metavar="VALUE", default=None, help=f"accepted: {what}")
+    for flag, values, why in (
+        ("--tokenizer-mode", ("auto", "hf"), "the tokenizer is the model's own (Hugging Face)"),
+        ("--task", ("auto", "generate"), "the engine generates text"),
+        ("--runner", ("auto", "generate"), "the engine generates text"),
+        ("--config-format", ("auto", "hf"), "the model's config.json (or its GGUF) is read"),
+        ("--num-scheduler-steps", ("1",), "one scheduling per step"),
+        ("--max-num-partial-prefills", ("1",), "prefills share a step's token budget"),
+        ("--long-prefill-token-threshold", ("0",), "prefills share a step's token budget"),
+        ("--tokenizer-pool-size", ("0",), "tokenization runs in the server's process"),
+        ("--guided-decoding-backend", ("auto", "xgrammar"), "structured outputs run on xgrammar"),
+    ):  # fmt: skip
+        g.add_argument(flag, type=_only(*values, why=why), default=None, metavar="VALUE")
+    # changes this engine cannot make: refused with the reason, not ignored
+    for flag, why in (
+        ("--tokenizer", "the tokenizer is the model's own (its directory's tokenizer files)"),
+        ("--hf-overrides", "the model's config is used as it is"),
+        ("--override-generation-config", "the model's generation_config.json is not read"),
+        ("--lora-modules", "LoRA adapters are not supported"),
+        ("--max-lora-rank", "LoRA adapters are not supported"),
+    ):  # fmt: skip
+        g.add_argument(flag, type=_refused(why), default=None, metavar="VALUE", help=why)
+    g.add_argument("--enable-lora", action=_Refused, help="LoRA adapters are not supported")
+    g.add_argument("--enable-server-load-tracking", action=_Refused,
+                   help="no /load endpoint is served")  # fmt: skip
+    g.add_argument("--headless", action=_Refused, help="the server is the engine's front end")
     g.add_argument(
         "--swap-space",
         type=number(0),
@@ -537,7 +656,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="require 'Authorization: Bearer KEY' (or SPECDECODE_API_KEY)",
     )
-    srv.add_argument("--served-model-name", default=None, help="the model id clients send")
+    srv.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model id clients send; several: the first is the one responses give, the "
+        "others are accepted too (vLLM's)",
+    )
     srv.add_argument(
         "--max-num-seqs",
         "--max-running-requests",  # (SGLang's)

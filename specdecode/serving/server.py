@@ -90,6 +90,9 @@ class ServerConfig:
     # after all that give one (SGLang's), else it counts as 0 (vLLM's)
     priority_sign: int = 1
     priority_absent_last: bool = False
+    force_include_usage: bool = False  # every stream ends with its usage (vLLM's flag)
+    request_id_headers: bool = False  # answers carry X-Request-Id (vLLM's flag)
+    max_logprobs: int = 20  # the most top logprobs a request may ask for (vLLM's flag)
 
 
 class APIError(Exception):
@@ -101,6 +104,28 @@ class APIError(Exception):
 def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
+
+
+class _RequestIdHeader:
+    """vLLM's --enable-request-id-headers: every answer carries `X-Request-Id`, the request's
+    own where it sent one, else a new id."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"x-request-id")
+        rid = given[:128] if given else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                   (b"x-request-id", rid)]}  # fmt: skip
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class _ApiKey:
@@ -231,6 +256,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         # a plain ASGI middleware: Starlette's BaseHTTPMiddleware (@app.middleware) would hide
         # a client's disconnect from the route, and an abandoned request would run to its end
         app.add_middleware(_ApiKey, key=config.api_key)
+    if config.request_id_headers:
+        app.add_middleware(_RequestIdHeader)
     if config.allowed_origins is not None:  # (outside the key: a browser's preflight has none)
         from starlette.middleware.cors import CORSMiddleware
 
@@ -534,6 +561,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         handles: list[RequestHandle] = []
+        for field, asked in (("logprobs", jobs[0][1].logprobs),
+                             ("prompt_logprobs", jobs[0][1].prompt_logprobs)):  # fmt: skip
+            if asked is not None and asked > config.max_logprobs:
+                name = "top_logprobs" if field == "logprobs" and chat else field
+                raise bad_request(f"{name} may be at most {config.max_logprobs} on this server "
+                                  "(serve --max-logprobs)", name)  # fmt: skip
         so = jobs[0][1].structured_output
         if so is not None:  # compile (or fetch) off the event loop; `add` then hits the cache
             try:
@@ -572,7 +605,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         labels = req.return_tokens_as_token_ids
         labels = config.return_tokens_as_token_ids if labels is None else labels
         if req.stream:
-            body = sse(handles, req.include_usage, meta, echoes, req.return_token_ids, labels,
+            usage_too = req.include_usage or config.force_include_usage
+            body = sse(handles, usage_too, meta, echoes, req.return_token_ids, labels,
                        req.continuous_usage)  # fmt: skip
             return StreamingResponse(body, media_type="text/event-stream")
         try:
@@ -1092,12 +1126,19 @@ def run_server(args) -> None:
     model = serve_model(args)
     parser = tool_parser(args)  # (flags checked before the model loads)
     policy, sign = scheduling(args)
+    if args.enable_reasoning and args.reasoning_parser is None:
+        raise SpecDecodeError("--enable-reasoning needs --reasoning-parser (which alone turns it "
+                              "on here)")  # fmt: skip
+    in_reasoning = args.structured_outputs_config.get("enable_in_reasoning", False)
+    if args.structured_outputs_in_reasoning is not None:  # (vLLM's dotted form)
+        in_reasoning = args.structured_outputs_in_reasoning == "true"
     if args.log_level is not None:  # (SGLang's: specdecode's loggers and the HTTP server's)
         logging.getLogger("specdecode").setLevel(args.log_level.upper())
     # (an explicit --kv-cache-memory-gb wins over the fraction, as vLLM's byte budget does)
     fraction = None if args.kv_cache_memory_gb is not None else args.gpu_memory_utilization
     kwargs = {**engine_kwargs(args), "max_num_seqs": args.max_num_seqs,
-              "gpu_memory_utilization": fraction, "scheduling_policy": policy}  # fmt: skip
+              "gpu_memory_utilization": fraction, "scheduling_policy": policy,
+              "block_size": args.block_size}  # fmt: skip
     if args.seed is not None:
         kwargs["seed"] = args.seed
     core = LLMEngine(EngineConfig(model=model, **kwargs))
@@ -1121,7 +1162,10 @@ def run_server(args) -> None:
             reasoning_parser=args.reasoning_parser,
             priority_sign=sign,
             priority_absent_last=args.enable_priority_scheduling,
-            reasoning_in_grammar=args.structured_outputs_config.get("enable_in_reasoning", False),
+            reasoning_in_grammar=in_reasoning,
+            force_include_usage=args.enable_force_include_usage,
+            request_id_headers=args.enable_request_id_headers,
+            max_logprobs=args.max_logprobs,
             allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
             allowed_methods=tuple(args.allowed_methods),
             allowed_headers=tuple(args.allowed_headers),
@@ -1156,6 +1200,10 @@ def run_server(args) -> None:
             root_path=args.root_path,
             log_level=args.uvicorn_log_level or args.log_level or "warning",
             access_log=not args.disable_uvicorn_access_log,
+            uds=args.uds,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs,
         )  # fmt: skip
     )
     http = threading.Thread(target=server.run, name="specdecode-http", daemon=True)
@@ -1163,7 +1211,9 @@ def run_server(args) -> None:
     watcher = threading.Thread(target=_stop_with, args=(http, engine), daemon=True)
     watcher.start()
     restore = _drain_on_sigterm(server, engine, args.shutdown_timeout)
-    print(f"specdecode: serving {name} on http://{args.host}:{args.port}/v1", flush=True)
+    scheme = "https" if args.ssl_certfile else "http"
+    where = f"unix socket {args.uds}" if args.uds else f"{scheme}://{args.host}:{args.port}/v1"
+    print(f"specdecode: serving {name} on {where}", flush=True)
     try:
         engine.run()
     except KeyboardInterrupt:
@@ -1175,7 +1225,7 @@ def run_server(args) -> None:
         if restore is not None:
             restore()
     if not server.started:
-        raise SpecDecodeError(f"the HTTP server could not start on {args.host}:{args.port}")
+        raise SpecDecodeError(f"the HTTP server could not start on {where}")
 
 
 def scheduling(args) -> tuple[str, int]:
@@ -1216,13 +1266,19 @@ def serve_model(args) -> str | None:
     return tag if tag is not None else args.model
 
 
-def served_names(model: str | None, served_model_name: str | None) -> tuple[str, tuple[str, ...]]:
+def served_names(
+    model: str | None, served_model_name: str | list[str] | None
+) -> tuple[str, tuple[str, ...]]:
     """The name the server answers as, and the others a request may use. `--served-model-name`
     alone, as in vLLM; else the model as it was named (the default's Hugging Face id when none
     was), also known by its Hugging Face id where it is a built-in or pullable model: a client
     written for vLLM sends that id, even where the model was named `qwen2.5-coder-1.5b` here."""
     from specdecode.models.loader import DEFAULT_HUB_ID, hub_id
 
+    if isinstance(served_model_name, list):  # (several: the first answers, all are accepted)
+        if len(served_model_name) > 1:
+            return served_model_name[0], tuple(served_model_name[1:])
+        served_model_name = served_model_name[0] if served_model_name else None
     if served_model_name:
         return served_model_name, ()
     name = DEFAULT_HUB_ID if model is None else model

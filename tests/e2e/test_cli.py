@@ -193,7 +193,12 @@ def test_a_copied_vllm_or_sglang_serve_command_parses_or_says_why_not(capsys):
          "--kv-cache-dtype auto --load-format safetensors --revision main --generation-config "
          "vllm --uvicorn-log-level info --disable-uvicorn-access-log --root-path /llm "
          '--allowed-origins ["https://a.example"] --enable-log-requests --max-log-len 40 '
-         "--chat-template-content-format string --quantization None --reasoning-parser "
+         "--chat-template-content-format string --quantization None --block-size 16 "
+         "--enable-prompt-tokens-details --disable-custom-all-reduce --max-seq-len-to-capture "
+         "8192 -pp 1 --data-parallel-size 1 --distributed-executor-backend mp --tokenizer-mode "
+         "auto --task generate --guided-decoding-backend xgrammar --max-logprobs 20 "
+         "--logprobs-mode raw_logprobs --async-scheduling --compilation-config {} "
+         "--disable-fastapi-docs --reasoning-parser "
          'deepseek_r1 --structured-outputs-config {"enable_in_reasoning":true}').split()
     )  # fmt: skip
     assert (args.gpu_memory_utilization, args.seed, args.root_path) == (0.9, 7, "/llm")
@@ -236,6 +241,14 @@ def test_a_copied_vllm_or_sglang_serve_command_parses_or_says_why_not(capsys):
         ("--gpu-memory-utilization 1.5", "fraction in (0, 1]"),
         ("--allowed-origins *", "JSON list"),
         ("--reasoning-parser granite", "deepseek_r1, deepseek-r1, qwen3"),
+        ("--tokenizer other", "the model's own"),
+        ("--enable-lora", "LoRA adapters are not supported"),
+        ("--lora-modules a=b", "LoRA adapters are not supported"),
+        ("--hf-overrides {}", "used as it is"),
+        ("-pp 2", "no tensor, pipeline or data parallelism"),
+        ("--max-logprobs 21", "at most 20"),
+        ("--logprobs-mode processed_logprobs", "raw distribution"),
+        ("--num-scheduler-steps 8", "one scheduling per step"),
         ('--structured-outputs-config {"backend":"outlines"}', "run on xgrammar"),
         ('--structured-outputs-config {"disable_any_whitespace":true}', "not settable here"),
     ]:

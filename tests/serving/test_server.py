@@ -22,7 +22,7 @@ import uvicorn
 from specdecode import LLM, SamplingParams
 from specdecode.config import EngineConfig
 from specdecode.engine.engine import LLMEngine
-from specdecode.errors import InvalidRequestError
+from specdecode.errors import InvalidRequestError, SpecDecodeError
 from specdecode.serving.async_engine import AsyncLLMEngine
 from specdecode.serving.server import ServerConfig, build_app
 
@@ -1515,6 +1515,85 @@ def test_serve_times_its_step_costs_before_it_listens(tiny_llama_dir, monkeypatc
     )
     run_server(args)
     assert events == (["calibrate", "listen"] if calibrated else ["listen"])
+
+
+def test_a_copied_serve_commands_settings_reach_the_engine_and_the_http_server(
+    tiny_llama_dir, monkeypatch, tmp_path
+):
+    """vLLM's flags of a copied command take their meaning: the block size and the priority
+    policy reach the engine, a Unix socket and TLS files reach uvicorn, several served names,
+    forced usage, request-id headers and the logprobs limit reach the server."""
+    from specdecode.cli import build_parser
+    from specdecode.serving import server as srv
+
+    seen = {}
+    real_build = srv.build_app
+
+    def build_app(engine, config):
+        seen["engine"], seen["config"] = engine, config
+        return real_build(engine, config)
+
+    class Listening:
+        def __init__(self, config):
+            seen["uvicorn"] = config
+            self.started, self.should_exit = True, False
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(srv, "build_app", build_app)
+    monkeypatch.setattr(uvicorn, "Server", Listening)
+    sock = str(tmp_path / "s.sock")
+    args = build_parser().parse_args(
+        ["serve", str(tiny_llama_dir), "--speculative-policy", "off", "--block-size", "32",
+         "--scheduling-policy", "priority", "--uds", sock, "--ssl-keyfile", "k.pem",
+         "--ssl-certfile", "c.pem", "--served-model-name", "a", "b", "--max-logprobs", "3",
+         "--enable-force-include-usage", "--enable-request-id-headers", "--reasoning-parser",
+         "qwen3", "--structured-outputs-config.enable_in_reasoning", "true",
+         "--enable-prompt-tokens-details", "--max-seq-len-to-capture", "8192", "-pp", "1"]
+    )  # fmt: skip
+    srv.run_server(args)
+    engine, config, http = seen["engine"].engine, seen["config"], seen["uvicorn"]
+    assert engine.config.block_size == 32 and engine.manager.block_size == 32
+    assert engine.config.scheduling_policy == "priority"
+    assert (http.uds, http.ssl_keyfile, http.ssl_certfile) == (sock, "k.pem", "c.pem")
+    assert (config.served_model_name, config.aliases) == ("a", ("b",))
+    assert (config.max_logprobs, config.force_include_usage, config.request_id_headers) == (
+        3, True, True)  # fmt: skip
+    assert config.reasoning_parser == "qwen3" and config.reasoning_in_grammar
+    with pytest.raises(SpecDecodeError, match="needs --reasoning-parser"):
+        srv.run_server(build_parser().parse_args(["serve", "m", "--enable-reasoning"]))
+
+
+def test_usage_request_ids_and_the_logprobs_limit_when_asked(engine):
+    """--enable-force-include-usage: a stream ends with its usage unasked;
+    --enable-request-id-headers: X-Request-Id, the client's own or a new one; --max-logprobs:
+    more is a 400 naming the field."""
+    s = Served(engine, api_key=None, force_include_usage=True, request_id_headers=True,
+               max_logprobs=1)  # fmt: skip
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none")
+        chunks = list(c.chat.completions.create(model=MODEL, messages=chat_messages("x"),
+                                                max_tokens=3, stream=True))  # fmt: skip
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+        r = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=chat_messages("x"), max_tokens=1,
+            extra_headers={"X-Request-Id": "mine-1"})  # fmt: skip
+        assert r.headers["x-request-id"] == "mine-1"
+        conn = http.client.HTTPConnection("127.0.0.1", s.port)
+        conn.request("GET", "/v1/models")
+        assert len(conn.getresponse().getheader("x-request-id")) == 32  # a new one
+        for ask, param in ((dict(logprobs=True, top_logprobs=2), "top_logprobs"),):
+            with pytest.raises(openai.BadRequestError, match="--max-logprobs") as e:
+                c.chat.completions.create(model=MODEL, messages=chat_messages("x"), max_tokens=1,
+                                          **ask)  # fmt: skip
+            assert e.value.body["param"] == param
+        with pytest.raises(openai.BadRequestError, match="at most 1") as e:
+            c.completions.create(model=MODEL, prompt="x", max_tokens=1, logprobs=2)
+        assert e.value.body["param"] == "logprobs"
+        assert c.completions.create(model=MODEL, prompt="x", max_tokens=1, logprobs=1).choices
+    finally:
+        s.stop()
 
 
 WEATHER_TOOL = {

@@ -55,6 +55,8 @@ def test_served_names():
     )  # fmt: skip
     assert served_names("/models/x", None) == ("/models/x", ())
     assert served_names("qwen2.5-coder-1.5b", "coder") == ("coder", ())  # alone, as in vLLM
+    assert served_names("m", ["coder"]) == ("coder", ())
+    assert served_names("m", ["a", "b", "c"]) == ("a", ("b", "c"))  # (vLLM's several names)
 
 
 def test_serve_takes_the_model_as_vllm_does_or_by_flag():
