@@ -160,7 +160,11 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the key file (vLLM's)")
     g.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate file")
-    g.add_argument("--ssl-ca-certs", default=None, help="HTTPS: the CA certificates file")
+    g.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        help="HTTPS: the CA certificates file (clients are not asked for certificates)",
+    )
     g.add_argument("--uds", default=None, help="listen on this Unix socket, not a port (vLLM's)")
     g.add_argument(
         "--enable-force-include-usage",
@@ -174,10 +178,10 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-logprobs",
-        type=integer(0, 20),
+        type=integer(-1, 20),
         default=20,
         help="the most `logprobs` / `top_logprobs` / `prompt_logprobs` a request may ask for "
-        "(vLLM's; default and most here: 20)",
+        "(vLLM's; default and most here: 20; -1, vLLM's \"no limit\": 20)",
     )
     g.add_argument(
         "--logprobs-mode",
@@ -187,6 +191,7 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
             "temperature, penalties and top-k / top-p",
         ),  # fmt: skip
         default="raw_logprobs",
+        help="accepted: raw_logprobs (the model's raw distribution's)",
     )
     g.add_argument(
         "--enable-reasoning",
@@ -228,13 +233,15 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
     ):  # fmt: skip
         g.add_argument(flag, action="store_true", help=f"accepted: {what}")
     for flag, what in (
-        ("--max-seq-len-to-capture", "no CUDA graphs are captured"),
-        ("--cuda-graph-sizes", "no CUDA graphs are captured"),
-        ("--compilation-config", "nothing is compiled (the C++ layer loop is built ahead)"),
-        ("--max-parallel-loading-workers", "the weights load in one pass"),
-        ("--distributed-executor-backend", "one process runs the model"),
+        (("--max-seq-len-to-capture",), "no CUDA graphs are captured"),
+        (("--compilation-config", "-O"), "nothing is compiled (the C++ layer loop is built "
+         "ahead)"),
+        (("--max-parallel-loading-workers",), "the weights load in one pass"),
+        (("--distributed-executor-backend",), "one process runs the model"),
     ):  # fmt: skip
-        g.add_argument(flag, metavar="VALUE", default=None, help=f"accepted: {what}")
+        g.add_argument(*flag, metavar="VALUE", default=None, help=f"accepted: {what}")
+    g.add_argument("--cuda-graph-sizes", nargs="+", metavar="N", default=None,
+                   help="accepted: no CUDA graphs are captured")  # fmt: skip
     for flag, values, why in (
         ("--tokenizer-mode", ("auto", "hf"), "the tokenizer is the model's own (Hugging Face)"),
         ("--task", ("auto", "generate"), "the engine generates text"),
@@ -246,7 +253,8 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
         ("--tokenizer-pool-size", ("0",), "tokenization runs in the server's process"),
         ("--guided-decoding-backend", ("auto", "xgrammar"), "structured outputs run on xgrammar"),
     ):  # fmt: skip
-        g.add_argument(flag, type=_only(*values, why=why), default=None, metavar="VALUE")
+        g.add_argument(flag, type=_only(*values, why=why), default=None, metavar="VALUE",
+                       help=f"accepted: {' or '.join(values)} ({why})")  # fmt: skip
     # changes this engine cannot make: refused with the reason, not ignored
     for flag, why in (
         ("--tokenizer", "the tokenizer is the model's own (its directory's tokenizer files)"),

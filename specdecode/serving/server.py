@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import re
 import secrets
 import threading
@@ -116,8 +117,8 @@ class _RequestIdHeader:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or []).get(b"x-request-id")
-        rid = given[:128] if given else uuid.uuid4().hex.encode()
+        given = (dict(scope.get("headers") or []).get(b"x-request-id") or b"")[:512].strip()
+        rid = given or uuid.uuid4().hex.encode()  # (a cut may not end in whitespace)
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
@@ -1115,8 +1116,6 @@ def tool_finish(tools: ToolCalling, called: bool, finish: str | None) -> str | N
 
 def run_server(args) -> None:
     """`specdecode serve`: load the engine, then serve until interrupted."""
-    import os
-
     import uvicorn
 
     from specdecode.cli import engine_kwargs
@@ -1124,7 +1123,13 @@ def run_server(args) -> None:
     from specdecode.engine.engine import LLMEngine
 
     model = serve_model(args)
+    if model is None and args.served_model_name and len(args.served_model_name) > 1:
+        raise SpecDecodeError(
+            f"no model given, and --served-model-name took {args.served_model_name}: name the "
+            "model before --served-model-name (its several names take what follows)"
+        )
     parser = tool_parser(args)  # (flags checked before the model loads)
+    check_tls(args)
     policy, sign = scheduling(args)
     if args.enable_reasoning and args.reasoning_parser is None:
         raise SpecDecodeError("--enable-reasoning needs --reasoning-parser (which alone turns it "
@@ -1165,7 +1170,7 @@ def run_server(args) -> None:
             reasoning_in_grammar=in_reasoning,
             force_include_usage=args.enable_force_include_usage,
             request_id_headers=args.enable_request_id_headers,
-            max_logprobs=args.max_logprobs,
+            max_logprobs=20 if args.max_logprobs == -1 else args.max_logprobs,
             allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
             allowed_methods=tuple(args.allowed_methods),
             allowed_headers=tuple(args.allowed_headers),
@@ -1226,6 +1231,17 @@ def run_server(args) -> None:
             restore()
     if not server.started:
         raise SpecDecodeError(f"the HTTP server could not start on {where}")
+
+
+def check_tls(args) -> None:
+    """HTTPS needs its certificate; each file given must be there (checked before the model
+    loads, not when the port opens)."""
+    if (args.ssl_keyfile or args.ssl_ca_certs) and not args.ssl_certfile:
+        raise SpecDecodeError("--ssl-keyfile / --ssl-ca-certs need --ssl-certfile")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):  # fmt: skip
+        if path is not None and not os.path.isfile(path):
+            raise SpecDecodeError(f"{flag}: no file {path!r}")
 
 
 def scheduling(args) -> tuple[str, int]:

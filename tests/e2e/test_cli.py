@@ -198,7 +198,7 @@ def test_a_copied_vllm_or_sglang_serve_command_parses_or_says_why_not(capsys):
          "8192 -pp 1 --data-parallel-size 1 --distributed-executor-backend mp --tokenizer-mode "
          "auto --task generate --guided-decoding-backend xgrammar --max-logprobs 20 "
          "--logprobs-mode raw_logprobs --async-scheduling --compilation-config {} "
-         "--disable-fastapi-docs --reasoning-parser "
+         "--disable-fastapi-docs --cuda-graph-sizes 1 2 4 -O3 --reasoning-parser "
          'deepseek_r1 --structured-outputs-config {"enable_in_reasoning":true}').split()
     )  # fmt: skip
     assert (args.gpu_memory_utilization, args.seed, args.root_path) == (0.9, 7, "/llm")

@@ -1544,10 +1544,13 @@ def test_a_copied_serve_commands_settings_reach_the_engine_and_the_http_server(
     monkeypatch.setattr(srv, "build_app", build_app)
     monkeypatch.setattr(uvicorn, "Server", Listening)
     sock = str(tmp_path / "s.sock")
+    key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
+    key.write_text("k")
+    cert.write_text("c")
     args = build_parser().parse_args(
         ["serve", str(tiny_llama_dir), "--speculative-policy", "off", "--block-size", "32",
-         "--scheduling-policy", "priority", "--uds", sock, "--ssl-keyfile", "k.pem",
-         "--ssl-certfile", "c.pem", "--served-model-name", "a", "b", "--max-logprobs", "3",
+         "--scheduling-policy", "priority", "--uds", sock, "--ssl-keyfile", str(key),
+         "--ssl-certfile", str(cert), "--served-model-name", "a", "b", "--max-logprobs", "3",
          "--enable-force-include-usage", "--enable-request-id-headers", "--reasoning-parser",
          "qwen3", "--structured-outputs-config.enable_in_reasoning", "true",
          "--enable-prompt-tokens-details", "--max-seq-len-to-capture", "8192", "-pp", "1"]
@@ -1556,13 +1559,20 @@ def test_a_copied_serve_commands_settings_reach_the_engine_and_the_http_server(
     engine, config, http = seen["engine"].engine, seen["config"], seen["uvicorn"]
     assert engine.config.block_size == 32 and engine.manager.block_size == 32
     assert engine.config.scheduling_policy == "priority"
-    assert (http.uds, http.ssl_keyfile, http.ssl_certfile) == (sock, "k.pem", "c.pem")
+    assert (http.uds, http.ssl_keyfile, http.ssl_certfile) == (sock, str(key), str(cert))
     assert (config.served_model_name, config.aliases) == ("a", ("b",))
     assert (config.max_logprobs, config.force_include_usage, config.request_id_headers) == (
         3, True, True)  # fmt: skip
     assert config.reasoning_parser == "qwen3" and config.reasoning_in_grammar
-    with pytest.raises(SpecDecodeError, match="needs --reasoning-parser"):
-        srv.run_server(build_parser().parse_args(["serve", "m", "--enable-reasoning"]))
+    # refused before anything loads
+    for flags, message in (
+        ("m --enable-reasoning", "needs --reasoning-parser"),
+        (f"m --ssl-keyfile {key}", "need --ssl-certfile"),
+        (f"m --ssl-certfile {tmp_path / 'none.pem'}", "no file"),
+        ("--served-model-name a m", "name the model before --served-model-name"),
+    ):
+        with pytest.raises(SpecDecodeError, match=message):
+            srv.run_server(build_parser().parse_args(["serve", *flags.split()]))
 
 
 def test_usage_request_ids_and_the_logprobs_limit_when_asked(engine):
