@@ -64,6 +64,7 @@ class ServerConfig:
     # further names a request's "model" may use (the model as it was named, its Hugging Face
     # id); responses and /v1/models carry served_model_name
     aliases: tuple[str, ...] = ()
+    listed: tuple[str, ...] = ()  # of the aliases, those /v1/models lists too (vLLM's names)
     max_request_bytes: int = 1 << 20  # 1 MiB of JSON
     max_n: int = 16
     max_prompts: int = 64  # prompts in one /v1/completions request
@@ -353,14 +354,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
-        card = {
-            "id": config.served_model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "specdecode",
-            "max_model_len": core.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        cards = [
+            {"id": name, "object": "model", "created": int(time.time()),
+             "owned_by": "specdecode", "max_model_len": core.max_model_len}
+            for name in (config.served_model_name, *config.listed)
+        ]  # fmt: skip
+        return {"object": "list", "data": cards}
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():
@@ -1155,6 +1154,7 @@ def run_server(args) -> None:
         ServerConfig(
             served_model_name=name,
             aliases=aliases,
+            listed=aliases if args.served_model_name else (),  # (several names: all listed)
             api_key=api_key,
             max_request_bytes=args.max_request_bytes,
             max_n=args.max_n,

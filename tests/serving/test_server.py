@@ -1560,7 +1560,7 @@ def test_a_copied_serve_commands_settings_reach_the_engine_and_the_http_server(
     assert engine.config.block_size == 32 and engine.manager.block_size == 32
     assert engine.config.scheduling_policy == "priority"
     assert (http.uds, http.ssl_keyfile, http.ssl_certfile) == (sock, str(key), str(cert))
-    assert (config.served_model_name, config.aliases) == ("a", ("b",))
+    assert (config.served_model_name, config.aliases, config.listed) == ("a", ("b",), ("b",))
     assert (config.max_logprobs, config.force_include_usage, config.request_id_headers) == (
         3, True, True)  # fmt: skip
     assert config.reasoning_parser == "qwen3" and config.reasoning_in_grammar
@@ -1576,13 +1576,15 @@ def test_a_copied_serve_commands_settings_reach_the_engine_and_the_http_server(
 
 
 def test_usage_request_ids_and_the_logprobs_limit_when_asked(engine):
-    """--enable-force-include-usage: a stream ends with its usage unasked;
+    """Several served names are all listed; --enable-force-include-usage: a stream ends with
+    its usage unasked;
     --enable-request-id-headers: X-Request-Id, the client's own or a new one; --max-logprobs:
     more is a 400 naming the field."""
     s = Served(engine, api_key=None, force_include_usage=True, request_id_headers=True,
-               max_logprobs=1)  # fmt: skip
+               max_logprobs=1, aliases=("other",), listed=("other",))  # fmt: skip
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="none")
+        assert [m.id for m in c.models.list().data] == [MODEL, "other"]  # (vLLM's names)
         chunks = list(c.chat.completions.create(model=MODEL, messages=chat_messages("x"),
                                                 max_tokens=3, stream=True))  # fmt: skip
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
