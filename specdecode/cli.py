@@ -64,6 +64,22 @@ def _only(*values: str, why: str):
     return parse
 
 
+def _quantization(text: str) -> str | None:
+    """--quantization: none, int8 (w8a8_int8, SGLang's name) or int4; checkpoint formats
+    (AWQ, GPTQ, fp8, ...) are refused with the reason."""
+    value = text.lower()
+    if value == "none":
+        return None
+    if value in ("int8", "w8a8_int8"):
+        return "int8"
+    if value == "int4":
+        return "int4"
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: weights load as stored (a GGUF is dequantized) and are quantized here only "
+        "as int8 or int4 (none, int8, w8a8_int8, int4)"
+    )
+
+
 def _refused(why: str):
     """An argparse type refusing every value of a flag this engine cannot honour."""
 
@@ -280,16 +296,6 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
         default="auto",
     )
     g.add_argument(
-        "--quantization",
-        "-q",
-        type=_only(
-            "none",
-            why="weights load as stored (a GGUF is dequantized); drafters take "
-            '"draft_dtype": "int8" / "int4" in --speculative-config',
-        ),  # fmt: skip
-        default=None,
-    )
-    g.add_argument(
         "--load-format",
         type=_only(
             "auto",
@@ -388,6 +394,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "Ampere); float32 is the exact one",
     )
     p.add_argument("--device", type=_device, default="auto", help="cpu, cuda[:N], or auto")
+    p.add_argument(
+        "--quantization",
+        "-q",
+        type=_quantization,
+        default=None,
+        help="int8 (SGLang's w8a8_int8: int8 weights per output row, activations to int8 per "
+        "token) or int4 (int4 weights; AVX512_VNNI): the target's projections quantized at "
+        "load for the CPU kernels, a quarter (an eighth) of fp32's bytes a step; a "
+        "quantized target is another model (speculation is exact with respect to it). "
+        'none: as loaded. Drafters take "draft_dtype" in --speculative-config',
+    )
     p.add_argument("--max-model-len", "--context-length", type=_at_least_one, default=None)
     p.add_argument(
         "--tensor-parallel-size",
@@ -624,6 +641,7 @@ def engine_kwargs(args: argparse.Namespace, default_policy: str = "adaptive") ->
         kv_cache_memory_gb=args.kv_cache_memory_gb or EngineConfig.kv_cache_memory_gb,
         allow_pickle=args.allow_pickle,
         kernels=args.kernels,
+        quantization=getattr(args, "quantization", None),
         max_num_batched_tokens=args.max_num_batched_tokens,
         chat_template=args.chat_template,
         # serve and generate: on unless told; measurements (bench, advise) and data generation

@@ -208,6 +208,11 @@ class EngineConfig:
     # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (each request's
     # priority, lower first, then arrival: the waiting order, and who is preempted first)
     scheduling_policy: str = "fcfs"
+    # the target's projections quantized at load for the CPU kernels: "int8" (SGLang's
+    # w8a8_int8: int8 weights per output row, activations to int8 per token, vpdpbusd) or
+    # "int4" (int4 weights, AVX512_VNNI); None: as loaded. A quantized target is another
+    # model: speculation stays exact with respect to it, not to the unquantized one
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         """Values the engine would misread or run crippled with, refused at once (the flags'
@@ -233,6 +238,10 @@ class EngineConfig:
         ):
             raise InvalidRequestError(
                 f"max_model_len must be at least 1, got {self.max_model_len!r}"
+            )
+        if self.quantization not in (None, "int8", "int4"):
+            raise InvalidRequestError(
+                f"quantization must be int8, int4 or None, got {self.quantization!r}"
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidRequestError(

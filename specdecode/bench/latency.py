@@ -66,15 +66,19 @@ def _bandwidth_of_one_buffer(numel: int, repeats: int) -> float:
     return best
 
 
-def streamed_weight_bytes(config, dtype: torch.dtype) -> int:
+def streamed_weight_bytes(config, dtype: torch.dtype, quantization: str | None = None) -> int:
     """Bytes of every matrix a decode step multiplies by: each layer's projections and the LM
-    head (norms and biases are negligible; the embedding row lookup is one row)."""
+    head (norms and biases are negligible; the embedding row lookup is one row), stored in
+    `dtype`, or as `quantization` packs them (int8: a byte a weight, int4: half; their per-row
+    scales are negligible)."""
     c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     per_layer = (
         c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * (c.intermediate_size)
     )
     params = c.num_layers * per_layer + c.vocab_size * c.hidden_size
+    if quantization is not None:
+        return int(params * {"int8": 1, "int4": 0.5}[quantization])
     return params * torch.empty((), dtype=dtype).element_size()
 
 
@@ -120,10 +124,14 @@ def run_latency(args: argparse.Namespace) -> dict:
         ]
     from specdecode.engine.engine import resolve_dtype
 
-    weight_bytes = streamed_weight_bytes(llm.engine.model_config, resolve_dtype(args.dtype))
+    quantization = llm.engine.config.quantization
+    weight_bytes = streamed_weight_bytes(
+        llm.engine.model_config, resolve_dtype(args.dtype), quantization
+    )
     result = {
         "model": str(llm.engine.model_path.name),
         "dtype": args.dtype,
+        "quantization": quantization,
         "machine": machine(),
         "max_tokens": args.max_tokens,
         "tok_s": {k: sum(v) / len(v) for k, v in rates.items()},
@@ -176,7 +184,8 @@ def _hf_generator(llm, tok):
 
 
 def _print(r: dict) -> None:
-    print(f"model {r['model']}  dtype {r['dtype']}  {r['machine']}")
+    quantized = f"  quantization {r['quantization']}" if r.get("quantization") else ""
+    print(f"model {r['model']}  dtype {r['dtype']}{quantized}  {r['machine']}")
     print(f"decode tok/s at batch 1, greedy, {r['max_tokens']} tokens, mean of prompts:")
     for name, rate in r["tok_s"].items():
         print(f"  {name:<14} {rate:7.1f} tok/s  ({1e3 / rate:6.1f} ms/token)")

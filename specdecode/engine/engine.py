@@ -78,9 +78,11 @@ class LLMEngine:
         dtype, device = resolve_dtype(config.dtype), resolve_device(config.device)
         if share_model_with is not None:
             other = share_model_with
-            keys = ("model", "dtype", "device", "kernels")
+            keys = ("model", "dtype", "device", "kernels", "quantization")
             if any(getattr(other.config, k) != getattr(config, k) for k in keys):
-                raise ValueError("share_model_with needs the same model, dtype, device, kernels")
+                raise ValueError(
+                    "share_model_with needs the same model, dtype, device, kernels, quantization"
+                )
             self.model, self.model_config = other.model, other.model_config
             self.model_path, self.tokenizer = other.model_path, other.tokenizer
         else:
@@ -92,7 +94,11 @@ class LLMEngine:
             if config.kernels == "auto":
                 from specdecode.models.fast import accelerate
 
-                accelerate(self.model)
+                weights = {"int8": torch.int8, "int4": torch.int4}.get(config.quantization)
+                if not accelerate(self.model, weights) and weights is not None:
+                    raise InvalidRequestError(_quantization_unavailable(config.quantization))
+            elif config.quantization is not None:
+                raise InvalidRequestError(_quantization_unavailable(config.quantization))
             self.tokenizer = load_tokenizer(loaded.path)
         self.chat_template = _load_chat_template(config.chat_template)
         mc = self.model_config
@@ -789,3 +795,11 @@ def _load_chat_template(given: str | None) -> str | None:
     except jinja2.TemplateSyntaxError as e:
         raise InvalidRequestError(f"the chat template is not valid Jinja: {e}") from None
     return template
+
+
+def _quantization_unavailable(kind: str) -> str:
+    what = "an x86 CPU with AVX-512 or AVX2" if kind == "int8" else "a CPU with AVX512_VNNI"
+    return (
+        f"quantization {kind} runs on the CPU kernels: it needs {what}, --kernels auto, the "
+        "model on the CPU, in float32 or bfloat16"
+    )

@@ -2,7 +2,8 @@
 
 `accelerate(model)` transforms a loaded `LlamaModel` after construction (the model code itself
 does not branch on it): every projection is packed for the small-M kernels of `kernels.py`
-(fp32 or bf16 storage, as the model was loaded, or int8 / int4 for drafters), the unpacked
+(fp32 or bf16 storage, as the model was loaded, or int8 / int4: a drafter's `draft_dtype`, a
+target's `quantization`), the unpacked
 copies are freed, and `model.fast` is set, which `LlamaModel.forward` / `compute_logits` hand
 over to. Activations, norms and the KV cache are fp32 on this path, whatever the weight dtype:
 bf16 (int8, int4) only halves (quarters, eighths) the bytes streamed per step; with bf16
@@ -131,7 +132,7 @@ def can_accelerate(model) -> bool:
 def accelerate(model, weight_dtype: torch.dtype | None = None) -> bool:
     """Switch `model` to the fast path if this machine supports it; True if it did.
     `weight_dtype` (default: the model's) is how the projections are stored: fp32, bf16, or
-    int8 / int4 (for drafters; see kernels.pack)."""
+    int8 / int4 (a drafter's draft_dtype, a target's quantization; see kernels.pack)."""
     if model.fast is not None:
         return True
     if not can_accelerate(model):

@@ -231,6 +231,8 @@ def test_a_copied_vllm_or_sglang_serve_command_parses_or_says_why_not(capsys):
     )  # fmt: skip
     assert (sglang.gpu_memory_utilization, sglang.seed, sglang.log_level) == (0.8, 3, "info")
     assert sglang.reasoning_parser == "deepseek_r1"
+    for given, want in (("int8", "int8"), ("w8a8_int8", "int8"), ("int4", "int4"), ("None", None)):
+        assert build_parser().parse_args(["serve", "-q", given]).quantization == want
     for flags, why in [
         ("--kv-cache-dtype fp8", "no fp8 cache"),
         ("--quantization awq", "weights load as stored"),

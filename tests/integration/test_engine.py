@@ -408,6 +408,7 @@ def test_sampling_values_of_the_wrong_type_are_refused(kwargs, message):
         ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be True or False"),
         ({"seed": "x"}, "seed must be an integer"),
         ({"scheduling_policy": "lifo"}, "scheduling_policy must be fcfs or priority"),
+        ({"quantization": "fp8"}, "quantization must be int8, int4 or None"),
     ],
 )
 def test_engine_settings_of_the_wrong_value_are_refused_before_loading(setting, message):

@@ -200,6 +200,32 @@ def test_quantized_draft_greedy_equals_plain(plain, tiny_llama_dir, dtype):
     assert spec.engine.spec_stats.acceptance_rate > 0.5  # itself, quantised: mostly agrees
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_quantized_target_speculates_exactly(tiny_llama_dir, dtype):
+    """`quantization` int8 / int4: the target's projections and LM head packed so (a quarter,
+    an eighth of fp32's bytes); speculation (n-gram, a draft model) gives exactly the
+    quantized target's own greedy output. Where the CPU cannot run it, a clear error."""
+    from specdecode import kernels
+
+    ready = kernels.available() and (dtype == "int8" or kernels.int4_ready())
+    if not ready:
+        with pytest.raises(InvalidRequestError, match=f"quantization {dtype} runs on the CPU"):
+            LLM(str(tiny_llama_dir), quantization=dtype)
+        return
+    plain = LLM(str(tiny_llama_dir), quantization=dtype)
+    assert plain.engine.model.fast.lm_head.dtype == getattr(torch, dtype)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy(30))]
+    for cfg in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+                {"method": "draft_model", "model": str(tiny_llama_dir),
+                 "num_speculative_tokens": 3}):  # fmt: skip
+        spec = LLM(str(tiny_llama_dir), quantization=dtype, speculative_config=cfg,
+                   speculative_policy="static")  # fmt: skip
+        assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(30))] == want
+        assert spec.engine.spec_stats.num_accepted_tokens > 0
+    with pytest.raises(InvalidRequestError, match="--kernels auto"):
+        LLM(str(tiny_llama_dir), quantization=dtype, kernels="off")
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_reduced_draft_vocab_is_lossless(plain, tiny_llama_dir, temperature):
     """A draft LM head cut to the first ids: greedy output unchanged, sampled drafts stay in
