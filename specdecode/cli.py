@@ -1089,6 +1089,15 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.structured import add_args as add_structured_bench_args
 
     add_structured_bench_args(st_bench)
+    q_bench = bsub.add_parser(
+        "quantization",
+        help="fp32 / bf16 / int8 / int4 targets side by side: decode tok/s, and agreement "
+        "with fp32's greedy replies",
+    )
+    add_engine_args(q_bench)
+    from specdecode.bench.quantization import add_args as add_quantization_bench_args
+
+    add_quantization_bench_args(q_bench)
     suite = bsub.add_parser(
         "suite",
         help="every method x workload x temperature (and concurrency) per target, with the "
@@ -1605,6 +1614,10 @@ def main(argv: list[str] | None = None) -> int:
             from specdecode.bench.structured import run_structured_bench
 
             run_structured_bench(args)
+        elif args.command == "bench" and args.bench == "quantization":
+            from specdecode.bench.quantization import run_quantization_bench
+
+            run_quantization_bench(args)
         elif args.command == "bench" and args.bench == "prefix":
             from specdecode.bench.prefix import run_prefix_bench
 

@@ -615,6 +615,29 @@ def test_bench_structured_reports_each_mode(tiny_llama_dir, tmp_path):
     assert constrained["plain"]["valid_json"] == constrained["spec"]["valid_json"]
 
 
+def test_bench_quantization_compares_settings_with_fp32(tiny_llama_dir, tmp_path):
+    """`bench quantization`: each setting's decode rate and its agreement with fp32's greedy
+    replies, measured (fp32 agrees with itself wholly; a quantized target, as far as it does)."""
+    from specdecode import kernels
+
+    if not kernels.available():
+        pytest.skip("int8 runs on the CPU kernels")
+    model = _roomy_tiny(tiny_llama_dir, tmp_path)
+    out = tmp_path / "q.json"
+    r = run(
+        "bench", "quantization", "--model", str(model), "--settings", "int8", "--workloads",
+        "chat", "--num-prompts", "2", "--max-tokens", "6", "--rounds", "1", "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    fp32, int8 = got["settings"]["fp32"], got["settings"]["int8"]
+    assert fp32["top1_agreement"] == 1.0 and fp32["first_departure"] == [6, 6]
+    assert 0 <= int8["top1_agreement"] <= 1 and int8["tok_s"] > 0 and fp32["speedup_vs_fp32"] == 1
+    assert got["reference_tokens"] == 12 and "top-1" in r.stdout
+    bad = run("bench", "quantization", "--settings", "fp8")
+    assert bad.returncode == 2 and "fp32, bf16, int8, int4" in bad.stderr
+
+
 def test_bench_prefix_compares_caching_off_and_on(tiny_llama_dir, tmp_path):
     model = _roomy_tiny(tiny_llama_dir, tmp_path)
     out = tmp_path / "prefix.json"
