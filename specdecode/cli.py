@@ -400,7 +400,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=_quantization,
         default=None,
         help="int8 (SGLang's w8a8_int8: int8 weights per output row, activations to int8 per "
-        "token) or int4 (int4 weights; AVX512_VNNI): the target's projections quantized at "
+        "token with AVX512_VNNI, weight-only without) or int4 (int4 weights; AVX512_VNNI): "
+        "the target's projections quantized at "
         "load for the CPU kernels, a quarter (an eighth) of fp32's bytes a step; a "
         "quantized target is another model (speculation is exact with respect to it). "
         'none: as loaded. Drafters take "draft_dtype" in --speculative-config',
@@ -1275,6 +1276,12 @@ def cmd_train(args: argparse.Namespace) -> None:
     from specdecode.train.draft import DraftTrainConfig, train_draft
 
     heads = args.train in ("medusa", "eagle", "eagle3")
+    if getattr(args, "quantization", None) is not None:
+        raise InvalidRequestError(
+            "--quantization: training reads the target's features through its full-precision "
+            "weights; train as loaded (a head trained so drafts for a quantized target too)",
+            "quantization",
+        )
     _check_train_out(Path(args.out), args.resume, args.init)
     if args.resume:  # (what there is to resume, before the data and the model)
         from specdecode.train.draft import resume_draft_config

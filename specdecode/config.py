@@ -209,7 +209,8 @@ class EngineConfig:
     # priority, lower first, then arrival: the waiting order, and who is preempted first)
     scheduling_policy: str = "fcfs"
     # the target's projections quantized at load for the CPU kernels: "int8" (SGLang's
-    # w8a8_int8: int8 weights per output row, activations to int8 per token, vpdpbusd) or
+    # w8a8_int8: int8 weights per output row, activations to int8 per token with vpdpbusd on
+    # AVX512_VNNI, weight-only without) or
     # "int4" (int4 weights, AVX512_VNNI); None: as loaded. A quantized target is another
     # model: speculation stays exact with respect to it, not to the unquantized one
     quantization: str | None = None

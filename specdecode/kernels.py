@@ -13,7 +13,8 @@ Typical use::
     y = kernels.linear(x, packed)          # y = x @ W^T + b, any M
 
 Weights are stored fp32, bf16, int8 (per-row scales) or int4 (a scale per 128 k's); int8
-and int4 are for drafters, whose proposals never touch exactness.  On CPUs with AVX512_VNNI
+and int4 serve drafters (`draft_dtype`: their proposals never touch exactness) and quantized
+targets (`quantization`: another model, verified against itself).  On CPUs with AVX512_VNNI
 both multiply int8-quantised activations with vpdpbusd (int4 needs it; int8 falls back to
 weight-only, fp32 activations, without it or with ``SPECDECODE_INT8_DOT=0``).
 
@@ -385,8 +386,8 @@ def pack(
 ) -> PackedLinear:
     """Prepare ``weight`` ([N, K]) and optional ``bias`` for :func:`linear`.
 
-    ``dtype`` is the storage dtype (float32, bfloat16, or for drafters, whose proposals never
-    touch exactness, int8 (symmetric per row) or int4 (symmetric per row and 128 k's), which
+    ``dtype`` is the storage dtype (float32, bfloat16, or for drafters and quantized targets
+    int8 (symmetric per row) or int4 (symmetric per row and 128 k's), which
     multiply int8-quantised activations on AVX512_VNNI CPUs; default: the weight's own when it
     is float32 or bfloat16, else float32).  With bf16 storage,
     activations stay fp32 unless ``bf16_activations`` is set, which rounds

@@ -1,6 +1,7 @@
 """`specdecode bench latency`: batch-1 plain decoding, specdecode vs transformers `generate`.
 
-Both engines decode the same prompts greedily in the same dtype. Decode speed is measured as
+Both engines decode the same prompts greedily in the same dtype (a quantized target,
+`--quantization`, against transformers on the unquantized weights). Decode speed is measured as
 (N - 1) / (t(N tokens) - t(1 token)), which removes the prefill from both sides the same way. The
 floor is the time to stream every weight the step reads once, at the memory bandwidth measured
 here in the same run.
@@ -70,15 +71,15 @@ def streamed_weight_bytes(config, dtype: torch.dtype, quantization: str | None =
     """Bytes of every matrix a decode step multiplies by: each layer's projections and the LM
     head (norms and biases are negligible; the embedding row lookup is one row), stored in
     `dtype`, or as `quantization` packs them (int8: a byte a weight, int4: half; their per-row
-    scales are negligible)."""
+    row scales are negligible; int4's, one per 128 weights, are counted)."""
     c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     per_layer = (
         c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * (c.intermediate_size)
     )
     params = c.num_layers * per_layer + c.vocab_size * c.hidden_size
-    if quantization is not None:
-        return int(params * {"int8": 1, "int4": 0.5}[quantization])
+    if quantization is not None:  # (int4: a 4-byte scale per 128 weights besides)
+        return int(params * {"int8": 1, "int4": 0.5 + 4 / 128}[quantization])
     return params * torch.empty((), dtype=dtype).element_size()
 
 

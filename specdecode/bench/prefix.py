@@ -106,6 +106,7 @@ def run_prefix_bench(args: argparse.Namespace) -> dict:
         "machine": machine(),
         "model": off.engine.model_path.name,  # (not a path of this machine)
         "dtype": args.dtype,
+        "quantization": getattr(args, "quantization", None),
         "requests": len(runs["on"]),
         "conversations": len(convs),
         "turns": args.turns,

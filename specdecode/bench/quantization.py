@@ -5,7 +5,8 @@ Each setting (`fp32`, `bf16`: the weights as loaded in that dtype; `int8`, `int4
 projections and LM head packed so, see EngineConfig.quantization) is its own engine on the same
 model. Speed: batch-1 greedy decode tok/s per prompt, (n - 1) / (t(n) - t(1)) as `bench
 latency` measures it, the settings interleaved prompt by prompt in each round (a VM's speed
-drifts within minutes), the median of the rounds. Quality: fp32's greedy replies are fed back
+drifts within minutes; the order rotates from round to round), the median of the rounds.
+Quality: fp32's greedy replies (to their end of sequence, or the token limit) are fed back
 through each setting (`prompt_logprobs`, teacher-forced): the share of their tokens that the
 setting ranks first (top-1 agreement), and its mean negative log-likelihood of them (fp32's
 own is the reference), plus where each setting's own greedy reply first departs from fp32's.
@@ -56,12 +57,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_quantization_bench(args: argparse.Namespace) -> dict:
-    from specdecode import LLM, SamplingParams
-    from specdecode.bench import workloads
+    from specdecode import LLM, SamplingParams, kernels
+    from specdecode.bench import machine, workloads
     from specdecode.bench.latency import _decode_rate
     from specdecode.cli import engine_kwargs
 
     names = ["fp32", *[s for s in args.settings if s != "fp32"]]
+    skipped = []
+    if "int4" in names and not kernels.int4_ready():  # (before any engine loads)
+        names.remove("int4")
+        skipped.append("int4 (needs AVX512_VNNI)")
+        print("specdecode: int4 needs AVX512_VNNI here: left out", flush=True)
     prompts = []
     for w in [w.strip() for w in args.workloads.split(",") if w.strip()]:
         if w not in workloads.WORKLOADS:
@@ -72,7 +78,7 @@ def run_quantization_bench(args: argparse.Namespace) -> dict:
     kwargs = {**engine_kwargs(args, default_policy="off"), "speculative_config": None}
     engines = {n: LLM(args.model, **{**kwargs, **SETTINGS[n]}) for n in names}
     ids = [engines["fp32"]._chat_ids(m) for m in prompts]
-    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)  # (to EOS, or the limit)
 
     def decoder(llm):
         def generate(p: list[int], n: int) -> None:
@@ -82,10 +88,11 @@ def run_quantization_bench(args: argparse.Namespace) -> dict:
         return generate
 
     rates: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(args.rounds):  # interleaved: each prompt through every setting in turn
+    for r in range(args.rounds):  # interleaved: each prompt through every setting in turn
         per_round: dict[str, list[float]] = {n: [] for n in names}
+        order = names[r % len(names) :] + names[: r % len(names)]  # (rotated each round)
         for p in ids:
-            for n in names:
+            for n in order:
                 per_round[n].append(_decode_rate(decoder(engines[n]), p, args.max_tokens, 1))
         for n in names:
             rates[n].append(statistics.mean(per_round[n]))
@@ -96,6 +103,11 @@ def run_quantization_bench(args: argparse.Namespace) -> dict:
     reference = [reply(engines["fp32"], p) for p in ids]
     result = {
         "model": str(engines["fp32"].engine.model_path.name),
+        "machine": machine(),
+        # int8 multiplies int8 activations (vpdpbusd) where the CPU has AVX512_VNNI, else its
+        # weights alone are int8
+        "int8_activations": bool(kernels.int4_ready()),
+        "skipped": skipped,
         "prompts": len(ids),
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
@@ -115,7 +127,10 @@ def run_quantization_bench(args: argparse.Namespace) -> dict:
                 tokens += 1
         own = [reply(llm, p) for p in ids] if n != "fp32" else reference
         departs = [
-            next((k for k, (a, b) in enumerate(zip(r, o, strict=True)) if a != b), len(r))
+            next(
+                (k for k, (a, b) in enumerate(zip(r, o, strict=False)) if a != b),
+                min(len(r), len(o)),
+            )
             for r, o in zip(reference, own, strict=True)
         ]
         rate = statistics.median(rates[n])
@@ -137,7 +152,8 @@ def run_quantization_bench(args: argparse.Namespace) -> dict:
 
 def _print(r: dict) -> None:
     print(f"model {r['model']}: {r['prompts']} prompts, {r['max_tokens']} tokens, batch 1, "
-          f"greedy; quality against fp32's replies ({r['reference_tokens']} tokens)")  # fmt: skip
+          f"greedy; quality against fp32's replies ({r['reference_tokens']} tokens); "
+          f"{r['machine']}")  # fmt: skip
     print(f"  {'setting':<8} {'tok/s':>8} {'vs fp32':>8} {'top-1':>7} {'NLL':>7}  first departure")
     for n, s in r["settings"].items():
         print(f"  {n:<8} {s['tok_s']:8.1f} {s['speedup_vs_fp32']:7.2f}x "

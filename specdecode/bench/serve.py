@@ -308,6 +308,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
         "temperature": args.temperature,
         "max_tokens": args.max_tokens,
         "dtype": args.dtype,
+        "quantization": getattr(args, "quantization", None),
         "machine": machine(),
         "complete": False,
         "rows": [],

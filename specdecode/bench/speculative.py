@@ -73,6 +73,7 @@ def run_speculative(args: argparse.Namespace) -> dict:
         "model": engine.model_path.name,
         "speculative_configs": [m.engine.spec_config.__dict__ for _, m in methods],
         "dtype": args.dtype,
+        "quantization": getattr(args, "quantization", None),
         "machine": machine(),
         "max_tokens": args.max_tokens,
         "rows": rows,

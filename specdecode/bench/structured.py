@@ -217,6 +217,7 @@ def run_structured_bench(args: argparse.Namespace) -> dict:
         "temperature": args.temperature,
         "max_tokens": args.max_tokens,
         "dtype": args.dtype,
+        "quantization": getattr(args, "quantization", None),
         "schema": schema,
         "rows": rows,
     }

@@ -165,6 +165,11 @@ def _overrides(items: list[str]) -> dict[str, dict]:
 
 
 def run_suite(args: argparse.Namespace) -> dict:
+    if getattr(args, "quantization", None) is not None:
+        raise InvalidRequestError(
+            "--quantization: the suite measures the targets as loaded, against transformers "
+            "and llama.cpp on the same weights; `bench quantization` compares quantized targets"
+        )
     targets, missing = resolve_targets(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -76,6 +76,12 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len < 2:
             raise InvalidRequestError(f"max_model_len must be >= 2, got {config.max_model_len}")
         dtype, device = resolve_dtype(config.dtype), resolve_device(config.device)
+        if config.quantization is not None and (
+            torch.device(device).type != "cpu"
+            or config.kernels != "auto"
+            or dtype not in (torch.float32, torch.bfloat16)
+        ):  # (before the model loads)
+            raise InvalidRequestError(_quantization_unavailable(config.quantization))
         if share_model_with is not None:
             other = share_model_with
             keys = ("model", "dtype", "device", "kernels", "quantization")
@@ -97,8 +103,7 @@ class LLMEngine:
                 weights = {"int8": torch.int8, "int4": torch.int4}.get(config.quantization)
                 if not accelerate(self.model, weights) and weights is not None:
                     raise InvalidRequestError(_quantization_unavailable(config.quantization))
-            elif config.quantization is not None:
-                raise InvalidRequestError(_quantization_unavailable(config.quantization))
+
             self.tokenizer = load_tokenizer(loaded.path)
         self.chat_template = _load_chat_template(config.chat_template)
         mc = self.model_config

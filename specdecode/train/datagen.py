@@ -133,7 +133,9 @@ def _metadata(path: Path) -> dict:
 
 # what every shard of one data set records alike: the flags `generate` checks a resumed run
 # against, and the features (descriptions such as `source` are not compared)
-_SETTINGS = ("model", "max_tokens", "temperature", "max_prompt_tokens", "shard_size")
+_SETTINGS = (
+    "model", "max_tokens", "temperature", "max_prompt_tokens", "shard_size", "quantization",
+)  # fmt: skip
 
 
 def shard_metadata(data_dir: Path) -> dict:
@@ -345,6 +347,7 @@ def generate(
         "source": f"{source} (train split), first user turn",
     }
     meta["shard_size"] = shard_size  # (which range each shard holds: another size is refused)
+    meta["quantization"] = str(engine.config.quantization)  # (the target that answered)
     settings = {k: str(meta[k]) for k in _SETTINGS}
     layers = json.dumps(list(feature_layers)) if feature_layers is not None else None
     # every shard there, the other ranks' too: each rank would otherwise check only its own,

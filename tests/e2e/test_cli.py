@@ -759,3 +759,15 @@ def test_generate_times_only_the_step_costs_one_request_needs(tiny_llama_dir, mo
                  "--max-tokens", "8", "--speculative-config", spec]) in (0, None)  # fmt: skip
     assert calls == [2 * (1 + 3)]
     capsys.readouterr()
+
+
+def test_quantization_is_refused_where_it_would_be_ignored(tmp_path, capsys):
+    """Training reads features through the full-precision weights, and the suite compares
+    targets as loaded: --quantization there is an error naming it, not dropped."""
+    from specdecode.cli import main
+
+    for argv in (["train", "eagle", "--data", str(tmp_path), "--out", str(tmp_path / "o"),
+                  "-q", "int8"],
+                 ["bench", "suite", "-q", "int8", "--out", str(tmp_path / "s")]):  # fmt: skip
+        assert main(argv) == 2
+        assert "--quantization" in capsys.readouterr().err, argv
