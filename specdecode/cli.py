@@ -218,9 +218,16 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
                   ("--api-server-count",)):  # fmt: skip
         g.add_argument(*names, type=_one_device, default=1, help="1: one device, one process")
     g.add_argument(
+        "--guided-decoding-backend",
+        type=_xgrammar,
+        default=None,
+        metavar="VALUE",
+        help="older vLLM's: accepted: auto or xgrammar (structured outputs run on xgrammar)",
+    )
+    g.add_argument(
         "--structured-outputs-config.backend",
         dest="structured_outputs_backend",
-        type=_only("auto", "xgrammar", why="structured outputs run on xgrammar"),
+        type=_xgrammar,
         default=None,
         metavar="VALUE",
         help="vLLM's dotted form of --structured-outputs-config",
@@ -267,7 +274,6 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
         ("--max-num-partial-prefills", ("1",), "prefills share a step's token budget"),
         ("--long-prefill-token-threshold", ("0",), "prefills share a step's token budget"),
         ("--tokenizer-pool-size", ("0",), "tokenization runs in the server's process"),
-        ("--guided-decoding-backend", ("auto", "xgrammar"), "structured outputs run on xgrammar"),
     ):  # fmt: skip
         g.add_argument(flag, type=_only(*values, why=why), default=None, metavar="VALUE",
                        help=f"accepted: {' or '.join(values)} ({why})")  # fmt: skip
@@ -335,6 +341,9 @@ def add_vllm_server_args(srv: argparse.ArgumentParser) -> None:
     )
 
 
+_xgrammar = _only("auto", "xgrammar", why="structured outputs run on xgrammar here")
+
+
 def _reasoning_parser(text: str) -> str:
     from specdecode.serving.reasoning import check_parser
 
@@ -360,10 +369,8 @@ def _structured_outputs_config(text: str) -> dict:
         )
     if not isinstance(v.get("enable_in_reasoning", False), bool):
         raise argparse.ArgumentTypeError("enable_in_reasoning must be true or false")
-    if v.get("backend", "auto") not in ("auto", "xgrammar"):
-        raise argparse.ArgumentTypeError(
-            f"backend {v['backend']!r}: structured outputs run on xgrammar here (auto, xgrammar)"
-        )
+    if "backend" in v:
+        _xgrammar(str(v["backend"]))
     return v
 
 

@@ -130,6 +130,16 @@ def amx_active() -> bool:
     return available() and bool(_ext.amx_active())  # type: ignore[union-attr]
 
 
+def int8_dot_enabled() -> bool:
+    """Whether int8 weights multiply int8 activations (vpdpbusd: AVX512_VNNI, unless
+    SPECDECODE_INT8_DOT=0); else they are weight-only, fp32 activations."""
+    return (
+        available()
+        and bool(_ext.int8_dot_compiled())  # type: ignore[union-attr]
+        and os.environ.get("SPECDECODE_INT8_DOT", "1") != "0"
+    )
+
+
 def int4_ready() -> bool:
     """Whether int4 weights run packed here (the int4 kernel needs vpdpbusd)."""
     return available() and bool(_ext.int8_dot_compiled())  # type: ignore[union-attr]
@@ -328,8 +338,7 @@ def _pack_int8(weight: torch.Tensor, nb: int) -> torch.Tensor:
     padded[:n, :k] = q
     scales = torch.zeros(nb * _BLOCK, dtype=torch.float32)
     scales[:n] = scale
-    dot = _ext.int8_dot_compiled()  # type: ignore[union-attr]
-    if dot and os.environ.get("SPECDECODE_INT8_DOT", "1") != "0":
+    if int8_dot_enabled():
         # [g, 16, K/4, 4] -> [K/4, g, 16, 4]: one 32-bit lane = 4 k's of one output
         blocks = _interleave_groups(padded, nb, 4, (0, 3, 1, 2, 4))
         sums = torch.zeros(nb * _BLOCK, dtype=torch.int32)

@@ -98,17 +98,27 @@ def _decode_rate(generate, prompt_ids: list[int], n: int, repeats: int) -> float
     return best
 
 
+def greedy_decoder(llm):
+    """`generate(prompt ids, n)`: n tokens of greedy decoding (past EOS), as `_decode_rate`
+    times them."""
+    from specdecode import SamplingParams
+
+    def generate(ids: list[int], n: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        llm.generate({"prompt_token_ids": ids}, params)
+
+    return generate
+
+
 def run_latency(args: argparse.Namespace) -> dict:
-    from specdecode import LLM, SamplingParams
+    from specdecode import LLM
     from specdecode.cli import engine_kwargs
 
     llm = LLM(args.model, **engine_kwargs(args))
     tok = llm.get_tokenizer()
     prompts = [llm._chat_ids([{"role": "user", "content": p}]) for p in PROMPTS]
 
-    def ours(ids: list[int], n: int) -> None:
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        llm.generate({"prompt_token_ids": ids}, params)
+    ours = greedy_decoder(llm)
 
     # The floor takes the best bandwidth read just before and just after specdecode's own run:
     # on a shared VM the reading moves with the neighbours (seen: 32-56 GB/s between runs), and

@@ -18,8 +18,8 @@ import argparse
 import json
 import statistics
 
-from specdecode.argtypes import at_least, output_file
-from specdecode.errors import InvalidRequestError
+from specdecode.argtypes import at_least, name_list, output_file
+from specdecode.bench import workload_list
 
 SETTINGS = {
     "fp32": {"dtype": "float32", "quantization": None},
@@ -29,25 +29,17 @@ SETTINGS = {
 }
 
 
-def _settings(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in names if s not in SETTINGS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"settings are a comma-separated list of {', '.join(SETTINGS)}; got {text!r}"
-        )
-    return names
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--settings",
-        type=_settings,
-        default=list(SETTINGS),
+        type=name_list(tuple(SETTINGS), "setting"),
+        default=",".join(SETTINGS),
         help="what to compare, against fp32 (always run): fp32,bf16,int8,int4 (default: all; "
         "--dtype and --quantization are set by each setting)",
     )
-    p.add_argument("--workloads", default="chat,code", help="prompt sets (bench workloads)")
+    p.add_argument(
+        "--workloads", type=workload_list, default="chat,code", help="prompt sets (bench workloads)"
+    )
     p.add_argument("--num-prompts", type=at_least(1), default=3, help="prompts per workload")
     p.add_argument("--max-tokens", type=at_least(2), default=64)
     p.add_argument("--rounds", type=at_least(1), default=3, help="speed rounds (median)")
@@ -59,33 +51,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run_quantization_bench(args: argparse.Namespace) -> dict:
     from specdecode import LLM, SamplingParams, kernels
     from specdecode.bench import machine, workloads
-    from specdecode.bench.latency import _decode_rate
+    from specdecode.bench.latency import _decode_rate, greedy_decoder
     from specdecode.cli import engine_kwargs
 
-    names = ["fp32", *[s for s in args.settings if s != "fp32"]]
+    names = ["fp32", *[s for s in args.settings.split(",") if s != "fp32"]]
     skipped = []
     if "int4" in names and not kernels.int4_ready():  # (before any engine loads)
         names.remove("int4")
         skipped.append("int4 (needs AVX512_VNNI)")
         print("specdecode: int4 needs AVX512_VNNI here: left out", flush=True)
-    prompts = []
-    for w in [w.strip() for w in args.workloads.split(",") if w.strip()]:
-        if w not in workloads.WORKLOADS:
-            raise InvalidRequestError(
-                f"unknown workload {w!r} (one of {', '.join(workloads.WORKLOADS)})"
-            )
-        prompts += workloads.load(w, args.num_prompts)
+    prompts = [m for w in args.workloads.split(",") for m in workloads.load(w, args.num_prompts)]
     kwargs = {**engine_kwargs(args, default_policy="off"), "speculative_config": None}
     engines = {n: LLM(args.model, **{**kwargs, **SETTINGS[n]}) for n in names}
     ids = [engines["fp32"]._chat_ids(m) for m in prompts]
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)  # (to EOS, or the limit)
-
-    def decoder(llm):
-        def generate(p: list[int], n: int) -> None:
-            llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=n,
-                                                                 ignore_eos=True))  # fmt: skip
-
-        return generate
+    decoders = {n: greedy_decoder(engines[n]) for n in names}
 
     rates: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):  # interleaved: each prompt through every setting in turn
@@ -93,7 +73,7 @@ def run_quantization_bench(args: argparse.Namespace) -> dict:
         order = names[r % len(names) :] + names[: r % len(names)]  # (rotated each round)
         for p in ids:
             for n in order:
-                per_round[n].append(_decode_rate(decoder(engines[n]), p, args.max_tokens, 1))
+                per_round[n].append(_decode_rate(decoders[n], p, args.max_tokens, 1))
         for n in names:
             rates[n].append(statistics.mean(per_round[n]))
 
@@ -104,9 +84,9 @@ def run_quantization_bench(args: argparse.Namespace) -> dict:
     result = {
         "model": str(engines["fp32"].engine.model_path.name),
         "machine": machine(),
-        # int8 multiplies int8 activations (vpdpbusd) where the CPU has AVX512_VNNI, else its
-        # weights alone are int8
-        "int8_activations": bool(kernels.int4_ready()),
+        # int8 multiplies int8 activations (vpdpbusd) as kernels.pack sets it up: on
+        # AVX512_VNNI, unless SPECDECODE_INT8_DOT=0; else its weights alone are int8
+        "int8_activations": kernels.int8_dot_enabled(),
         "skipped": skipped,
         "prompts": len(ids),
         "max_tokens": args.max_tokens,

@@ -691,8 +691,10 @@ class LLMEngine:
         for j, tok in enumerate(tokens):
             if m.is_terminated():
                 return tokens[:j], False, forced
-            # (the step's first token never is: the last step's jump-ahead took those)
-            if j > 0 and single_allowed(m, compiler)[0] == tok:
+            # (the step's first token never is: the last step's jump-ahead took those; nor is
+            # one while a reply still reasons: the grammar does not constrain it yet)
+            reasoning = getattr(m, "reasoning", False)
+            if j > 0 and not reasoning and single_allowed(m, compiler)[0] == tok:
                 forced.append(j)
             if not m.accept_token(tok):
                 compiler = self.grammar_compiler()
@@ -715,6 +717,8 @@ class LLMEngine:
         compiler = self.grammar_compiler()
         for _ in range(bound):  # jump-ahead, bounded per step
             if seq.finish_reason is not None or m.is_terminated():
+                break
+            if getattr(m, "reasoning", False):  # (a reply still reasoning: no grammar yet)
                 break
             forced, bitmask = single_allowed(m, compiler)
             if forced is None:

@@ -303,7 +303,7 @@ class ModelRunner:
         out = {}
         for j, i in enumerate(plain):
             m = seqs[i].matcher
-            if m is None:
+            if m is None or getattr(m, "reasoning", False):  # (no grammar yet: no mask)
                 continue
             bitmask = seqs[i].next_bitmask
             if bitmask is None:

@@ -297,7 +297,7 @@ async def response_events(
         out = close()
         item = b.reasoning(None, "in_progress")  # (one: the reasoning comes first)
         items.append(item)
-        state.update(open=item, reasoning="")
+        state.update(open=item, reasoning="", reasoning_at=len(items) - 1)
         where = {"item_id": item["id"], "output_index": len(items) - 1}
         part = {"type": "reasoning_text", "text": ""}
         out.append(event("response.output_item.added", output_index=len(items) - 1, item=item))
@@ -325,9 +325,9 @@ async def response_events(
                     for e in open_reasoning():
                         yield e
                 state["reasoning"] += thought
-                at = next(k for k, i in enumerate(items) if i["type"] == "reasoning")
                 yield event("response.reasoning_text.delta", item_id=b.reasoning_id,
-                            output_index=at, content_index=0, delta=thought)  # fmt: skip
+                            output_index=state["reasoning_at"], content_index=0,
+                            delta=thought)  # fmt: skip
             piece = delta.get("content") or ""
             lp = answer((c.get("logprobs") or {}).get("content") or [])
             opened = state["open"] is not None and state["open"]["type"] == "message"

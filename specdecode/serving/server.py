@@ -1001,6 +1001,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
             if echoes and not scored:
                 yield echo_chunk(range(len(handles)))
 
+            def fed(stream, text: str, finished: bool):
+                """A reply's parser fed its new text, or its last."""
+                return (stream.last if finished else stream.feed)(text)
+
             def emit(i: int, u: StreamUpdate) -> str | None:
                 """Choice i's update as its chunk (None: nothing to send)."""
                 if u.error:
@@ -1017,17 +1021,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                     )
                 c: dict = {"index": i}
                 finish = u.finish_reason
-
-                def fed(stream, text: str):  # (a reply's stream fed its new text, or its last)
-                    return (stream.last if u.finished else stream.feed)(text)
-
                 text, reasoning = u.text, ""
                 if chat and split_as is not None:
-                    reasoning, text = fed(thoughts[i], text)
+                    reasoning, text = fed(thoughts[i], text, u.finished)
                 # (the calls are read from the content: a named function's call opens with it,
                 # and a reply cut off in its reasoning calls nothing)
                 if chat and tools is not None and (not split_as or thoughts[i].ended):
-                    parsed = fed(streams[i], text)
+                    parsed = fed(streams[i], text, u.finished)
                     if u.finished:
                         finish = tool_finish(tools, streams[i].num_calls > 0, finish)
                     c["delta"] = {}
@@ -1291,12 +1291,9 @@ def served_names(
     written for vLLM sends that id, even where the model was named `qwen2.5-coder-1.5b` here."""
     from specdecode.models.loader import DEFAULT_HUB_ID, hub_id
 
-    if isinstance(served_model_name, list):  # (several: the first answers, all are accepted)
-        if len(served_model_name) > 1:
-            return served_model_name[0], tuple(served_model_name[1:])
-        served_model_name = served_model_name[0] if served_model_name else None
-    if served_model_name:
-        return served_model_name, ()
+    if served_model_name:  # (several: the first answers, all are accepted)
+        names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
+        return names[0], tuple(names[1:])
     name = DEFAULT_HUB_ID if model is None else model
     hub = hub_id(model)
     return name, (hub,) if hub is not None and hub != name else ()
