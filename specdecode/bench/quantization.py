@@ -118,8 +118,8 @@ def run_quantization_bench(args: argparse.Namespace) -> dict:
             "tok_s": rate,
             "tok_s_rounds": rates[n],
             "speedup_vs_fp32": rate / fp32_rate,
-            "top1_agreement": hits / tokens,
-            "mean_nll": nll / tokens,
+            "top1_agreement": hits / max(tokens, 1),  # (no tokens: replies that ended at once)
+            "mean_nll": nll / max(tokens, 1),
             "first_departure": departs,
         }
     result["reference_tokens"] = sum(len(r) for r in reference)
