@@ -12,7 +12,7 @@ After verification its cache is rolled back to the tokens that survived.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,6 +75,10 @@ class DraftModelDrafter(Drafter):
         from specdecode.train.draft import is_trained_draft, load_trained_draft
 
         path = resolve_model(config.model or default_draft_path(engine))
+        if config.draft_dtype is None and engine.config.quantization is not None:
+            # a quantized target's draft model is quantized alike (an fp32 draft could cost
+            # more a step than the target); an explicit draft_dtype says otherwise
+            config = replace(config, draft_dtype=engine.config.quantization)
         quantized = quantized_draft_dtype(config, engine)
         if is_trained_draft(path):  # distilled by `specdecode train draft`
             model = load_trained_draft(path, engine.model)

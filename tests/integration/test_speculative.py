@@ -203,8 +203,9 @@ def test_quantized_draft_greedy_equals_plain(plain, tiny_llama_dir, dtype):
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_a_quantized_target_speculates_exactly(tiny_llama_dir, dtype):
     """`quantization` int8 / int4: the target's projections and LM head packed so (a quarter,
-    an eighth of fp32's bytes); speculation (n-gram, a draft model) gives exactly the
-    quantized target's own greedy output. Where the CPU cannot run it, a clear error."""
+    an eighth of fp32's bytes); speculation (n-gram, a draft model, quantized alike by
+    default) gives exactly the quantized target's own greedy output. Where the CPU cannot run
+    it, a clear error."""
     from specdecode import kernels
 
     ready = kernels.available() and (dtype == "int8" or kernels.int4_ready())
@@ -222,6 +223,8 @@ def test_a_quantized_target_speculates_exactly(tiny_llama_dir, dtype):
                    speculative_policy="static")  # fmt: skip
         assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(30))] == want
         assert spec.engine.spec_stats.num_accepted_tokens > 0
+        if cfg["method"] == "draft_model":  # (quantized alike, no draft_dtype given)
+            assert spec.engine.drafter.model.fast.lm_head.dtype == getattr(torch, dtype)
     with pytest.raises(InvalidRequestError, match="--kernels auto"):
         LLM(str(tiny_llama_dir), quantization=dtype, kernels="off")
 
